@@ -1,0 +1,68 @@
+"""Server configuration: one dataclass, filled from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerArgs:
+    """Everything the engine and the gRPC server are configured with."""
+
+    model: str | None = None  # a local Hugging Face directory; None = the default SmolLM2
+    host: str = "127.0.0.1"
+    port: int = 50051
+    dtype: str = "float32"  # float32 | bfloat16
+    max_running_requests: int = 64
+    max_queued_requests: int = 1024
+    kv_cache_tokens: int | None = None  # None: derived from kv_mem_fraction
+    kv_mem_fraction: float = 0.05  # of total host memory, when kv_cache_tokens is None
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    max_prefill_tokens: int = 4096  # tokens per prefill batch
+    disable_overlap: bool = False
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # torch intra-op threads for the forward; None = all cores
+    compile: bool = False  # torch.compile the decode step
+    trace_file: str | None = None
+    metrics_port: int | None = None  # Prometheus endpoint; None = off
+    grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
+    future_map_size: int | None = None  # None: 3 x max_running_requests + 1
+    seed: int = 0
+
+    @property
+    def overlap(self) -> bool:
+        return not self.disable_overlap
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The `serve` sub-command's options, one per ServerArgs field."""
+    d = ServerArgs()
+    p = argparse.ArgumentParser(prog="python -m service serve", description="Serve a causal LM over gRPC.")
+    p.add_argument("--model", default=d.model, help="local HF model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, help="a full queue answers RESOURCE_EXHAUSTED")
+    p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
+    p.add_argument("--kv-mem-fraction", type=float, default=d.kv_mem_fraction, help="KV pool size as a fraction of host memory (when --kv-cache-tokens is not given)")
+    p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument("--disable-overlap", action="store_true", help="use the normal (serial) scheduler loop")
+    p.add_argument("--attention-backend", choices=["torch"], default=d.attention_backend)
+    p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
+    p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
+    p.add_argument("--future-map-size", type=int, default=d.future_map_size)
+    p.add_argument("--seed", type=int, default=d.seed)
+    return p
+
+
+def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_arg_parser().parse_args(argv)
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})
