@@ -1,0 +1,1 @@
+"""The engine: scheduler, batches, KV pools, workers and sampler."""

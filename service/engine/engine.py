@@ -1,0 +1,241 @@
+"""The engine: model, KV pools, workers and the scheduler thread, behind one API.
+
+`Engine.submit` validates and tokenizes on the caller's thread, then hands a
+Req to the scheduler thread; outputs come back through the sink given at
+construction (called on the scheduler thread, once per step with all deltas).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from service import __version__
+from service.config import ServerArgs
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
+from service.engine.model_worker import ModelWorker
+from service.engine.request import DEFAULT_MAX_NEW_TOKENS, OutputSink, Req, RequestError, RequestOutput, SamplingParams
+from service.engine.sampler import Sampler
+from service.engine.scheduler import Scheduler
+from service.engine.timeline import Timeline
+from service.models.attention import get_attention_backend
+from service.models.loader import load_config, load_model
+from service.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("zerogap.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineStats:
+    scheduler_mode: str
+    running_requests: int
+    queued_requests: int
+    kv_pool_total_tokens: int
+    kv_pool_free_tokens: int
+    forward_busy_fraction: float
+    median_forward_gap_s: float
+    forward_steps: int
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+class Engine:
+    """Loads a model directory and runs the scheduler thread over it."""
+
+    def __init__(self, args: ServerArgs, model_dir: str | Path, output_sink: OutputSink):
+        self.args = args
+        self.model_dir = Path(model_dir)
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.config = load_config(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.dtype = DTYPES[args.dtype]
+        self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config)
+        shape = self.model.shape
+        self.vocab_size = shape.vocab_size
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
+        kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
+        self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype)
+        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length)
+        self.timeline = Timeline(keep_trace=bool(args.trace_file))
+        self.worker = ModelWorker(
+            self.model,
+            self.kv_pool,
+            Sampler(args.max_running_requests, self.vocab_size),
+            get_attention_backend(args.attention_backend),
+            self.timeline,
+        )
+        self.scheduler = Scheduler(
+            self.worker,
+            self.req_pool,
+            self.kv_pool,
+            self.vocab_size,
+            args.max_running_requests,
+            args.max_prefill_tokens,
+            self.timeline,
+            output_sink,
+            overlap=args.overlap,
+            future_map_size=args.future_map_size,
+        )
+        self._live: set[str] = set()
+        self._live_lock = threading.Lock()
+        self._thread = threading.Thread(target=self.scheduler.run, name="zerogap-scheduler", daemon=True)
+        self._thread.start()
+        log.info(
+            "engine ready in %.1fs: %s, %s, kv=%d tokens, mode=%s",
+            time.perf_counter() - t0, shape.architecture, args.dtype, kv_tokens, self.mode,
+        )
+
+    @property
+    def mode(self) -> str:
+        return "overlap" if self.args.overlap else "normal"
+
+    def _kv_tokens_from_memory(self) -> int:
+        s = self.model.shape
+        per_token = TokenToKVPool.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        tokens = int(_host_memory_bytes() * self.args.kv_mem_fraction) // per_token
+        return max(1, min(tokens, self.args.max_running_requests * self.context_length))
+
+    # ---- requests ------------------------------------------------------------------
+    def build_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
+        """Validate a request against the model and limits; raises RequestError."""
+        if not prompt_ids:
+            raise RequestError("INVALID_ARGUMENT", "input: the prompt is empty")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("INVALID_ARGUMENT", f"input.token_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        n = len(prompt_ids)
+        if n >= self.context_length:
+            raise RequestError("OUT_OF_RANGE", f"input: prompt of {n} tokens does not fit the context length {self.context_length}")
+        if params.max_new_tokens is None:
+            params.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.context_length - n)
+        elif n + params.max_new_tokens > self.context_length:
+            raise RequestError(
+                "OUT_OF_RANGE",
+                f"sampling.max_new_tokens: prompt ({n}) + max_new_tokens ({params.max_new_tokens}) exceeds the context length {self.context_length}",
+            )
+        if n + params.max_new_tokens > self.kv_pool.size:
+            raise RequestError(
+                "RESOURCE_EXHAUSTED",
+                f"request needs {n + params.max_new_tokens} KV tokens but the pool holds {self.kv_pool.size}",
+            )
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        return Req(rid, list(prompt_ids), params, seed, detok, stop_ids)
+
+    def submit(self, req: Req) -> None:
+        """Queue a validated request; raises RequestError when the queue is full or the id is live."""
+        with self._live_lock:
+            if req.rid in self._live:
+                raise RequestError("ALREADY_EXISTS", f"request_id {req.rid!r} is already running")
+            queued = len(self.scheduler.waiting) + self.scheduler.inbox.qsize()
+            if queued >= self.args.max_queued_requests:
+                raise RequestError("RESOURCE_EXHAUSTED", f"the request queue is full ({self.args.max_queued_requests})")
+            self._live.add(req.rid)
+        self.scheduler.add_request(req)
+
+    def on_finished(self, rid: str) -> None:
+        """Called by the output router when a request's last output was delivered."""
+        with self._live_lock:
+            self._live.discard(rid)
+
+    def abort(self, rid: str) -> bool:
+        with self._live_lock:
+            found = rid in self._live
+        if found:
+            self.scheduler.abort_request(rid)
+        return found
+
+    def num_live(self) -> int:
+        with self._live_lock:
+            return len(self._live)
+
+    def stats(self) -> EngineStats:
+        busy, gap = self.timeline.forward_stats()
+        s = self.scheduler
+        return EngineStats(
+            scheduler_mode=self.mode,
+            running_requests=len(s.running),
+            queued_requests=len(s.waiting) + s.inbox.qsize(),
+            kv_pool_total_tokens=self.kv_pool.size,
+            kv_pool_free_tokens=self.kv_pool.free_count,
+            forward_busy_fraction=busy,
+            median_forward_gap_s=gap,
+            forward_steps=self.timeline.forward_steps,
+        )
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self._thread.join(timeout=30)
+        if self.args.trace_file:
+            self.timeline.write_chrome_trace(self.args.trace_file)
+
+    version = __version__
+
+
+class SyncClient:
+    """Blocking in-process client for the engine (tests, benchmarks, scripts)."""
+
+    def __init__(self, args: ServerArgs, model_dir: str | Path):
+        self._cv = threading.Condition()
+        self._outputs: dict[str, list[RequestOutput]] = {}
+        self.engine = Engine(args, model_dir, self._sink)
+
+    def _sink(self, outputs: list[RequestOutput]) -> None:
+        with self._cv:
+            for o in outputs:
+                self._outputs.setdefault(o.rid, []).append(o)
+                if o.finish_reason is not None:
+                    self.engine.on_finished(o.rid)
+            self._cv.notify_all()
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        self.engine.submit(self.engine.build_request(rid, prompt_ids, params or SamplingParams()))
+
+    def wait(self, rid: str, timeout: float = 300.0) -> list[RequestOutput]:
+        """All outputs of a request once it finished."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                outs = self._outputs.get(rid, [])
+                if outs and outs[-1].finish_reason is not None:
+                    return self._outputs.pop(rid)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"request {rid} did not finish in {timeout}s")
+                self._cv.wait(left)
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams | None = None) -> list[list[RequestOutput]]:
+        ps = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        rids = [f"req-{secrets.token_hex(6)}" for _ in prompts]
+        for rid, p, sp in zip(rids, prompts, ps):
+            self.submit(rid, p, SamplingParams(**vars(sp)))
+        return [self.wait(r) for r in rids]
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def collect(outputs: list[RequestOutput]) -> tuple[list[int], str, RequestOutput]:
+    """(all token ids, all text, final output) of one request's deltas."""
+    ids = [t for o in outputs for t in o.token_ids]
+    return ids, "".join(o.text for o in outputs), outputs[-1]

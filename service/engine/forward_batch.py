@@ -1,0 +1,64 @@
+"""What one forward pass reads: plain tensors built by the scheduler.
+
+A ForwardBatch is a snapshot: the scheduler builds fresh tensors for every
+batch and never mutates them afterwards, so the forward thread can read them
+while the scheduler already forms the next batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"  # prompt tokens (prefill), several per request
+    DECODE = "decode"  # one token per request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of a batch (row i = request i)."""
+
+    temperatures: torch.Tensor  # [bs] float32; 0 = greedy
+    top_ks: torch.Tensor  # [bs] int64; vocab size = no top-k
+    top_ps: torch.Tensor  # [bs] float32
+    min_ps: torch.Tensor  # [bs] float32
+    repetition_penalties: torch.Tensor  # [bs] float32
+    frequency_penalties: torch.Tensor  # [bs] float32
+    presence_penalties: torch.Tensor  # [bs] float32
+    seeds: torch.Tensor  # [bs] int64
+    steps: torch.Tensor  # [bs] int64: index of the output token being sampled
+    req_slots: torch.Tensor  # [bs] int64: rows of the per-request sampling state
+    all_greedy: bool
+    need_top_k_p: bool
+    need_min_p: bool
+    need_penalties: bool
+    # (row, token) pairs to forbid this step: EOS / stop ids before min_new_tokens.
+    banned_rows: torch.Tensor | None = None
+    banned_tokens: torch.Tensor | None = None
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward + sampling step, for bs requests and T tokens."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64; negative entries are future-token placeholders
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: KV pool rows written by this step
+    kv_indices: torch.Tensor  # [bs, L] int64: KV pool rows each request attends to (pad: 0)
+    q_positions: torch.Tensor  # [bs, Lq] int64: absolute position of each padded query (pad: 0)
+    logits_index: torch.Tensor  # [bs] int64: packed row of each request's last token
+    sampling: SamplingBatch
+    # EXTEND only: packed <-> padded query layout, and the prompts of new requests.
+    q_pad_index: torch.Tensor | None = None  # [bs*Lq] packed row per padded slot (T = zero row)
+    q_unpad_index: torch.Tensor | None = None  # [T] padded slot per packed row
+    new_slots: torch.Tensor | None = None  # [n] request slots whose sampling state is reset
+    new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.logits_index.shape[0])

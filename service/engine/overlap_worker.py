@@ -1,0 +1,132 @@
+"""The overlap worker: the forward pass on its own thread, and future tokens.
+
+`launch(batch)` returns at once with placeholders for the tokens the batch will
+sample: -(slot + 1) for a slot of the FutureMap. The scheduler puts them into
+the next batch's inputs; the forward thread resolves them right before that
+batch's forward and writes each batch's sampled tokens into its own slots.
+On CPU the thread is what makes overlap real: torch releases the GIL inside
+ops, so the scheduler's Python runs meanwhile. (On CUDA the thread would also
+own a stream and copy results to host with an event; the handle below is the
+place for that event.)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+
+import torch
+
+from service.engine.forward_batch import ForwardBatch
+from service.engine.model_worker import ModelWorker
+
+
+class FutureMapFull(Exception):
+    """Not enough free slots for a batch's placeholders right now."""
+
+
+class FutureMap:
+    """Values of not-yet-sampled tokens, with an allocator that never reuses a live slot.
+
+    A batch's slots are released only after the scheduler has processed that
+    batch's result and replaced its placeholders with real tokens; every batch
+    that may still read them was launched earlier, and the forward thread runs
+    batches in launch order, so a later writer can never overwrite a slot
+    before its readers resolved it.
+    """
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError("future map size must be >= 1")
+        self.size = size
+        self.values = torch.zeros(size, dtype=torch.int64)
+        self._free: deque[int] = deque(range(size))
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """n free slots (scheduler thread); raises FutureMapFull when short."""
+        if n > len(self._free):
+            raise FutureMapFull(f"need {n} future slots, {len(self._free)} free of {self.size}")
+        return torch.tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
+
+    def release(self, slots: torch.Tensor) -> None:
+        self._free.extend(slots.tolist())
+
+    @staticmethod
+    def placeholders(slots: torch.Tensor) -> torch.Tensor:
+        return -(slots + 1)
+
+    def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Forward thread: placeholders -> the tokens their batch sampled."""
+        future = input_ids < 0
+        return torch.where(future, self.values[(-input_ids - 1).clamp(min=0)], input_ids)
+
+    def store(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.values[slots] = tokens
+
+
+class LaunchedBatch:
+    """Handle of a batch in flight. It holds the ForwardBatch, so every tensor the
+    forward thread reads stays alive until the result has been processed."""
+
+    def __init__(self, fb: ForwardBatch, slots: torch.Tensor):
+        self.fb = fb
+        self.slots = slots
+        self.placeholders: list[int] = FutureMap.placeholders(slots).tolist()
+        self._done = threading.Event()
+        self._tokens: list[int] | None = None
+        self._error: BaseException | None = None
+
+    def set_result(self, tokens: list[int]) -> None:
+        self._tokens = tokens
+        self._done.set()
+
+    def set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self) -> list[int]:
+        """Block until the forward thread is done; re-raise its exception."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._tokens is not None
+        return self._tokens
+
+
+class OverlapWorker:
+    """Runs ModelWorker.forward on a dedicated forward thread, in launch order."""
+
+    def __init__(self, worker: ModelWorker, future_map: FutureMap):
+        self.worker = worker
+        self.future_map = future_map
+        self._queue: queue.Queue[LaunchedBatch | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._forward_thread, name="zerogap-forward", daemon=True)
+        self._thread.start()
+
+    def launch(self, fb: ForwardBatch) -> LaunchedBatch:
+        slots = self.future_map.alloc(fb.batch_size)
+        handle = LaunchedBatch(fb, slots)
+        self._queue.put(handle)
+        return handle
+
+    def _forward_thread(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            try:
+                input_ids = self.future_map.resolve(handle.fb.input_ids)
+                tokens = self.worker.forward(handle.fb, input_ids)
+                self.future_map.store(handle.slots, tokens)
+                handle.set_result(tokens.tolist())
+            except BaseException as e:  # the scheduler fails the batch's requests
+                handle.set_error(e)
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)

@@ -1,0 +1,157 @@
+"""Requests as the scheduler sees them: sampling settings, state, outputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+from service.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # the client or the server aborted it
+    ERROR = "error"  # a fault while serving this request
+
+
+class RequestError(Exception):
+    """A request that cannot be served; `code` is a gRPC status code name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request (see proto SamplingParams)."""
+
+    max_new_tokens: int | None = None  # None: DEFAULT_MAX_NEW_TOKENS, capped by the context
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise RequestError(INVALID_ARGUMENT) naming the first bad field."""
+
+        def bad(name: str, why: str) -> RequestError:
+            return RequestError("INVALID_ARGUMENT", f"sampling.{name}: {why}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise bad("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise bad("min_new_tokens", f"must be >= 0, got {self.min_new_tokens}")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise bad("min_new_tokens", "must not exceed max_new_tokens")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (all) or positive, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise bad("stop_token_ids", f"token id {t} outside the vocabulary [0, {vocab_size})")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class RequestOutput:
+    """One delta for a client: new tokens and text, and the end when finished."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+
+
+OutputSink = Callable[[list[RequestOutput]], None]
+
+
+class Req:
+    """A request's scheduling state. Owned by the scheduler thread."""
+
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        detokenizer: IncrementalDetokenizer,
+        stop_ids: frozenset[int],
+    ):
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.max_new_tokens = params.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        self.seed = seed
+        self.detok = detokenizer
+        self.stops = StopStringMatcher(params.stop)
+        self.stop_ids = stop_ids  # stop_token_ids, and EOS unless ignore_eos
+        self.output_ids: list[int] = []  # real tokens, in order
+        self.launched = 0  # output tokens launched (processed or in flight)
+        self.slot = -1  # request slot (req-to-token row, sampler state row)
+        self.kv_len = 0  # tokens whose KV rows are allocated
+        self.next_input = -1  # next decode input: a token id or a future placeholder
+        self.finished: FinishReason | None = None
+        # Constant per-request sampling row, built once (temperature, top_k, top_p,
+        # min_p, repetition, frequency, presence).
+        p = params
+        self.sampling_row = (
+            p.temperature if not p.greedy else 0.0,
+            float(p.top_k),
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+        )
+        self.uses_penalties = (
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        )
+        self.banned_ids = sorted(stop_ids)  # forbidden while below min_new_tokens
+
+    @property
+    def budget_tokens(self) -> int:
+        """KV rows this request may need at most (reserved at admission)."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, fin={self.finished})"

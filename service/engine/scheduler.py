@@ -1,0 +1,321 @@
+"""The scheduler: admission, batch formation, and the two event loops.
+
+`event_loop_normal` runs a batch and processes its result before forming the
+next. `event_loop_overlap` launches batch N on the forward thread, then
+processes batch N-1's result and forms N+1 while N computes; tokens not yet
+sampled stand in the next batch's inputs as future placeholders. The two loops
+differ only in when a batch's result is processed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
+from service.engine.model_worker import ModelWorker
+from service.engine.overlap_worker import FutureMap, FutureMapFull, LaunchedBatch, OverlapWorker
+from service.engine.request import FinishReason, OutputSink, Req, RequestOutput
+from service.engine.schedule_batch import ScheduleBatch, build_decode_batch, build_extend_batch
+from service.engine.timeline import SCHEDULER_TID, Timeline
+
+log = logging.getLogger("zerogap.scheduler")
+
+
+class Scheduler:
+    """Owns the requests, the KV tables and the loop. Runs on its own thread."""
+
+    def __init__(
+        self,
+        worker: ModelWorker,
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        vocab_size: int,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        timeline: Timeline,
+        output_sink: OutputSink,
+        overlap: bool,
+        future_map_size: int | None = None,
+    ):
+        self.worker = worker
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.vocab_size = vocab_size
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.timeline = timeline
+        self.output_sink = output_sink
+        self.overlap = overlap
+        self.overlap_worker: OverlapWorker | None = None
+        if overlap:
+            size = future_map_size or 3 * max_running_requests + 1
+            if size < max_running_requests:
+                raise ValueError(f"future map size {size} < max_running_requests {max_running_requests}: a batch could never launch")
+            self.overlap_worker = OverlapWorker(worker, FutureMap(size))
+        self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.reserved_tokens = 0  # KV rows promised to admitted requests
+        self.outbox: list[RequestOutput] = []
+        self._stop = False
+        self.last_error: str | None = None
+        self.fault_hook = None  # test hook: called per request while processing results
+
+    # ---- thread-safe entry points -------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.inbox.put(("add", req))
+
+    def abort_request(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def stop(self) -> None:
+        self._stop = True
+        self.inbox.put(("wake", None))
+
+    # ---- the loops -----------------------------------------------------------------
+    def run(self) -> None:
+        loop = self.event_loop_overlap if self.overlap else self.event_loop_normal
+        while not self._stop:
+            try:
+                loop()
+            except Exception as e:  # a scheduler bug: fail what is live, keep serving
+                log.exception("scheduler loop failed")
+                self.recover(f"scheduler failure: {e!r}")
+        if self.overlap_worker is not None:
+            self.overlap_worker.shutdown()
+
+    def event_loop_normal(self) -> None:
+        """Form a batch, run it, process its result; repeat."""
+        while not self._stop:
+            self.process_input_requests(self.recv_requests(block=not self.has_work()))
+            batch = self.get_next_batch_to_run()
+            if batch:
+                result = self.run_batch(batch)
+                self.process_batch_result(batch, result)
+            self.flush_outputs()
+
+    def event_loop_overlap(self) -> None:
+        """Launch batch N, then process batch N-1's result while N computes."""
+        self.in_flight: deque[tuple[ScheduleBatch, LaunchedBatch]] = deque()
+        while not self._stop:
+            self.process_input_requests(self.recv_requests(block=not self.has_work()))
+            batch = self.get_next_batch_to_run()
+            if batch:
+                self.in_flight.append((batch, self.launch_batch(batch)))
+            if self.in_flight and (batch is None or len(self.in_flight) > 1):
+                self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+            self.flush_outputs()
+
+    # ---- loop steps ----------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or getattr(self, "in_flight", None))
+
+    def recv_requests(self, block: bool) -> list[tuple[str, object]]:
+        cmds = []
+        if block:
+            self.timeline.mark_idle()
+            try:
+                cmds.append(self.inbox.get(timeout=0.05))
+            except queue.Empty:
+                return cmds
+        while True:
+            try:
+                cmds.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def process_input_requests(self, cmds: list[tuple[str, object]]) -> None:
+        for kind, arg in cmds:
+            if kind == "add":
+                assert isinstance(arg, Req)
+                self.reqs[arg.rid] = arg
+                self.waiting.append(arg)
+            elif kind == "abort":
+                req = self.reqs.get(arg)  # type: ignore[arg-type]
+                if req is not None:
+                    self.finish(req, FinishReason.ABORT)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """A prefill batch when new requests can be admitted, else a decode batch."""
+        start = time.perf_counter()
+        self.running = [r for r in self.running if not r.finished]
+        batch = self.form_prefill_batch() or self.form_decode_batch()
+        if batch is not None:
+            self.timeline.add(SCHEDULER_TID, f"form {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
+        return batch
+
+    def form_prefill_batch(self) -> ScheduleBatch | None:
+        admitted: list[Req] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
+            req = self.waiting[0]
+            n = len(req.prompt_ids)
+            if admitted and tokens + n > self.max_prefill_tokens:
+                break
+            if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
+                break  # wait until running requests free KV
+            self.waiting.popleft()
+            self.reserved_tokens += req.budget_tokens
+            req.slot = self.req_pool.alloc()
+            admitted.append(req)
+            tokens += n
+        if not admitted:
+            return None
+        self.running.extend(admitted)
+        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size)
+
+    def form_decode_batch(self) -> ScheduleBatch | None:
+        reqs = [r for r in self.running if r.launched < r.max_new_tokens]
+        if not reqs:
+            return None
+        return build_decode_batch(reqs, self.req_pool, self.kv_pool, self.vocab_size)
+
+    def run_batch(self, batch: ScheduleBatch) -> list[int] | BaseException:
+        """Normal loop: forward on this thread and wait for the tokens."""
+        try:
+            return self.worker.forward(batch.fb, batch.fb.input_ids).tolist()
+        except Exception as e:
+            return e
+
+    def launch_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+        """Overlap loop: hand the batch to the forward thread; inputs of later
+        batches use the returned placeholders until the result is processed."""
+        assert self.overlap_worker is not None
+        while True:
+            try:
+                handle = self.overlap_worker.launch(batch.fb)
+                break
+            except FutureMapFull:
+                if not self.in_flight:
+                    raise
+                # Sync point: finishing an older batch frees its future slots.
+                self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+        batch.placeholders = handle.placeholders
+        for req, placeholder in zip(batch.reqs, handle.placeholders):
+            req.next_input = placeholder
+        return handle
+
+    def wait_result(self, item: tuple[ScheduleBatch, LaunchedBatch]) -> tuple[ScheduleBatch, list[int] | BaseException]:
+        batch, handle = item
+        try:
+            result: list[int] | BaseException = handle.wait()
+        except Exception as e:
+            result = e
+        assert self.overlap_worker is not None
+        # Every batch that could read these placeholders was launched before now.
+        self.overlap_worker.future_map.release(handle.slots)
+        return batch, result
+
+    def process_batch_result(self, batch: ScheduleBatch, result: list[int] | BaseException) -> None:
+        start = time.perf_counter()
+        if isinstance(result, BaseException):
+            log.error("forward failed for a batch of %d: %r", len(batch.reqs), result)
+            for req in batch.reqs:
+                self.finish(req, FinishReason.ERROR, error=f"forward failed: {result!r}")
+            return
+        for i, req in enumerate(batch.reqs):
+            if req.finished:  # finished or aborted while this batch was in flight
+                continue
+            token = result[i]
+            if batch.placeholders is None or req.next_input == batch.placeholders[i]:
+                req.next_input = token
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(req)
+                self.append_token(req, token)
+            except Exception as e:
+                log.exception("request %s failed", req.rid)
+                self.finish(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+        self.timeline.add(SCHEDULER_TID, f"process {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
+
+    # ---- per-request results -------------------------------------------------------
+    def append_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        n = len(req.output_ids)
+        active = n > req.params.min_new_tokens  # the first min_new_tokens never stop
+        match = req.stops.feed(req.detok.add([token]), active)
+        if match.matched is not None:
+            self.finish(req, FinishReason.STOP, match.matched, match.text, [token])
+        elif active and token in req.stop_ids:
+            self.finish(req, FinishReason.STOP, token, match.text, [token])
+        elif n >= req.max_new_tokens:
+            self.finish(req, FinishReason.LENGTH, None, match.text, [token])
+        else:
+            self.emit(req, [token], match.text)
+
+    def finish(
+        self,
+        req: Req,
+        reason: FinishReason,
+        matched: str | int | None = None,
+        text: str = "",
+        token_ids: list[int] | None = None,
+        error: str | None = None,
+    ) -> None:
+        """End a request exactly once: free its KV and request slot, tell the client."""
+        if req.finished is not None:
+            return
+        if reason is FinishReason.LENGTH or (reason is FinishReason.STOP and not isinstance(matched, str)):
+            tail = req.stops.feed(req.detok.flush(), True)
+            text += tail.text
+            if tail.matched is not None and matched is None:
+                reason, matched = FinishReason.STOP, tail.matched
+            elif tail.matched is None:
+                text += req.stops.flush()
+        req.finished = reason
+        self.release(req)
+        self.emit(req, token_ids or [], text, reason, matched, error)
+
+    def release(self, req: Req) -> None:
+        if req.slot >= 0:
+            self.kv_pool.free(self.req_pool.table[req.slot, : req.kv_len].clone())
+            self.req_pool.free(req.slot)
+            self.reserved_tokens -= req.budget_tokens
+            req.slot = -1
+            req.kv_len = 0
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.reqs.pop(req.rid, None)
+
+    def emit(
+        self,
+        req: Req,
+        token_ids: list[int],
+        text: str,
+        reason: FinishReason | None = None,
+        matched: str | int | None = None,
+        error: str | None = None,
+    ) -> None:
+        self.outbox.append(
+            RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error)
+        )
+
+    def flush_outputs(self) -> None:
+        if self.outbox:
+            out, self.outbox = self.outbox, []
+            self.output_sink(out)
+
+    # ---- recovery ------------------------------------------------------------------
+    def recover(self, error: str) -> None:
+        """After a loop failure: drain the forward thread, fail every live request."""
+        for _, handle in getattr(self, "in_flight", ()):
+            try:
+                handle.wait()
+            except Exception:
+                pass
+            assert self.overlap_worker is not None
+            self.overlap_worker.future_map.release(handle.slots)
+        self.in_flight = deque()
+        self.last_error = error
+        for req in list(self.reqs.values()):
+            self.finish(req, FinishReason.ERROR, error=error)
+        self.running = []
+        self.waiting.clear()
+        self.flush_outputs()

@@ -1,0 +1,94 @@
+"""Per-step instrumentation: when the forward ran and when the scheduler worked.
+
+Both threads append spans here. From them come the forward-busy fraction and
+the gap between consecutive forwards (GetServerInfo, Prometheus), and a
+Chrome trace JSON of the two threads' timelines (`--trace-file`, Perfetto).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+SCHEDULER_TID = 1
+FORWARD_TID = 2
+
+
+@dataclass
+class Span:
+    tid: int
+    name: str
+    start: float  # time.perf_counter() seconds
+    end: float
+    args: dict | None = None
+
+
+class Timeline:
+    """Recent forward spans and (optionally) every span for the trace file."""
+
+    def __init__(self, keep_trace: bool, window: int = 2048, max_trace_spans: int = 500_000):
+        self._lock = threading.Lock()
+        self.keep_trace = keep_trace
+        self.trace: list[Span] = []
+        self.max_trace_spans = max_trace_spans
+        # (start, end, busy_epoch) of recent forwards; see mark_idle.
+        self.forwards: deque[tuple[float, float, int]] = deque(maxlen=window)
+        self.forward_steps = 0
+        self.fallback_steps = 0
+        self._epoch = 0
+        self.t0 = time.perf_counter()
+
+    def mark_idle(self) -> None:
+        """The scheduler had no work: the next gap is idleness, not overhead."""
+        self._epoch += 1
+
+    def add(self, tid: int, name: str, start: float, end: float, args: dict | None = None) -> None:
+        with self._lock:
+            if tid == FORWARD_TID:
+                self.forwards.append((start, end, self._epoch))
+                self.forward_steps += 1
+            if self.keep_trace and len(self.trace) < self.max_trace_spans:
+                self.trace.append(Span(tid, name, start, end, args))
+
+    def forward_stats(self) -> tuple[float, float]:
+        """(busy fraction, median gap s) over recent back-to-back forwards."""
+        with self._lock:
+            fw = list(self.forwards)
+        busy = gaps_total = 0.0
+        gaps: list[float] = []
+        for (s0, e0, ep0), (s1, e1, ep1) in zip(fw, fw[1:]):
+            if ep0 != ep1:  # the scheduler went idle in between
+                continue
+            gap = max(0.0, s1 - e0)
+            gaps.append(gap)
+            gaps_total += gap
+            busy += e1 - s1
+        if not gaps:
+            return 0.0, 0.0
+        return busy / (busy + gaps_total), statistics.median(gaps)
+
+    def write_chrome_trace(self, path: str) -> None:
+        with self._lock:
+            spans = list(self.trace)
+        events: list[dict] = [
+            {"ph": "M", "pid": 1, "tid": SCHEDULER_TID, "name": "thread_name", "args": {"name": "scheduler"}},
+            {"ph": "M", "pid": 1, "tid": FORWARD_TID, "name": "thread_name", "args": {"name": "forward"}},
+        ]
+        for s in spans:
+            ev = {
+                "ph": "X",
+                "pid": 1,
+                "tid": s.tid,
+                "name": s.name,
+                "ts": (s.start - self.t0) * 1e6,
+                "dur": max(0.0, s.end - s.start) * 1e6,
+            }
+            if s.args:
+                ev["args"] = s.args
+            events.append(ev)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

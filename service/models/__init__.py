@@ -1,0 +1,1 @@
+"""Model code for packed (ragged) batches."""

@@ -1,0 +1,185 @@
+"""The Llama family for packed batches: Llama, SmolLM, Mistral, Qwen2.
+
+Hidden states are packed [T, hidden] across the batch's requests; attention
+reads and writes the paged KV pool through an attention backend. Weights are
+fused at load time (qkv, gate+up) so each layer runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.engine.forward_batch import ForwardBatch
+from service.models.attention import AttentionMeta, TorchAttention
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers the engine needs about a model (KV pool sizing, limits)."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_q_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+        )
+
+
+def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim], with the model's rope scaling."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        inv_freq = inv_freq.to(torch.float64)
+    t = torch.arange(max_positions, dtype=torch.float64)
+    freqs = torch.outer(t, inv_freq).float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D] (HF rotate_half convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv = nn.Linear(s.hidden_size, q + 2 * kv, bias=s.qkv_bias)
+        self.o = nn.Linear(q, s.hidden_size, bias=s.o_bias)
+        self.gate_up = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
+        self.down = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(s.hidden_size))
+        self.split = (q, kv, kv)
+        self.scale = s.head_dim**-0.5
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMeta, attn: TorchAttention):
+        s = self.s
+        x = rms_norm(h, self.input_norm, s.rms_norm_eps)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = apply_rope(q.view(-1, s.num_q_heads, s.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        h = h + self.o(a)
+        x = rms_norm(h, self.post_norm, s.rms_norm_eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head over packed tokens."""
+
+    def __init__(self, config, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.shape = s = ModelShape.from_config(config)
+        self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.norm = nn.Parameter(torch.ones(s.hidden_size))
+        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        cos, sin = rope_cos_sin(config, s.head_dim, max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.dtype_ = dtype
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention) -> torch.Tensor:
+        """Logits [bs, vocab] (float32) at each request's last token."""
+        s = self.shape
+        h = self.embed(input_ids)
+        cos, sin = self.cos[fb.positions], self.sin[fb.positions]
+        meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
+        h = rms_norm(h[fb.logits_index], self.norm, s.rms_norm_eps)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face checkpoint tensors in, fusing qkv and gate/up."""
+        s = self.shape
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"checkpoint lacks {name}")
+            return tensors[name]
+
+        with torch.no_grad():
+            self.embed.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.copy_(take("model.norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                layer.qkv.weight.copy_(
+                    torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+                )
+                if s.qkv_bias:
+                    layer.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
+                layer.o.weight.copy_(take(a + "o_proj.weight"))
+                if s.o_bias:
+                    layer.o.bias.copy_(take(a + "o_proj.bias"))
+                layer.gate_up.weight.copy_(
+                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                )
+                layer.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+                layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
