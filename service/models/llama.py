@@ -127,17 +127,20 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head over packed tokens."""
 
-    def __init__(self, config, dtype: torch.dtype, max_positions: int):
+    def __init__(self, config, max_positions: int):
         super().__init__()
         self.shape = s = ModelShape.from_config(config)
         self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
         self.norm = nn.Parameter(torch.ones(s.hidden_size))
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
-        cos, sin = rope_cos_sin(config, s.head_dim, max_positions)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-        self.dtype_ = dtype
+        self.config = config
+        self.max_positions = max_positions
+        self.cos = self.sin = torch.empty(0)  # filled by init_rope() on the real device
+
+    def init_rope(self) -> None:
+        """cos/sin tables (float32), computed outside any meta-device context."""
+        self.cos, self.sin = rope_cos_sin(self.config, self.shape.head_dim, self.max_positions)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention) -> torch.Tensor:

@@ -33,15 +33,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int, co
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     with torch.device("meta"):
-        model = LlamaModel(config, dtype, max_positions)
+        model = LlamaModel(config, max_positions)
     model = model.to_empty(device="cpu")
     tensors: dict[str, torch.Tensor] = {}
     for f in _checkpoint_files(model_dir):
         tensors.update(load_file(str(f)))
     model.load_hf_state_dict(tensors)
     model = model.to(dtype)
-    # Buffers were emptied by to_empty: compute the rope tables again (float32).
-    from service.models.llama import rope_cos_sin
-
-    model.cos, model.sin = rope_cos_sin(config, model.shape.head_dim, max_positions)
+    model.init_rope()
     return model.eval()

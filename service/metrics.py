@@ -1,0 +1,45 @@
+"""Prometheus metrics, collected from the engine's own objects on each scrape."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from service.engine.engine import Engine
+    from service.server import OutputRouter
+
+
+class EngineCollector:
+    """Reads EngineStats and the router's counters; no global metric objects."""
+
+    def __init__(self, engine: "Engine", router: "OutputRouter"):
+        self.engine = engine
+        self.router = router
+
+    def collect(self):
+        s = self.engine.stats()
+        gauges = {
+            "zerogap_forward_busy_fraction": ("Fraction of time the forward ran, over recent back-to-back steps", s.forward_busy_fraction),
+            "zerogap_forward_gap_median_seconds": ("Median gap between consecutive forwards", s.median_forward_gap_s),
+            "zerogap_running_requests": ("Requests being decoded", s.running_requests),
+            "zerogap_queued_requests": ("Requests waiting for admission", s.queued_requests),
+            "zerogap_kv_pool_tokens": ("KV pool size in tokens", s.kv_pool_total_tokens),
+            "zerogap_kv_pool_free_tokens": ("Free KV pool rows", s.kv_pool_free_tokens),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("zerogap_forward_steps", "Forward passes run", value=s.forward_steps)
+        yield CounterMetricFamily("zerogap_completion_tokens", "Output tokens delivered", value=self.router.completion_tokens)
+        finished = CounterMetricFamily("zerogap_requests_finished", "Finished requests by reason", labels=["reason"])
+        for reason, n in sorted(self.router.finished_by_reason.items()):
+            finished.add_metric([reason], n)
+        yield finished
+
+
+def start_metrics_server(port: int, host: str, engine: "Engine", router: "OutputRouter"):
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine, router))
+    return start_http_server(port, addr=host, registry=registry)

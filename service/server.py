@@ -1,0 +1,342 @@
+"""The gRPC front end: validation, status codes, streaming, health, shutdown.
+
+One process: an asyncio gRPC server on the main thread (or a background
+thread in tests), the scheduler thread and, in overlap mode, the forward
+thread. The scheduler's outputs reach request handlers through OutputRouter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import threading
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service import __version__, protos
+from service.config import ServerArgs
+from service.engine.engine import Engine
+from service.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from service.metrics import start_metrics_server
+from service.model_prep import resolve_model_path
+
+pb2, pb2_grpc = protos.load()
+log = logging.getLogger("zerogap.server")
+
+SERVICE_NAME = "zerogap.v1.Generation"
+FINISH_REASONS = {
+    FinishReason.STOP: pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb2.FINISH_REASON_ABORT,
+}
+
+
+class OutputRouter:
+    """Delivers the scheduler's per-step outputs to each request's asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.engine: Engine | None = None
+        self.finished_by_reason: dict[str, int] = {}
+        self.completion_tokens = 0
+
+    def sink(self, outputs: list[RequestOutput]) -> None:
+        """Scheduler thread: one hop into the event loop per step."""
+        self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            self.completion_tokens += len(o.token_ids)
+            q = self.queues.get(o.rid)
+            if q is not None:
+                q.put_nowait(o)
+            if o.finish_reason is not None:
+                key = o.finish_reason.value
+                self.finished_by_reason[key] = self.finished_by_reason.get(key, 0) + 1
+                self.queues.pop(o.rid, None)
+                assert self.engine is not None
+                self.engine.on_finished(o.rid)
+
+    def open(self, rid: str) -> asyncio.Queue[RequestOutput]:
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queues[rid] = q
+        return q
+
+
+def _code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name)
+
+
+def sampling_from_proto(sp) -> SamplingParams:
+    """Proto SamplingParams -> ours; unset optional fields keep our defaults."""
+    p = SamplingParams()
+    for name in ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed", "skip_special_tokens"):
+        if sp.HasField(name):
+            setattr(p, name, getattr(sp, name))
+    p.min_new_tokens = sp.min_new_tokens
+    p.top_k = sp.top_k
+    p.min_p = sp.min_p
+    p.frequency_penalty = sp.frequency_penalty
+    p.presence_penalty = sp.presence_penalty
+    p.stop = list(sp.stop)
+    p.stop_token_ids = list(sp.stop_token_ids)
+    p.ignore_eos = sp.ignore_eos
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        v = getattr(p, name)
+        if isinstance(v, float) and math.isfinite(v):
+            setattr(p, name, float(f"{v:.7g}"))  # float32 wire values, e.g. 0.9 not 0.899999976
+    return p
+
+
+def chat_messages(chat) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+class GenerationServicer(pb2_grpc.GenerationServicer):
+    """zerogap.v1.Generation over the engine."""
+
+    def __init__(self, engine: Engine, router: OutputRouter, model_path: str):
+        self.engine = engine
+        self.router = router
+        self.model_path = model_path
+        self.draining = False
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _prompt_ids(self, request) -> list[int]:
+        tok = self.engine.tokenizer
+        which = request.WhichOneof("input")
+        if which == "text":
+            if not request.text:
+                raise RequestError("INVALID_ARGUMENT", "input.text: empty")
+            return tok.encode(request.text)
+        if which == "token_ids":
+            if not request.token_ids.ids:
+                raise RequestError("INVALID_ARGUMENT", "input.token_ids: empty")
+            return list(request.token_ids.ids)
+        if which == "chat":
+            if not request.chat.messages:
+                raise RequestError("INVALID_ARGUMENT", "input.chat.messages: empty")
+            add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            try:
+                return tok.encode_chat(chat_messages(request.chat), add)[1]
+            except ValueError as e:
+                raise RequestError("INVALID_ARGUMENT", f"input.{e}") from None
+        raise RequestError("INVALID_ARGUMENT", "input: set one of text, token_ids or chat")
+
+    async def _start(self, request, context):
+        """Validate and submit; returns (rid, output queue) or aborts the RPC."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        try:
+            req = self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling))
+            queue = self.router.open(rid)
+            try:
+                self.engine.submit(req)
+            except RequestError:
+                self.router.queues.pop(rid, None)
+                raise
+        except RequestError as e:
+            await context.abort(_code(e.code), e.message)
+        return rid, queue
+
+    @staticmethod
+    def _response(rid: str, outs: list[RequestOutput]):
+        last = outs[-1]
+        resp = pb2.GenerateResponse(
+            request_id=rid,
+            token_ids=[t for o in outs for t in o.token_ids],
+            text="".join(o.text for o in outs),
+            usage=pb2.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens),
+        )
+        if last.finish_reason is not None:
+            resp.finish_reason = FINISH_REASONS[last.finish_reason]
+            if isinstance(last.matched_stop, str):
+                resp.matched_stop_str = last.matched_stop
+            elif isinstance(last.matched_stop, int):
+                resp.matched_stop_token_id = last.matched_stop
+        return resp
+
+    async def _fail_if_error(self, last: RequestOutput, context) -> None:
+        if last.finish_reason is FinishReason.ERROR:
+            await context.abort(grpc.StatusCode.INTERNAL, last.error or "internal error")
+
+    # ---- RPCs ----------------------------------------------------------------------
+    async def Generate(self, request, context):
+        rid, queue = await self._start(request, context)
+        outs: list[RequestOutput] = []
+        try:
+            while not outs or outs[-1].finish_reason is None:
+                outs.append(await queue.get())
+        finally:
+            if not outs or outs[-1].finish_reason is None:  # cancelled or deadline
+                self.engine.abort(rid)
+        await self._fail_if_error(outs[-1], context)
+        return self._response(rid, outs)
+
+    async def GenerateStream(self, request, context):
+        rid, queue = await self._start(request, context)
+        done = False
+        try:
+            while not done:
+                outs = [await queue.get()]
+                while not queue.empty():  # a slow reader gets merged deltas
+                    outs.append(queue.get_nowait())
+                done = outs[-1].finish_reason is not None
+                if done:
+                    await self._fail_if_error(outs[-1], context)
+                yield self._response(rid, outs)
+        finally:
+            if not done:
+                self.engine.abort(rid)
+
+    async def Abort(self, request, context):
+        return pb2.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def Tokenize(self, request, context):
+        tok = self.engine.tokenizer
+        which = request.WhichOneof("input")
+        try:
+            if which == "chat":
+                add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+                text, ids = tok.encode_chat(chat_messages(request.chat), add)
+            elif which == "text":
+                text, ids = request.text, tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+            else:
+                raise ValueError("input: set text or chat")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb2.TokenizeResponse(token_ids=ids, text=text)
+
+    async def Detokenize(self, request, context):
+        bad = next((t for t in request.token_ids if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad} outside the vocabulary")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb2.DetokenizeResponse(text=self.engine.tokenizer.decode(list(request.token_ids), skip))
+
+    async def GetModelInfo(self, request, context):
+        e = self.engine
+        return pb2.ModelInfo(
+            model_path=self.model_path,
+            model_name=e.model_dir.name,
+            architecture=e.model.shape.architecture,
+            vocab_size=e.vocab_size,
+            context_length=e.context_length,
+            dtype=e.args.dtype,
+            eos_token_ids=sorted(e.eos_ids),
+            has_chat_template=e.tokenizer.has_chat_template,
+        )
+
+    async def GetServerInfo(self, request, context):
+        s = self.engine.stats()
+        return pb2.ServerInfo(
+            scheduler_mode=s.scheduler_mode,
+            max_running_requests=self.engine.args.max_running_requests,
+            max_queued_requests=self.engine.args.max_queued_requests,
+            kv_pool_total_tokens=s.kv_pool_total_tokens,
+            kv_pool_free_tokens=s.kv_pool_free_tokens,
+            running_requests=s.running_requests,
+            queued_requests=s.queued_requests,
+            version=__version__,
+            context_length=self.engine.context_length,
+            forward_busy_fraction=s.forward_busy_fraction,
+            median_forward_gap_s=s.median_forward_gap_s,
+            forward_steps=s.forward_steps,
+        )
+
+
+@dataclass
+class RunningServer:
+    """An engine and its started gRPC server on an event loop."""
+
+    args: ServerArgs
+    engine: Engine
+    server: grpc.aio.Server
+    servicer: GenerationServicer
+    health: health.aio.HealthServicer
+    router: OutputRouter
+    port: int
+
+    async def drain_and_stop(self, grace_s: float) -> None:
+        """Stop admitting, let in-flight requests finish within grace_s, then stop."""
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.engine.num_live() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.router.queues):
+            self.engine.abort(rid)
+        await self.server.stop(grace=1.0)
+        self.engine.shutdown()
+
+
+async def start_server(args: ServerArgs) -> RunningServer:
+    """Load the model, start the engine and a gRPC server on args.host:args.port (0 = any)."""
+    model_dir = resolve_model_path(args.model)
+    loop = asyncio.get_running_loop()
+    router = OutputRouter(loop)
+    engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink))
+    router.engine = engine
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    servicer = GenerationServicer(engine, router, str(model_dir))
+    pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (pb2.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise RuntimeError(f"cannot bind {args.host}:{args.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if args.metrics_port is not None:
+        start_metrics_server(args.metrics_port, args.host, engine, router)
+    log.info("serving %s on %s:%d (%s)", model_dir.name, args.host, port, engine.mode)
+    return RunningServer(args, engine, server, servicer, health_servicer, router, port)
+
+
+def serve(args: ServerArgs) -> int:
+    """Run until SIGTERM/SIGINT; then drain within the grace period and exit 0."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        running = await start_server(args)
+        print(f"zerogap listening on {args.host}:{running.port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutting down: draining for up to %.0fs", args.grace_period_s)
+        await running.drain_and_stop(args.grace_period_s)
+
+    asyncio.run(main())
+    return 0
+
+
+class BackgroundServer:
+    """A real server on its own event-loop thread (tests, benchmarks)."""
+
+    def __init__(self, args: ServerArgs):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="zerogap-grpc", daemon=True)
+        self._thread.start()
+        self.running: RunningServer = asyncio.run_coroutine_threadsafe(start_server(args), self.loop).result()
+        self.port = self.running.port
+        self.engine = self.running.engine
+        self.address = f"{args.host}:{self.port}"
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.drain_and_stop(grace_s), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)

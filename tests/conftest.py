@@ -1,0 +1,91 @@
+"""Shared fixtures: the default model, tiny random models, servers, HF references."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.config import ServerArgs
+from service.engine.engine import SyncClient
+from service.model_prep import prepare_default_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    return prepare_default_model()
+
+
+def make_tiny_model(smol: Path, out: Path, kind: str) -> Path:
+    """A small random-init Llama or Qwen2 with SmolLM2's tokenizer (vocab 49152)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2, eos_token_id=2, bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = LlamaConfig(**common, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 128})
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # make the qkv biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy(smol / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(smol_dir, tmp_path_factory) -> Path:
+    return make_tiny_model(smol_dir, tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(smol_dir, tmp_path_factory) -> Path:
+    return make_tiny_model(smol_dir, tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session", params=["normal", "overlap"])
+def smol_client(request, smol_dir):
+    """An in-process engine on SmolLM2 fp32, for each scheduler loop."""
+    client = SyncClient(
+        ServerArgs(disable_overlap=request.param == "normal", kv_cache_tokens=16384, max_running_requests=32), smol_dir
+    )
+    yield client
+    client.close()

@@ -1,0 +1,214 @@
+"""The gRPC contract on a real server (loopback, ephemeral port)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service import protos
+from service.config import ServerArgs
+from service.server import BackgroundServer
+from tests.helpers import wait_until
+
+pb2, pb2_grpc = protos.load()
+
+
+@pytest.fixture(scope="module")
+def server(smol_dir):
+    srv = BackgroundServer(ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=16))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    channel = grpc.insecure_channel(server.address)
+    yield pb2_grpc.GenerationStub(channel)
+    channel.close()
+
+
+def greedy(n: int = 16, **kw) -> pb2.SamplingParams:
+    return pb2.SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
+
+
+def kv_idle(server) -> bool:
+    e = server.engine
+    return e.kv_pool.free_count == e.kv_pool.size and e.num_live() == 0
+
+
+def test_stream_concatenates_to_unary(stub):
+    req = pb2.GenerateRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="Tell me a story.")]),
+                              sampling=greedy(40))
+    whole = stub.Generate(req)
+    parts = list(stub.GenerateStream(req))
+    assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
+    assert "".join(p.text for p in parts) == whole.text
+    assert parts[-1].finish_reason == whole.finish_reason != pb2.FINISH_REASON_UNSPECIFIED
+    assert parts[-1].usage.completion_tokens == whole.usage.completion_tokens == len(whole.token_ids)
+    assert whole.usage.prompt_tokens > 0 and whole.request_id
+
+
+def test_text_input_and_request_id(stub):
+    r = stub.Generate(pb2.GenerateRequest(request_id="mine-1", text="The capital of France is", sampling=greedy(8)))
+    assert r.request_id == "mine-1"
+    assert "Paris" in r.text
+    assert r.finish_reason == pb2.FINISH_REASON_LENGTH
+
+
+def test_stop_string_is_trimmed_and_reported(stub):
+    base = stub.Generate(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12)))
+    assert " 7," in base.text
+    r = stub.Generate(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12, stop=[" 7,"])))
+    assert r.finish_reason == pb2.FINISH_REASON_STOP
+    assert r.matched_stop_str == " 7,"
+    assert r.text == base.text[: base.text.index(" 7,")]
+    parts = list(stub.GenerateStream(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12, stop=[" 7,"]))))
+    assert "".join(p.text for p in parts) == r.text
+
+
+def test_stop_token_id(stub):
+    base = stub.Generate(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12)))
+    stop_tok = base.token_ids[3]
+    r = stub.Generate(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12, stop_token_ids=[stop_tok])))
+    assert r.finish_reason == pb2.FINISH_REASON_STOP and r.matched_stop_token_id == stop_tok
+    assert list(r.token_ids) == list(base.token_ids[: list(base.token_ids).index(stop_tok) + 1])
+
+
+def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
+    t = stub.Tokenize(pb2.TokenizeRequest(text="Hello world"))
+    assert list(t.token_ids) == hf_tokenizer.encode("Hello world")
+    d = stub.Detokenize(pb2.DetokenizeRequest(token_ids=t.token_ids))
+    assert d.text == "Hello world"
+    chat = stub.Tokenize(pb2.TokenizeRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="hi")])))
+    assert chat.text.endswith("<|im_start|>assistant\n")
+    info = stub.GetModelInfo(pb2.GetModelInfoRequest())
+    assert info.vocab_size == 49152 and info.context_length == 8192 and info.has_chat_template
+    assert info.architecture == "LlamaForCausalLM" and 2 in info.eos_token_ids and info.dtype == "float32"
+    s = stub.GetServerInfo(pb2.GetServerInfoRequest())
+    assert s.scheduler_mode == "overlap" and s.kv_pool_total_tokens == 4096 and s.max_running_requests == 16
+
+
+@pytest.mark.parametrize(
+    "request_kw, field",
+    [
+        (dict(), "input"),
+        (dict(text=""), "input.text"),
+        (dict(token_ids=pb2.TokenIds(ids=[])), "input.token_ids"),
+        (dict(token_ids=pb2.TokenIds(ids=[1, 49152])), "input.token_ids"),
+        (dict(token_ids=pb2.TokenIds(ids=[1, -3])), "input.token_ids"),
+        (dict(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="wizard", content="x")])), "role"),
+        (dict(text="hi", sampling=pb2.SamplingParams(temperature=float("nan"))), "sampling.temperature"),
+        (dict(text="hi", sampling=pb2.SamplingParams(temperature=-1)), "sampling.temperature"),
+        (dict(text="hi", sampling=pb2.SamplingParams(top_p=0)), "sampling.top_p"),
+        (dict(text="hi", sampling=pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
+        (dict(text="hi", sampling=pb2.SamplingParams(top_k=-2)), "sampling.top_k"),
+        (dict(text="hi", sampling=pb2.SamplingParams(min_p=2)), "sampling.min_p"),
+        (dict(text="hi", sampling=pb2.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"),
+        (dict(text="hi", sampling=pb2.SamplingParams(frequency_penalty=3)), "sampling.frequency_penalty"),
+        (dict(text="hi", sampling=pb2.SamplingParams(presence_penalty=float("inf"))), "sampling.presence_penalty"),
+        (dict(text="hi", sampling=pb2.SamplingParams(max_new_tokens=0)), "sampling.max_new_tokens"),
+        (dict(text="hi", sampling=pb2.SamplingParams(max_new_tokens=4, min_new_tokens=8)), "sampling.min_new_tokens"),
+        (dict(text="hi", sampling=pb2.SamplingParams(stop_token_ids=[99999])), "sampling.stop_token_ids"),
+        (dict(text="hi", sampling=pb2.SamplingParams(stop=[""])), "sampling.stop"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(stub, request_kw, field):
+    for call in (stub.Generate, lambda r: list(stub.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb2.GenerateRequest(**request_kw))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in e.value.details()
+
+
+def test_context_and_pool_limits(stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb2.GenerateRequest(text="hi", sampling=pb2.SamplingParams(max_new_tokens=9000)))
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and "context length" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # fits the context (8192) but never the pool (4096)
+        stub.Generate(pb2.GenerateRequest(text="hi", sampling=pb2.SamplingParams(max_new_tokens=5000)))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_cancelled_stream_frees_kv(stub, server):
+    call = stub.GenerateStream(pb2.GenerateRequest(text="Write a long essay.", sampling=greedy(2000, ignore_eos=True)))
+    it = iter(call)
+    next(it), next(it)
+    assert server.engine.kv_pool.free_count < server.engine.kv_pool.size
+    call.cancel()
+    assert wait_until(lambda: kv_idle(server), 20)
+
+
+def test_deadline_aborts_request(stub, server):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb2.GenerateRequest(text="Count to a million.", sampling=greedy(3000, ignore_eos=True)), timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: kv_idle(server), 20)
+
+
+def test_abort_rpc(stub, server):
+    call = stub.GenerateStream(pb2.GenerateRequest(request_id="to-abort", text="Go on forever.", sampling=greedy(3000, ignore_eos=True)))
+    it = iter(call)
+    next(it)
+    assert stub.Abort(pb2.AbortRequest(request_id="to-abort")).found
+    last = list(it)[-1]
+    assert last.finish_reason == pb2.FINISH_REASON_ABORT
+    assert not stub.Abort(pb2.AbortRequest(request_id="to-abort")).found
+    assert wait_until(lambda: kv_idle(server), 20)
+
+
+def test_fault_in_one_request_fails_only_that_one(stub, server):
+    def hook(req):
+        if req.rid == "boom" and len(req.output_ids) == 2:
+            raise RuntimeError("injected fault")
+
+    server.engine.scheduler.fault_hook = hook
+    try:
+        good = stub.Generate.future(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(12)))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(pb2.GenerateRequest(request_id="boom", text="The capital of France is", sampling=greedy(12)))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
+        assert "Paris" in good.result().text
+    finally:
+        server.engine.scheduler.fault_hook = None
+    assert "Paris" in stub.Generate(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(8))).text
+    assert wait_until(lambda: kv_idle(server), 20)
+
+
+def test_forward_fault_fails_batch_and_server_recovers(stub, server):
+    def boom(fb):
+        raise RuntimeError("injected forward fault")
+
+    server.engine.worker.before_forward = boom
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(pb2.GenerateRequest(text="hello", sampling=greedy(8)))
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "injected forward fault" in e.value.details()
+    finally:
+        server.engine.worker.before_forward = None
+    assert stub.Generate(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(8))).text
+    assert wait_until(lambda: kv_idle(server), 20)
+
+
+def test_duplicate_live_request_id(stub):
+    call = stub.GenerateStream(pb2.GenerateRequest(request_id="dup", text="Talk.", sampling=greedy(500, ignore_eos=True)))
+    it = iter(call)
+    next(it)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb2.GenerateRequest(request_id="dup", text="x", sampling=greedy(2)))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    call.cancel()
+
+
+def test_health_and_reflection(server):
+    channel = grpc.insecure_channel(server.address)
+    h = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "zerogap.v1.Generation"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    r = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"zerogap.v1.Generation", "grpc.health.v1.Health"} <= names
+    channel.close()
