@@ -63,6 +63,7 @@ class Scheduler:
         self.outbox: list[RequestOutput] = []
         self._stop = False
         self.last_error: str | None = None
+        self.sync_points = 0  # overlap loop: launches that had to wait for an older result
         self.fault_hook = None  # test hook: called per request while processing results
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -193,6 +194,7 @@ class Scheduler:
                 if not self.in_flight:
                     raise
                 # Sync point: finishing an older batch frees its future slots.
+                self.sync_points += 1
                 self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
         batch.placeholders = handle.placeholders
         for req, placeholder in zip(batch.reqs, handle.placeholders):

@@ -1,0 +1,88 @@
+"""Process-level behaviour: SIGTERM drain, bounded queue, CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from service import protos
+from service.config import ServerArgs
+from service.server import BackgroundServer
+
+pb2, pb2_grpc = protos.load()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
+         "--kv-cache-tokens", "2000", "--grace-period-s", "20"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while "listening" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "listening" in line, line
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb2_grpc.GenerationStub(ch)
+            stream = stub.GenerateStream(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7]),
+                                                             sampling=pb2.SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)))
+            it = iter(stream)
+            next(it)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Generate(pb2.GenerateRequest(text="new", sampling=pb2.SamplingParams(max_new_tokens=2)))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = list(it)
+            assert rest[-1].finish_reason == pb2.FINISH_REASON_LENGTH
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+
+
+def test_full_queue_answers_resource_exhausted(tiny_llama_dir):
+    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=1,
+                                      max_queued_requests=2))
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb2_grpc.GenerationStub(ch)
+            req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]), sampling=pb2.SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True))
+            futures = [stub.Generate.future(req) for _ in range(8)]
+            codes = []
+            for f in futures:
+                try:
+                    f.result()
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as e:
+                    codes.append(e.code())
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes
+            assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    finally:
+        srv.stop()
+
+
+def test_cli_help_lists_options():
+    out = subprocess.run([sys.executable, "-m", "service", "serve", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0
+    for opt in ("--model", "--max-running-requests", "--kv-cache-tokens", "--dtype", "--disable-overlap", "--trace-file"):
+        assert opt in out.stdout
