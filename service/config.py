@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -22,6 +22,8 @@ class ServerArgs:
     context_length: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096  # tokens per prefill batch
     disable_overlap: bool = False
+    overlap_policy: str = "per-batch"  # per-batch | global | strict
+    disabled_features: list[str] = field(default_factory=list)
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch intra-op threads for the forward; None = all cores
     compile: bool = False  # torch.compile the decode step
@@ -51,6 +53,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--disable-overlap", action="store_true", help="use the normal (serial) scheduler loop")
+    p.add_argument(
+        "--overlap-policy",
+        choices=["per-batch", "global", "strict"],
+        default=d.overlap_policy,
+        help="per-batch: batches with a feature that cannot overlap run the normal way; global: such a feature "
+        "enabled turns overlap off for all; strict: refuse to start when an enabled feature cannot overlap",
+    )
+    p.add_argument("--disable-feature", dest="disabled_features", action="append", default=[], metavar="NAME",
+                   help="switch a feature module off (repeatable); `python -m service matrix` lists them")
     p.add_argument("--attention-backend", choices=["torch"], default=d.attention_backend)
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step")

@@ -14,10 +14,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import torch
 
+from features import Feature, FeatureRegistry, builtin_features
 from service import __version__
 from service.config import ServerArgs
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -57,8 +58,10 @@ def _host_memory_bytes() -> int:
 class Engine:
     """Loads a model directory and runs the scheduler thread over it."""
 
-    def __init__(self, args: ServerArgs, model_dir: str | Path, output_sink: OutputSink):
+    def __init__(self, args: ServerArgs, model_dir: str | Path, output_sink: OutputSink, features: list[Feature] | None = None):
         self.args = args
+        self.features = FeatureRegistry(builtin_features() + list(features or []), args.disabled_features, args.overlap_policy)
+        self.overlap = self.features.resolve_overlap(args.overlap)
         self.model_dir = Path(model_dir)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -69,6 +72,7 @@ class Engine:
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config)
         shape = self.model.shape
+        self.features.model = self
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
@@ -91,7 +95,8 @@ class Engine:
             args.max_prefill_tokens,
             self.timeline,
             output_sink,
-            overlap=args.overlap,
+            overlap=self.overlap,
+            features=self.features,
             future_map_size=args.future_map_size,
         )
         self._live: set[str] = set()
@@ -105,7 +110,7 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        return "overlap" if self.args.overlap else "normal"
+        return "overlap" if self.overlap else "normal"
 
     def _kv_tokens_from_memory(self) -> int:
         s = self.model.shape
@@ -114,8 +119,10 @@ class Engine:
         return max(1, min(tokens, self.args.max_running_requests * self.context_length))
 
     # ---- requests ------------------------------------------------------------------
-    def build_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req:
-        """Validate a request against the model and limits; raises RequestError."""
+    def build_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, features: dict[str, Any] | None = None
+    ) -> Req:
+        """Validate a request against the model, limits and features; raises RequestError."""
         if not prompt_ids:
             raise RequestError("INVALID_ARGUMENT", "input: the prompt is empty")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
@@ -139,8 +146,9 @@ class Engine:
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
+        payloads = self.features.validate_request(features or {}, self)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        return Req(rid, list(prompt_ids), params, seed, detok, stop_ids)
+        return Req(rid, list(prompt_ids), params, seed, detok, stop_ids, payloads)
 
     def submit(self, req: Req) -> None:
         """Queue a validated request; raises RequestError when the queue is full or the id is live."""
@@ -195,10 +203,10 @@ class Engine:
 class SyncClient:
     """Blocking in-process client for the engine (tests, benchmarks, scripts)."""
 
-    def __init__(self, args: ServerArgs, model_dir: str | Path):
+    def __init__(self, args: ServerArgs, model_dir: str | Path, features: list[Feature] | None = None):
         self._cv = threading.Condition()
         self._outputs: dict[str, list[RequestOutput]] = {}
-        self.engine = Engine(args, model_dir, self._sink)
+        self.engine = Engine(args, model_dir, self._sink, features)
 
     def _sink(self, outputs: list[RequestOutput]) -> None:
         with self._cv:
@@ -208,8 +216,10 @@ class SyncClient:
                     self.engine.on_finished(o.rid)
             self._cv.notify_all()
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
-        self.engine.submit(self.engine.build_request(rid, prompt_ids, params or SamplingParams()))
+    def submit(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None, features: dict[str, Any] | None = None
+    ) -> None:
+        self.engine.submit(self.engine.build_request(rid, prompt_ids, params or SamplingParams(), features))
 
     def wait(self, rid: str, timeout: float = 300.0) -> list[RequestOutput]:
         """All outputs of a request once it finished."""
@@ -224,11 +234,17 @@ class SyncClient:
                     raise TimeoutError(f"request {rid} did not finish in {timeout}s")
                 self._cv.wait(left)
 
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams | None = None) -> list[list[RequestOutput]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams] | SamplingParams | None = None,
+        features: list[dict[str, Any] | None] | None = None,
+    ) -> list[list[RequestOutput]]:
         ps = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        fs = features or [None] * len(prompts)
         rids = [f"req-{secrets.token_hex(6)}" for _ in prompts]
-        for rid, p, sp in zip(rids, prompts, ps):
-            self.submit(rid, p, SamplingParams(**vars(sp)))
+        for rid, p, sp, f in zip(rids, prompts, ps, fs):
+            self.submit(rid, p, SamplingParams(**vars(sp)), f)
         return [self.wait(r) for r in rids]
 
     def close(self) -> None:

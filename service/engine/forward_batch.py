@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -58,7 +59,23 @@ class ForwardBatch:
     q_unpad_index: torch.Tensor | None = None  # [T] padded slot per packed row
     new_slots: torch.Tensor | None = None  # [n] request slots whose sampling state is reset
     new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
+    # Features this batch carries, with their active rows (forward-thread hooks).
+    features: list[tuple[Any, list[int]]] = field(default_factory=list)
+    # Per-feature data attached on the scheduler thread (e.g. a grammar mask).
+    feature_data: dict[str, Any] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
         return int(self.logits_index.shape[0])
+
+
+@dataclass
+class BatchResult:
+    """What a step returns to the scheduler: sampled ids, and feature outputs by name."""
+
+    ids: torch.Tensor  # [bs] int64 (host)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.ids.tolist()

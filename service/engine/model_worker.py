@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from service.engine.forward_batch import ForwardBatch
+from service.engine.forward_batch import BatchResult, ForwardBatch
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
 from service.engine.timeline import FORWARD_TID, Timeline
@@ -34,16 +34,30 @@ class ModelWorker:
         self.before_forward = None
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, label: str = "forward") -> torch.Tensor:
-        """Sampled next-token ids [bs] int64. `input_ids` holds real tokens only."""
+    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, label: str = "forward") -> BatchResult:
+        """Sample the next token of each row. `input_ids` holds real tokens only.
+
+        Feature hooks run here, on whichever thread runs the forward: before the
+        model, on the logits before sampling, and after sampling (raw logits are
+        those of the model, before any feature or penalty touched them).
+        """
         start = time.perf_counter()
         if self.before_forward is not None:
             self.before_forward(fb)
+        for feature, _ in fb.features:
+            feature.before_forward(fb)
         if fb.new_slots is not None:
             self.sampler.reset_slots(fb.new_slots, fb.new_prompts)
-        logits = self.model(fb, input_ids, self.kv_pool, self.attention)
+        raw_logits = logits = self.model(fb, input_ids, self.kv_pool, self.attention)
+        for feature, _ in fb.features:
+            logits = feature.process_logits(fb, logits)
         ids = self.sampler.sample(logits, fb.sampling)
+        extras = {}
+        for feature, _ in fb.features:
+            extra = feature.after_sampling(fb, raw_logits, ids)
+            if extra is not None:
+                extras[feature.name] = extra
         self.timeline.add(
             FORWARD_TID, f"{label} {fb.mode.value}", start, time.perf_counter(), {"bs": fb.batch_size, "tokens": int(input_ids.numel())}
         )
-        return ids
+        return BatchResult(ids, extras)

@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from service.engine.forward_batch import ForwardBatch
+from service.engine.forward_batch import BatchResult, ForwardBatch
 from service.engine.model_worker import ModelWorker
 
 
@@ -73,29 +73,30 @@ class LaunchedBatch:
     """Handle of a batch in flight. It holds the ForwardBatch, so every tensor the
     forward thread reads stays alive until the result has been processed."""
 
-    def __init__(self, fb: ForwardBatch, slots: torch.Tensor):
+    def __init__(self, fb: ForwardBatch, slots: torch.Tensor, label: str):
         self.fb = fb
         self.slots = slots
+        self.label = label
         self.placeholders: list[int] = FutureMap.placeholders(slots).tolist()
         self._done = threading.Event()
-        self._tokens: list[int] | None = None
+        self._result: BatchResult | None = None
         self._error: BaseException | None = None
 
-    def set_result(self, tokens: list[int]) -> None:
-        self._tokens = tokens
+    def set_result(self, result: BatchResult) -> None:
+        self._result = result
         self._done.set()
 
     def set_error(self, error: BaseException) -> None:
         self._error = error
         self._done.set()
 
-    def wait(self) -> list[int]:
+    def wait(self) -> BatchResult:
         """Block until the forward thread is done; re-raise its exception."""
         self._done.wait()
         if self._error is not None:
             raise self._error
-        assert self._tokens is not None
-        return self._tokens
+        assert self._result is not None
+        return self._result
 
 
 class OverlapWorker:
@@ -108,9 +109,9 @@ class OverlapWorker:
         self._thread = threading.Thread(target=self._forward_thread, name="zerogap-forward", daemon=True)
         self._thread.start()
 
-    def launch(self, fb: ForwardBatch) -> LaunchedBatch:
+    def launch(self, fb: ForwardBatch, label: str = "forward") -> LaunchedBatch:
         slots = self.future_map.alloc(fb.batch_size)
-        handle = LaunchedBatch(fb, slots)
+        handle = LaunchedBatch(fb, slots, label)
         self._queue.put(handle)
         return handle
 
@@ -121,9 +122,9 @@ class OverlapWorker:
                 return
             try:
                 input_ids = self.future_map.resolve(handle.fb.input_ids)
-                tokens = self.worker.forward(handle.fb, input_ids)
-                self.future_map.store(handle.slots, tokens)
-                handle.set_result(tokens.tolist())
+                result = self.worker.forward(handle.fb, input_ids, handle.label)
+                self.future_map.store(handle.slots, result.ids)
+                handle.set_result(result)
             except BaseException as e:  # the scheduler fails the batch's requests
                 handle.set_error(e)
 

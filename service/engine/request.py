@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
+from typing import Any, Callable
 
 from service.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -100,6 +100,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    extras: dict[str, Any] = field(default_factory=dict)  # feature outputs, by feature name
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
@@ -116,6 +117,7 @@ class Req:
         seed: int,
         detokenizer: IncrementalDetokenizer,
         stop_ids: frozenset[int],
+        features: dict[str, Any] | None = None,
     ):
         self.rid = rid
         self.prompt_ids = prompt_ids
@@ -131,6 +133,8 @@ class Req:
         self.kv_len = 0  # tokens whose KV rows are allocated
         self.next_input = -1  # next decode input: a token id or a future placeholder
         self.finished: FinishReason | None = None
+        self.features: dict[str, Any] = features or {}  # feature name -> validated payload
+        self.feature_stop = False  # set by a feature (e.g. a finished grammar): stop after this token
         # Constant per-request sampling row, built once (temperature, top_k, top_p,
         # min_p, repetition, frequency, presence).
         p = params

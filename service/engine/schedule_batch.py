@@ -7,10 +7,11 @@ the forward thread can read a batch while the scheduler edits its tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from features.base import Feature, OverlapSupport
 from service.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.request import Req
@@ -24,6 +25,9 @@ class ScheduleBatch:
     fb: ForwardBatch
     # Overlap loop: the placeholders standing in for this batch's sampled tokens.
     placeholders: list[int] | None = None
+    # Features the batch carries (with their rows) and the weakest overlap support among them.
+    plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
+    support: OverlapSupport = OverlapSupport.FULL
 
     @property
     def mode(self) -> ForwardMode:

@@ -14,6 +14,9 @@ import queue
 import time
 from collections import deque
 
+from features.base import OverlapSupport
+from features.registry import FeatureRegistry, support_of
+from service.engine.forward_batch import BatchResult
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.overlap_worker import FutureMap, FutureMapFull, LaunchedBatch, OverlapWorker
@@ -38,6 +41,7 @@ class Scheduler:
         timeline: Timeline,
         output_sink: OutputSink,
         overlap: bool,
+        features: FeatureRegistry,
         future_map_size: int | None = None,
     ):
         self.worker = worker
@@ -49,6 +53,7 @@ class Scheduler:
         self.timeline = timeline
         self.output_sink = output_sink
         self.overlap = overlap
+        self.features = features
         self.overlap_worker: OverlapWorker | None = None
         if overlap:
             size = future_map_size or 3 * max_running_requests + 1
@@ -105,11 +110,28 @@ class Scheduler:
         while not self._stop:
             self.process_input_requests(self.recv_requests(block=not self.has_work()))
             batch = self.get_next_batch_to_run()
-            if batch:
+            if batch and batch.support is not OverlapSupport.FULL:
+                self.run_batch_fallback(batch)
+            elif batch:
                 self.in_flight.append((batch, self.launch_batch(batch)))
             if self.in_flight and (batch is None or len(self.in_flight) > 1):
                 self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
             self.flush_outputs()
+
+    def run_batch_fallback(self, batch: ScheduleBatch) -> None:
+        """Per-batch fallback for a batch carrying a feature that cannot fully overlap:
+        resolve the pending results first; a "sync point" batch then overlaps as usual,
+        a "none" batch runs the normal way (launch, wait, process)."""
+        start = time.perf_counter()
+        while self.in_flight:
+            self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+        names = ",".join(f.name for f, _ in batch.plan if f.support is not OverlapSupport.FULL)
+        self.timeline.add(SCHEDULER_TID, f"sync point [{names}]", start, time.perf_counter())
+        handle = self.launch_batch(batch, fallback=names)
+        if batch.support is OverlapSupport.SYNC_POINT:
+            self.in_flight.append((batch, handle))
+        else:
+            self.process_batch_result(*self.wait_result((batch, handle)))
 
     # ---- loop steps ----------------------------------------------------------------
     def has_work(self) -> bool:
@@ -135,6 +157,7 @@ class Scheduler:
                 assert isinstance(arg, Req)
                 self.reqs[arg.rid] = arg
                 self.waiting.append(arg)
+                self.features.on_admit(arg)
             elif kind == "abort":
                 req = self.reqs.get(arg)  # type: ignore[arg-type]
                 if req is not None:
@@ -146,6 +169,10 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
         batch = self.form_prefill_batch() or self.form_decode_batch()
         if batch is not None:
+            batch.plan = batch.fb.features = self.features.plan(batch.reqs)
+            batch.support = support_of(batch.plan)
+            for feature, rows in batch.plan:
+                feature.on_batch_formed(batch, rows)
             self.timeline.add(SCHEDULER_TID, f"form {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
         return batch
 
@@ -175,20 +202,24 @@ class Scheduler:
             return None
         return build_decode_batch(reqs, self.req_pool, self.kv_pool, self.vocab_size)
 
-    def run_batch(self, batch: ScheduleBatch) -> list[int] | BaseException:
+    def run_batch(self, batch: ScheduleBatch) -> BatchResult | BaseException:
         """Normal loop: forward on this thread and wait for the tokens."""
+        self.features.count(batch.plan, "normal_loop")
         try:
-            return self.worker.forward(batch.fb, batch.fb.input_ids).tolist()
+            for feature, rows in batch.plan:
+                feature.after_launch(batch, rows)
+            return self.worker.forward(batch.fb, batch.fb.input_ids)
         except Exception as e:
             return e
 
-    def launch_batch(self, batch: ScheduleBatch) -> LaunchedBatch:
+    def launch_batch(self, batch: ScheduleBatch, fallback: str = "") -> LaunchedBatch:
         """Overlap loop: hand the batch to the forward thread; inputs of later
         batches use the returned placeholders until the result is processed."""
         assert self.overlap_worker is not None
+        label = f"forward [fallback: {fallback}]" if fallback else "forward"
         while True:
             try:
-                handle = self.overlap_worker.launch(batch.fb)
+                handle = self.overlap_worker.launch(batch.fb, label)
                 break
             except FutureMapFull:
                 if not self.in_flight:
@@ -199,12 +230,15 @@ class Scheduler:
         batch.placeholders = handle.placeholders
         for req, placeholder in zip(batch.reqs, handle.placeholders):
             req.next_input = placeholder
+        self.features.count(batch.plan, "fallback" if fallback else "overlapped")
+        for feature, rows in batch.plan:  # runs while the forward computes
+            feature.after_launch(batch, rows)
         return handle
 
-    def wait_result(self, item: tuple[ScheduleBatch, LaunchedBatch]) -> tuple[ScheduleBatch, list[int] | BaseException]:
+    def wait_result(self, item: tuple[ScheduleBatch, LaunchedBatch]) -> tuple[ScheduleBatch, BatchResult | BaseException]:
         batch, handle = item
         try:
-            result: list[int] | BaseException = handle.wait()
+            result: BatchResult | BaseException = handle.wait()
         except Exception as e:
             result = e
         assert self.overlap_worker is not None
@@ -212,42 +246,52 @@ class Scheduler:
         self.overlap_worker.future_map.release(handle.slots)
         return batch, result
 
-    def process_batch_result(self, batch: ScheduleBatch, result: list[int] | BaseException) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult | BaseException) -> None:
         start = time.perf_counter()
         if isinstance(result, BaseException):
             log.error("forward failed for a batch of %d: %r", len(batch.reqs), result)
             for req in batch.reqs:
                 self.finish(req, FinishReason.ERROR, error=f"forward failed: {result!r}")
             return
+        tokens = result.tokens
+        feature_rows = {f.name: set(rows) for f, rows in batch.plan}
         for i, req in enumerate(batch.reqs):
             if req.finished:  # finished or aborted while this batch was in flight
                 continue
-            token = result[i]
+            token = tokens[i]
             if batch.placeholders is None or req.next_input == batch.placeholders[i]:
                 req.next_input = token
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(req)
-                self.append_token(req, token)
+                extras = {}
+                for feature, _ in batch.plan:
+                    if i in feature_rows[feature.name]:
+                        fields = feature.on_result(batch, i, req, result.extras.get(feature.name))
+                        if fields:
+                            extras[feature.name] = fields
+                self.append_token(req, token, extras)
             except Exception as e:
                 log.exception("request %s failed", req.rid)
                 self.finish(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
         self.timeline.add(SCHEDULER_TID, f"process {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
 
     # ---- per-request results -------------------------------------------------------
-    def append_token(self, req: Req, token: int) -> None:
+    def append_token(self, req: Req, token: int, extras: dict | None = None) -> None:
         req.output_ids.append(token)
         n = len(req.output_ids)
         active = n > req.params.min_new_tokens  # the first min_new_tokens never stop
         match = req.stops.feed(req.detok.add([token]), active)
         if match.matched is not None:
-            self.finish(req, FinishReason.STOP, match.matched, match.text, [token])
+            self.finish(req, FinishReason.STOP, match.matched, match.text, [token], extras=extras)
         elif active and token in req.stop_ids:
-            self.finish(req, FinishReason.STOP, token, match.text, [token])
+            self.finish(req, FinishReason.STOP, token, match.text, [token], extras=extras)
+        elif req.feature_stop:
+            self.finish(req, FinishReason.STOP, None, match.text, [token], extras=extras)
         elif n >= req.max_new_tokens:
-            self.finish(req, FinishReason.LENGTH, None, match.text, [token])
+            self.finish(req, FinishReason.LENGTH, None, match.text, [token], extras=extras)
         else:
-            self.emit(req, [token], match.text)
+            self.emit(req, [token], match.text, extras=extras)
 
     def finish(
         self,
@@ -257,6 +301,7 @@ class Scheduler:
         text: str = "",
         token_ids: list[int] | None = None,
         error: str | None = None,
+        extras: dict | None = None,
     ) -> None:
         """End a request exactly once: free its KV and request slot, tell the client."""
         if req.finished is not None:
@@ -270,7 +315,10 @@ class Scheduler:
                 text += req.stops.flush()
         req.finished = reason
         self.release(req)
-        self.emit(req, token_ids or [], text, reason, matched, error)
+        try:
+            self.features.on_finish(req)
+        finally:
+            self.emit(req, token_ids or [], text, reason, matched, error, extras)
 
     def release(self, req: Req) -> None:
         if req.slot >= 0:
@@ -294,9 +342,10 @@ class Scheduler:
         reason: FinishReason | None = None,
         matched: str | int | None = None,
         error: str | None = None,
+        extras: dict | None = None,
     ) -> None:
         self.outbox.append(
-            RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error)
+            RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error, extras or {})
         )
 
     def flush_outputs(self) -> None:

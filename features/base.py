@@ -1,0 +1,91 @@
+"""The feature-module interface.
+
+A feature module says how it gets along with the overlap loop (`support`, with
+a one-line `reason`), which requests use it (`active_for`), and implements any
+of the hooks below; the scheduler and the worker call them at fixed, named
+points. Hooks run on the thread named in their docstring — never both.
+
+    caller thread     validate                 request admission (gRPC handler / API)
+    scheduler thread  on_admit                 the request joins the scheduler
+                      on_batch_formed          a batch with active rows was formed
+                      after_launch             the batch's forward runs meanwhile
+                      on_result                the batch's result is on the host, per row
+                      on_finish                the request ended (any reason)
+    forward thread    before_forward           right before the model runs
+                      process_logits           at sampling: mask / bias the logits
+                      after_sampling           tokens sampled: compute extra outputs
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from service.engine.forward_batch import ForwardBatch
+    from service.engine.request import Req
+    from service.engine.schedule_batch import ScheduleBatch
+
+
+class OverlapSupport(Enum):
+    """How a feature gets along with the overlap loop (best first)."""
+
+    FULL = "full"  # runs inside the overlap loop as is
+    SYNC_POINT = "sync point"  # needs the previous batch's result before its batch launches
+    NONE = "none"  # its batches run the normal way (launch, wait, process)
+
+    @property
+    def rank(self) -> int:
+        return {"full": 0, "sync point": 1, "none": 2}[self.value]
+
+
+class Feature:
+    """Base class: override the declaration and the hooks the feature needs."""
+
+    name: str = ""
+    support: OverlapSupport = OverlapSupport.FULL
+    reason: str = ""
+
+    # ---- declaration -----------------------------------------------------------------
+    def unavailable_reason(self, model: Any) -> str | None:
+        """None when this model can serve the feature, else why not (e.g. images on a text-only model)."""
+        return None
+
+    def active_for(self, req: "Req") -> bool:
+        """Whether the request uses the feature (default: it carries a payload for it)."""
+        return self.name in req.features
+
+    # ---- caller thread -----------------------------------------------------------------
+    def validate(self, payload: Any, engine: Any) -> Any:
+        """Check and normalise a request's payload; raise RequestError when bad."""
+        return payload
+
+    # ---- scheduler thread --------------------------------------------------------------
+    def on_admit(self, req: "Req") -> None:
+        pass
+
+    def on_batch_formed(self, batch: "ScheduleBatch", rows: list[int]) -> None:
+        """`rows` are the batch rows whose requests use the feature."""
+
+    def after_launch(self, batch: "ScheduleBatch", rows: list[int]) -> None:
+        pass
+
+    def on_result(self, batch: "ScheduleBatch", row: int, req: "Req", extras: Any) -> dict[str, Any] | None:
+        """Per active row, after its token was appended; returns output fields for the client."""
+        return None
+
+    def on_finish(self, req: "Req") -> None:
+        pass
+
+    # ---- forward thread ----------------------------------------------------------------
+    def before_forward(self, fb: "ForwardBatch") -> None:
+        pass
+
+    def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
+        return logits
+
+    def after_sampling(self, fb: "ForwardBatch", raw_logits: "torch.Tensor", next_ids: "torch.Tensor") -> Any:
+        """Extra per-batch outputs (host tensors), handed to on_result."""
+        return None

@@ -1,0 +1,160 @@
+"""The feature registry: enabled modules, per-batch plans and the matrix.
+
+One registry per engine (no global state). It turns each module's declaration
+into the overlap-compatibility matrix, decides the loop under the overlap
+policy, and tells the scheduler which features a batch carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from features.base import Feature, OverlapSupport
+from service.engine.request import RequestError
+
+if TYPE_CHECKING:
+    from service.engine.request import Req
+
+POLICIES = ("per-batch", "global", "strict")
+
+
+def builtin_features() -> list[Feature]:
+    """The feature modules shipped with zerogap, in matrix order."""
+    return []
+
+
+@dataclass
+class MatrixRow:
+    feature: str
+    overlap_support: str
+    reason: str
+    enabled: bool
+    available: bool
+    unavailable_reason: str
+    batches_overlapped: int
+    batches_fallback: int
+    batches_normal_loop: int
+
+
+@dataclass
+class _Counters:
+    overlapped: int = 0
+    fallback: int = 0
+    normal_loop: int = 0
+    live_requests: int = 0  # requests using the feature, admitted and not finished
+
+
+class FeatureRegistry:
+    """Feature modules of one engine, with their switches and counters."""
+
+    def __init__(self, features: list[Feature], disabled: list[str] | None = None, policy: str = "per-batch"):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown overlap policy {policy!r} (one of {', '.join(POLICIES)})")
+        self.features: dict[str, Feature] = {}
+        for f in features:
+            if not f.name or f.name in self.features:
+                raise ValueError(f"feature names must be unique and non-empty: {f.name!r}")
+            self.features[f.name] = f
+        unknown = set(disabled or ()) - set(self.features)
+        if unknown:
+            raise ValueError(f"unknown feature(s) to disable: {', '.join(sorted(unknown))} (known: {', '.join(self.features) or 'none'})")
+        self.enabled = {name: name not in set(disabled or ()) for name in self.features}
+        self.policy = policy
+        self.counters = {name: _Counters() for name in self.features}
+        self.model: Any = None  # set by the engine: what unavailable_reason() is asked about
+
+    def enabled_features(self) -> list[Feature]:
+        return [f for n, f in self.features.items() if self.enabled[n]]
+
+    def resolve_overlap(self, want_overlap: bool) -> bool:
+        """Whether the overlap loop runs, under the policy; `strict` refuses to start."""
+        blockers = [f for f in self.enabled_features() if f.support is not OverlapSupport.FULL]
+        if not want_overlap or not blockers:
+            return want_overlap
+        if self.policy == "strict":
+            f = blockers[0]
+            raise ValueError(
+                f"--overlap-policy strict: enabled feature {f.name!r} cannot fully overlap ({f.support.value}: {f.reason}); "
+                f"disable it with --disable-feature {f.name} or choose another policy"
+            )
+        return self.policy == "per-batch"  # global: one incompatible feature turns overlap off for all
+
+    # ---- requests ----------------------------------------------------------------------
+    def validate_request(self, features: dict[str, Any], engine: Any) -> dict[str, Any]:
+        """Caller thread: refuse unknown, disabled or unavailable features; normalise payloads."""
+        out = {}
+        for name, payload in features.items():
+            f = self.features.get(name)
+            if f is None:
+                raise RequestError("INVALID_ARGUMENT", f"unknown feature {name!r}")
+            if not self.enabled[name]:
+                raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is disabled on this server")
+            why = f.unavailable_reason(self.model)
+            if why:
+                raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is not available for this model: {why}")
+            out[name] = f.validate(payload, engine)
+        return out
+
+    def features_of(self, req: "Req") -> list[Feature]:
+        return [self.features[n] for n in req.features if n in self.features]
+
+    def on_admit(self, req: "Req") -> None:
+        for f in self.features_of(req):
+            self.counters[f.name].live_requests += 1
+            f.on_admit(req)
+
+    def on_finish(self, req: "Req") -> None:
+        for f in self.features_of(req):
+            self.counters[f.name].live_requests -= 1
+            f.on_finish(req)
+
+    # ---- batches -----------------------------------------------------------------------
+    def plan(self, reqs: list["Req"]) -> list[tuple[Feature, list[int]]]:
+        """(feature, active rows) for each feature some row of the batch uses."""
+        plan = []
+        for name, f in self.features.items():
+            if self.counters[name].live_requests == 0:
+                continue  # cheap path: nobody uses it right now
+            rows = [i for i, r in enumerate(reqs) if f.active_for(r)]
+            if rows:
+                plan.append((f, rows))
+        return plan
+
+    def count(self, plan: list[tuple[Feature, list[int]]], how: str) -> None:
+        """how: 'overlapped', 'fallback' or 'normal_loop'."""
+        for f, _ in plan:
+            c = self.counters[f.name]
+            setattr(c, how, getattr(c, how) + 1)
+
+    # ---- the matrix --------------------------------------------------------------------
+    def matrix(self) -> list[MatrixRow]:
+        rows = []
+        for name, f in self.features.items():
+            why = f.unavailable_reason(self.model) if self.model is not None else None
+            c = self.counters[name]
+            rows.append(MatrixRow(name, f.support.value, f.reason, self.enabled[name], why is None, why or "",
+                                  c.overlapped, c.fallback, c.normal_loop))
+        return rows
+
+
+def support_of(plan: list[tuple[Feature, list[int]]]) -> OverlapSupport:
+    """The weakest overlap support among a batch's features (FULL when none)."""
+    worst = OverlapSupport.FULL
+    for f, _ in plan:
+        if f.support.rank > worst.rank:
+            worst = f.support
+    return worst
+
+
+def render_matrix_markdown(features: list[Feature]) -> str:
+    """The README table, from the declarations alone."""
+    lines = [
+        "| feature | overlap support | why |",
+        "|---|---|---|",
+    ]
+    for f in features:
+        lines.append(f"| {f.name} | {f.support.value} | {f.reason} |")
+    if not features:
+        lines.append("| _(no feature modules yet)_ | | |")
+    return "\n".join(lines)
