@@ -5,7 +5,8 @@ a one-line `reason`), which requests use it (`active_for`), and implements any
 of the hooks below; the scheduler and the worker call them at fixed, named
 points. Hooks run on the thread named in their docstring — never both.
 
-    caller thread     validate                 request admission (gRPC handler / API)
+    caller thread     from_proto / validate    request admission (gRPC handler / API)
+                      to_proto                 a response (delta) for the client
     scheduler thread  on_admit                 the request joins the scheduler
                       on_batch_formed          a batch with active rows was formed
                       after_launch             the batch's forward runs meanwhile
@@ -58,6 +59,13 @@ class Feature:
         return self.name in req.features
 
     # ---- caller thread -----------------------------------------------------------------
+    def from_proto(self, request: Any) -> Any:
+        """The feature's payload from a GenerateRequest message, or None when unused."""
+        return None
+
+    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
+        """Write the on_result fields of one or more deltas into a GenerateResponse."""
+
     def validate(self, payload: Any, engine: Any) -> Any:
         """Check and normalise a request's payload; raise RequestError when bad."""
         return payload

@@ -1,4 +1,4 @@
-"""Command line: `python -m service {serve,prepare-model,healthcheck} ...`."""
+"""Command line: `python -m service {serve,prepare-model,matrix,healthcheck} ...`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m service {serve,prepare-model,healthcheck} [options]  (serve --help lists all)"
+    usage = "usage: python -m service {serve,prepare-model,matrix,healthcheck} [options]  (serve --help lists all)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(prepare_default_model())
         return 0
+    if cmd == "matrix":
+        from service.matrix import main as matrix_main
+
+        return matrix_main(rest)
     if cmd == "healthcheck":
         from service.healthcheck import main as health_main
 

@@ -136,7 +136,12 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            req = self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling))
+            features = {}
+            for name, feature in self.engine.features.features.items():
+                payload = feature.from_proto(request)
+                if payload is not None:
+                    features[name] = payload
+            req = self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features)
             queue = self.router.open(rid)
             try:
                 self.engine.submit(req)
@@ -147,8 +152,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             await context.abort(_code(e.code), e.message)
         return rid, queue
 
-    @staticmethod
-    def _response(rid: str, outs: list[RequestOutput]):
+    def _response(self, rid: str, outs: list[RequestOutput]):
         last = outs[-1]
         resp = pb2.GenerateResponse(
             request_id=rid,
@@ -162,6 +166,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 resp.matched_stop_str = last.matched_stop
             elif isinstance(last.matched_stop, int):
                 resp.matched_stop_token_id = last.matched_stop
+        for name, feature in self.engine.features.features.items():
+            fields = [o.extras[name] for o in outs if name in o.extras]
+            if fields:
+                feature.to_proto(resp, fields)
         return resp
 
     async def _fail_if_error(self, last: RequestOutput, context) -> None:
@@ -252,6 +260,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             forward_steps=s.forward_steps,
         )
 
+    async def GetFeatureMatrix(self, request, context):
+        rows = [pb2.FeatureRow(**vars(r)) for r in self.engine.features.matrix()]
+        return pb2.FeatureMatrix(rows=rows, overlap_policy=self.engine.features.policy, scheduler_mode=self.engine.mode)
+
 
 @dataclass
 class RunningServer:
@@ -279,12 +291,13 @@ class RunningServer:
         self.engine.shutdown()
 
 
-async def start_server(args: ServerArgs) -> RunningServer:
-    """Load the model, start the engine and a gRPC server on args.host:args.port (0 = any)."""
+async def start_server(args: ServerArgs, features: list | None = None) -> RunningServer:
+    """Load the model, start the engine and a gRPC server on args.host:args.port (0 = any).
+    `features`: extra feature modules beside the built-in ones (tests)."""
     model_dir = resolve_model_path(args.model)
     loop = asyncio.get_running_loop()
     router = OutputRouter(loop)
-    engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink))
+    engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     servicer = GenerationServicer(engine, router, str(model_dir))
@@ -327,11 +340,11 @@ def serve(args: ServerArgs) -> int:
 class BackgroundServer:
     """A real server on its own event-loop thread (tests, benchmarks)."""
 
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, features: list | None = None):
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="zerogap-grpc", daemon=True)
         self._thread.start()
-        self.running: RunningServer = asyncio.run_coroutine_threadsafe(start_server(args), self.loop).result()
+        self.running: RunningServer = asyncio.run_coroutine_threadsafe(start_server(args, features), self.loop).result()
         self.port = self.running.port
         self.engine = self.running.engine
         self.address = f"{args.host}:{self.port}"

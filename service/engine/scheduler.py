@@ -264,21 +264,22 @@ class Scheduler:
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(req)
+                req.output_ids.append(token)
                 extras = {}
                 for feature, _ in batch.plan:
                     if i in feature_rows[feature.name]:
                         fields = feature.on_result(batch, i, req, result.extras.get(feature.name))
                         if fields:
                             extras[feature.name] = fields
-                self.append_token(req, token, extras)
+                self.check_finished_and_emit(req, token, extras)
             except Exception as e:
                 log.exception("request %s failed", req.rid)
                 self.finish(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
         self.timeline.add(SCHEDULER_TID, f"process {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
 
     # ---- per-request results -------------------------------------------------------
-    def append_token(self, req: Req, token: int, extras: dict | None = None) -> None:
-        req.output_ids.append(token)
+    def check_finished_and_emit(self, req: Req, token: int, extras: dict | None = None) -> None:
+        """After `token` was appended: stop checks, then the delta for the client."""
         n = len(req.output_ids)
         active = n > req.params.min_new_tokens  # the first min_new_tokens never stop
         match = req.stops.feed(req.detok.add([token]), active)

@@ -1,0 +1,112 @@
+"""Test-only feature modules, one per overlap support level.
+
+They are never registered by default; tests and benchmarks pass them to the
+engine to exercise the framework (per-batch fallback, policies, matrix) with
+behaviour that is easy to check: each bans tokens for its rows, so a wrong
+hook order or a stale state changes the output.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from features.base import Feature, OverlapSupport
+
+
+class BanTokensFeature(Feature):
+    """full: bans the request's listed token ids at every step (state-free)."""
+
+    name = "test_full"
+    support = OverlapSupport.FULL
+    reason = "test-only: a fixed logits mask needs nothing from the previous step"
+
+    def validate(self, payload: Any, engine: Any) -> list[int]:
+        return [int(t) for t in payload]
+
+    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        for row in self._rows(fb):
+            # fb.features holds (feature, rows); payloads travel in feature_data.
+            logits[row, fb.feature_data[self.name][row]] = float("-inf")
+        return logits
+
+    def on_batch_formed(self, batch, rows: list[int]) -> None:
+        batch.fb.feature_data[self.name] = {r: batch.reqs[r].features[self.name] for r in rows}
+
+    def on_result(self, batch, row: int, req, extras: Any) -> dict[str, Any]:
+        return {"step": len(req.output_ids)}
+
+    def _rows(self, fb) -> list[int]:
+        return list(fb.feature_data[self.name])
+
+
+class NoRepeatFeature(Feature):
+    """sync point: bans the request's previous token, which must be real at launch."""
+
+    name = "test_sync"
+    support = OverlapSupport.SYNC_POINT
+    reason = "test-only: its mask depends on the token the previous batch sampled"
+
+    def validate(self, payload: Any, engine: Any) -> bool:
+        return True
+
+    def on_batch_formed(self, batch, rows: list[int]) -> None:
+        batch.fb.feature_data[self.name] = {"ready": threading.Event(), "ban": {}}
+
+    def after_launch(self, batch, rows: list[int]) -> None:
+        data = batch.fb.feature_data[self.name]
+        for r in rows:
+            out = batch.reqs[r].output_ids
+            # Decode rows: the previous batch's token must be processed (no placeholder).
+            if batch.reqs[r].launched > 1:
+                assert len(out) == batch.reqs[r].launched - 1, "stale state: previous result not processed"
+                data["ban"][r] = out[-1]
+        data["ready"].set()
+
+    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data[self.name]
+        data["ready"].wait()
+        if data["ban"]:
+            logits = logits.clone()
+            for row, tok in data["ban"].items():
+                logits[row, tok] = float("-inf")
+        return logits
+
+
+class SerialFeature(Feature):
+    """none: keeps a per-request counter that the forward thread reads (not overlap-safe)."""
+
+    name = "test_none"
+    support = OverlapSupport.NONE
+    reason = "test-only: reads scheduler state from the forward thread"
+
+    def validate(self, payload: Any, engine: Any) -> int:
+        return int(payload)
+
+    def on_batch_formed(self, batch, rows: list[int]) -> None:
+        batch.fb.feature_data[self.name] = {r: batch.reqs[r] for r in rows}
+
+    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        for row, req in fb.feature_data[self.name].items():
+            # Bans token (payload + tokens so far): correct only if output_ids is current.
+            logits[row, (req.features[self.name] + len(req.output_ids)) % logits.shape[1]] = float("-inf")
+        return logits
+
+
+class ImagesOnlyFeature(Feature):
+    """A feature no text-only model can serve (for the 'not available' path)."""
+
+    name = "test_unavailable"
+    support = OverlapSupport.FULL
+    reason = "test-only: needs a vision tower"
+
+    def unavailable_reason(self, model: Any) -> str | None:
+        return "the model has no vision tower (text-only)"
+
+
+def testing_features() -> list[Feature]:
+    return [BanTokensFeature(), NoRepeatFeature(), SerialFeature(), ImagesOnlyFeature()]

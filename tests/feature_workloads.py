@@ -1,0 +1,16 @@
+"""Per-feature workloads for the matrix harness.
+
+Every registered feature needs an entry: a function returning, for request i
+of a workload, the feature payload to send (or None: the request does not use
+the feature, so batches mix users and non-users). Feature issues add theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+WORKLOADS: dict[str, Callable[[int], Any]] = {
+    "test_full": lambda i: [i % 7 + 200, 13, 11] if i % 3 == 0 else None,
+    "test_sync": lambda i: True if i % 2 == 0 else None,
+    "test_none": lambda i: 1000 + i if i % 4 == 1 else None,
+}
