@@ -108,5 +108,5 @@ class ImagesOnlyFeature(Feature):
         return "the model has no vision tower (text-only)"
 
 
-def testing_features() -> list[Feature]:
+def fake_features() -> list[Feature]:
     return [BanTokensFeature(), NoRepeatFeature(), SerialFeature(), ImagesOnlyFeature()]

@@ -11,7 +11,7 @@ import pytest
 from features import builtin_features
 from features.base import OverlapSupport
 from features.registry import render_matrix_markdown
-from features.testing import testing_features
+from features.testing import fake_features
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
@@ -21,7 +21,7 @@ from service.server import BackgroundServer
 from tests.feature_workloads import WORKLOADS
 
 pb2, pb2_grpc = protos.load()
-ALL_FEATURES = builtin_features() + [f for f in testing_features() if f.name in WORKLOADS]
+ALL_FEATURES = builtin_features() + [f for f in fake_features() if f.name in WORKLOADS]
 
 
 def feature_workload(name: str, n: int = 16, seed: int = 0):
@@ -36,7 +36,7 @@ def feature_workload(name: str, n: int = 16, seed: int = 0):
 
 
 def run(model_dir, prompts, params, feats, **args):
-    client = SyncClient(ServerArgs(kv_cache_tokens=3000, max_running_requests=12, **args), model_dir, features=testing_features())
+    client = SyncClient(ServerArgs(kv_cache_tokens=3000, max_running_requests=12, **args), model_dir, features=fake_features())
     try:
         outs = client.generate(prompts, params, feats)
         e = client.engine
@@ -63,7 +63,7 @@ def test_every_registered_feature_has_a_matrix_workload():
 @pytest.mark.parametrize("feature", [f.name for f in ALL_FEATURES])
 def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references):
     f = next(x for x in ALL_FEATURES if x.name == feature)
-    others = [x.name for x in testing_features() if x.name != feature]  # the cell's feature alone is enabled
+    others = [x.name for x in fake_features() if x.name != feature]  # the cell's feature alone is enabled
     args = dict(disable_overlap=loop == "normal", overlap_policy=policy, disabled_features=others)
     if loop == "overlap" and policy == "strict" and f.support is not OverlapSupport.FULL:
         with pytest.raises(ValueError, match=feature):
@@ -112,7 +112,7 @@ def test_fallback_is_visible_in_the_trace(tiny_llama_dir, tmp_path):
 
 def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
     client = SyncClient(ServerArgs(kv_cache_tokens=1000, max_running_requests=4, disabled_features=["test_full"]),
-                        tiny_llama_dir, features=testing_features())
+                        tiny_llama_dir, features=fake_features())
     try:
         with pytest.raises(RequestError) as e:
             client.submit("a", [5, 6], SamplingParams(max_new_tokens=2), {"test_full": [1]})
@@ -133,7 +133,7 @@ def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
 
 def test_get_feature_matrix_rpc(tiny_llama_dir):
     srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=4,
-                                      disabled_features=["test_sync"]), features=testing_features())
+                                      disabled_features=["test_sync"]), features=fake_features())
     try:
         with grpc.insecure_channel(srv.address) as ch:
             m = pb2_grpc.GenerationStub(ch).GetFeatureMatrix(pb2.GetFeatureMatrixRequest())
