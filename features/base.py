@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from service.engine.forward_batch import ForwardBatch
+    from service.engine.forward_batch import ForwardBatch, LogitsOutput
     from service.engine.request import Req
     from service.engine.schedule_batch import ScheduleBatch
 
@@ -50,6 +50,9 @@ class Feature:
     reason: str = ""
 
     # ---- declaration -----------------------------------------------------------------
+    def bind(self, engine: Any) -> None:
+        """Called once the engine (tokenizer, model) exists."""
+
     def unavailable_reason(self, model: Any) -> str | None:
         """None when this model can serve the feature, else why not (e.g. images on a text-only model)."""
         return None
@@ -66,7 +69,7 @@ class Feature:
     def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
         """Write the on_result fields of one or more deltas into a GenerateResponse."""
 
-    def validate(self, payload: Any, engine: Any) -> Any:
+    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> Any:
         """Check and normalise a request's payload; raise RequestError when bad."""
         return payload
 
@@ -94,6 +97,7 @@ class Feature:
     def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
         return logits
 
-    def after_sampling(self, fb: "ForwardBatch", raw_logits: "torch.Tensor", next_ids: "torch.Tensor") -> Any:
-        """Extra per-batch outputs (host tensors), handed to on_result."""
+    def after_sampling(self, fb: "ForwardBatch", logits: "LogitsOutput", next_ids: "torch.Tensor") -> Any:
+        """Extra per-batch outputs (host tensors), handed to on_result. `logits` are the
+        model's raw logits, before penalties, temperature and other features' masks."""
         return None

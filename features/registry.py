@@ -21,7 +21,9 @@ POLICIES = ("per-batch", "global", "strict")
 
 def builtin_features() -> list[Feature]:
     """The feature modules shipped with zerogap, in matrix order."""
-    return []
+    from features.logprobs import LogprobsFeature
+
+    return [LogprobsFeature()]
 
 
 @dataclass
@@ -64,6 +66,11 @@ class FeatureRegistry:
         self.counters = {name: _Counters() for name in self.features}
         self.model: Any = None  # set by the engine: what unavailable_reason() is asked about
 
+    def bind(self, engine: Any) -> None:
+        self.model = engine
+        for f in self.features.values():
+            f.bind(engine)
+
     def enabled_features(self) -> list[Feature]:
         return [f for n, f in self.features.items() if self.enabled[n]]
 
@@ -81,7 +88,7 @@ class FeatureRegistry:
         return self.policy == "per-batch"  # global: one incompatible feature turns overlap off for all
 
     # ---- requests ----------------------------------------------------------------------
-    def validate_request(self, features: dict[str, Any], engine: Any) -> dict[str, Any]:
+    def validate_request(self, features: dict[str, Any], engine: Any, prompt_ids: list[int]) -> dict[str, Any]:
         """Caller thread: refuse unknown, disabled or unavailable features; normalise payloads."""
         out = {}
         for name, payload in features.items():
@@ -93,7 +100,7 @@ class FeatureRegistry:
             why = f.unavailable_reason(self.model)
             if why:
                 raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is not available for this model: {why}")
-            out[name] = f.validate(payload, engine)
+            out[name] = f.validate(payload, engine, prompt_ids)
         return out
 
     def features_of(self, req: "Req") -> list[Feature]:

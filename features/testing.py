@@ -23,7 +23,7 @@ class BanTokensFeature(Feature):
     support = OverlapSupport.FULL
     reason = "test-only: a fixed logits mask needs nothing from the previous step"
 
-    def validate(self, payload: Any, engine: Any) -> list[int]:
+    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> list[int]:
         return [int(t) for t in payload]
 
     def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ class NoRepeatFeature(Feature):
     support = OverlapSupport.SYNC_POINT
     reason = "test-only: its mask depends on the token the previous batch sampled"
 
-    def validate(self, payload: Any, engine: Any) -> bool:
+    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> bool:
         return True
 
     def on_batch_formed(self, batch, rows: list[int]) -> None:
@@ -83,7 +83,7 @@ class SerialFeature(Feature):
     support = OverlapSupport.NONE
     reason = "test-only: reads scheduler state from the forward thread"
 
-    def validate(self, payload: Any, engine: Any) -> int:
+    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> int:
         return int(payload)
 
     def on_batch_formed(self, batch, rows: list[int]) -> None:

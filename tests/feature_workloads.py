@@ -14,3 +14,7 @@ WORKLOADS: dict[str, Callable[[int], Any]] = {
     "test_sync": lambda i: True if i % 2 == 0 else None,
     "test_none": lambda i: 1000 + i if i % 4 == 1 else None,
 }
+WORKLOADS["logprobs"] = lambda i: (
+    dict(return_logprob=True, top_logprobs_num=i % 6, token_ids_logprob=(5, 17) if i % 3 == 0 else (), logprob_start_len=i % 3 - 1)
+    if i % 2 == 0 else None
+)

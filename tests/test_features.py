@@ -35,6 +35,26 @@ def feature_workload(name: str, n: int = 16, seed: int = 0):
     return prompts, params, feats
 
 
+def assert_close(a, b, path="extras"):
+    """Nested outputs equal, floats within float32 tolerance (overlap vs normal)."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), f"{path}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_close(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def extras_of(outs):
+    return [[o.extras for o in req_outs] for req_outs in outs]
+
+
 def run(model_dir, prompts, params, feats, **args):
     client = SyncClient(ServerArgs(kv_cache_tokens=3000, max_running_requests=12, **args), model_dir, features=fake_features())
     try:
@@ -49,7 +69,11 @@ def run(model_dir, prompts, params, feats, **args):
 @pytest.fixture(scope="module")
 def references(tiny_llama_dir):
     """Normal-loop outputs of each feature's workload: what every cell must equal."""
-    return {f.name: run(tiny_llama_dir, *feature_workload(f.name), disable_overlap=True)[0] for f in ALL_FEATURES}
+    refs = {}
+    for f in ALL_FEATURES:
+        ids, outs, _, _ = run(tiny_llama_dir, *feature_workload(f.name), disable_overlap=True)
+        refs[f.name] = (ids, extras_of(outs))
+    return refs
 
 
 
@@ -70,7 +94,8 @@ def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references):
             run(tiny_llama_dir, *feature_workload(feature), **args)
         return
     ids, outs, matrix, mode = run(tiny_llama_dir, *feature_workload(feature), **args)
-    assert ids == references[feature]
+    assert ids == references[feature][0]
+    assert_close(extras_of(outs), references[feature][1])
     row = matrix[feature]
     if loop == "normal" or (policy == "global" and f.support is not OverlapSupport.FULL):
         assert mode == "normal" and row.batches_normal_loop > 0 and row.batches_overlapped == row.batches_fallback == 0

@@ -72,7 +72,7 @@ class Engine:
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config)
         shape = self.model.shape
-        self.features.model = self
+        self.features.bind(self)
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
@@ -146,7 +146,7 @@ class Engine:
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        payloads = self.features.validate_request(features or {}, self)
+        payloads = self.features.validate_request(features or {}, self, prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         return Req(rid, list(prompt_ids), params, seed, detok, stop_ids, payloads)
 

@@ -57,12 +57,15 @@ class ForwardBatch:
     # EXTEND only: packed <-> padded query layout, and the prompts of new requests.
     q_pad_index: torch.Tensor | None = None  # [bs*Lq] packed row per padded slot (T = zero row)
     q_unpad_index: torch.Tensor | None = None  # [T] padded slot per packed row
+    extend_lens: list[int] | None = None  # tokens of each request in this batch (its chunk)
     new_slots: torch.Tensor | None = None  # [n] request slots whose sampling state is reset
     new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
     # Features this batch carries, with their active rows (forward-thread hooks).
     features: list[tuple[Any, list[int]]] = field(default_factory=list)
     # Per-feature data attached on the scheduler thread (e.g. a grammar mask).
     feature_data: dict[str, Any] = field(default_factory=dict)
+    # Packed rows whose logits are wanted besides each request's last one (input logprobs).
+    extra_logit_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -79,3 +82,11 @@ class BatchResult:
     @property
     def tokens(self) -> list[int]:
         return self.ids.tolist()
+
+
+@dataclass
+class LogitsOutput:
+    """The model's raw logits of one step (float32), before any processing."""
+
+    next_token: torch.Tensor  # [bs, vocab]: at each request's last token
+    extra: torch.Tensor | None = None  # [len(extra_logit_rows), vocab]

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from service.engine.forward_batch import BatchResult, ForwardBatch
+from service.engine.forward_batch import BatchResult, ForwardBatch, LogitsOutput
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
 from service.engine.timeline import FORWARD_TID, Timeline
@@ -48,13 +48,16 @@ class ModelWorker:
             feature.before_forward(fb)
         if fb.new_slots is not None:
             self.sampler.reset_slots(fb.new_slots, fb.new_prompts)
-        raw_logits = logits = self.model(fb, input_ids, self.kv_pool, self.attention)
+        logits = self.model(fb, input_ids, self.kv_pool, self.attention)
+        bs = fb.batch_size
+        raw = LogitsOutput(logits[:bs], logits[bs:] if fb.extra_logit_rows is not None else None)
+        logits = raw.next_token
         for feature, _ in fb.features:
             logits = feature.process_logits(fb, logits)
         ids = self.sampler.sample(logits, fb.sampling)
         extras = {}
         for feature, _ in fb.features:
-            extra = feature.after_sampling(fb, raw_logits, ids)
+            extra = feature.after_sampling(fb, raw, ids)
             if extra is not None:
                 extras[feature.name] = extra
         self.timeline.add(

@@ -99,6 +99,7 @@ def build_extend_batch(
         sampling=build_sampling_batch(reqs, vocab_size),
         q_pad_index=torch.where(valid, starts.unsqueeze(1) + j, total).reshape(-1),
         q_unpad_index=(torch.arange(bs).unsqueeze(1) * lq + j)[valid],
+        extend_lens=lens,
         new_slots=slots,
         new_prompts=prompts,
     )

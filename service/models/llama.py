@@ -144,14 +144,16 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention) -> torch.Tensor:
-        """Logits [bs, vocab] (float32) at each request's last token."""
+        """Logits (float32) at each request's last token [bs, vocab], followed by
+        those of fb.extra_logit_rows when set."""
         s = self.shape
         h = self.embed(input_ids)
         cos, sin = self.cos[fb.positions], self.sin[fb.positions]
         meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
-        h = rms_norm(h[fb.logits_index], self.norm, s.rms_norm_eps)
+        rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
+        h = rms_norm(h[rows], self.norm, s.rms_norm_eps)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()
 

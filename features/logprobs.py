@@ -1,0 +1,211 @@
+"""Logprobs, fully overlapped.
+
+Output (and, when asked, input) token logprobs, top-N alternatives and the
+logprobs of chosen token ids. They are those of the model's raw next-token
+distribution — log_softmax of the logits before temperature, penalties and
+grammar masks — whatever the sampling settings. Everything is computed on the
+forward thread right after sampling and travels to the host with the tokens,
+so the overlap loop needs no extra synchronisation point.
+
+Input logprobs are chunk-aware: a batch row covers prompt positions
+[chunk_start, chunk_start + chunk_len) and yields the logprobs of the tokens it
+can score itself (position p needs the logits at p - 1). The chunk's first
+position takes the previous chunk's last row; with whole-prompt prefill
+(chunk_start = 0) position 0 has no logprob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from features.base import Feature, OverlapSupport
+from service.engine.forward_batch import ForwardMode
+from service.engine.request import RequestError
+
+MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS = 128
+
+# (token_id, logprob, top [(id, logprob, text)], token_ids [(id, logprob)])
+TokenEntry = tuple[int, float, list[tuple[int, float, str]], list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] = ()
+    logprob_start_len: int = -1  # -1: no input logprobs
+
+
+class LogprobsFeature(Feature):
+    name = "logprobs"
+    support = OverlapSupport.FULL
+    reason = "computed from the raw logits on the forward thread and copied to host with the tokens"
+
+    def __init__(self) -> None:
+        self._text_cache: dict[int, str] = {}
+        self._tokenizer: Any = None
+
+    def bind(self, engine: Any) -> None:
+        self._tokenizer = engine.tokenizer
+
+    # ---- caller thread -------------------------------------------------------------------
+    def from_proto(self, request: Any) -> LogprobParams | None:
+        start = request.logprob_start_len if request.HasField("logprob_start_len") else -1
+        if not (request.return_logprob or request.top_logprobs_num or request.token_ids_logprob or start != -1):
+            return None
+        return LogprobParams(request.return_logprob, request.top_logprobs_num, tuple(request.token_ids_logprob), start)
+
+    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> LogprobParams:
+        p = LogprobParams(**payload) if isinstance(payload, dict) else payload
+        if not 0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError("INVALID_ARGUMENT", f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num}")
+        if len(p.token_ids_logprob) > MAX_TOKEN_IDS:
+            raise RequestError("INVALID_ARGUMENT", f"token_ids_logprob: at most {MAX_TOKEN_IDS} ids")
+        bad = next((t for t in p.token_ids_logprob if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise RequestError("INVALID_ARGUMENT", f"token_ids_logprob: token id {bad} outside the vocabulary")
+        if not -1 <= p.logprob_start_len < len(prompt_ids):
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"logprob_start_len: must be -1 or a prompt position in [0, {len(prompt_ids)}), got {p.logprob_start_len}",
+            )
+        return p
+
+    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
+        for f in fields:
+            for e in f.get("output", ()):
+                self._add(response.output_logprobs, e)
+            if "input" in f:
+                for e in f["input"]:
+                    self._add(response.input_logprobs, e)
+                response.input_logprobs_start = f["input_start"]
+                response.normalized_prompt_logprob = f["normalized_prompt_logprob"]
+
+    @staticmethod
+    def _add(repeated: Any, e: TokenEntry) -> None:
+        m = repeated.add(token_id=e[0], logprob=e[1])
+        for tid, lp, text in e[2]:
+            m.top_logprobs.add(token_id=tid, logprob=lp, text=text)
+        for tid, lp in e[3]:
+            m.token_ids_logprobs.add(token_id=tid, logprob=lp)
+
+    # ---- scheduler thread ----------------------------------------------------------------
+    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+        fb = batch.fb
+        params = [batch.reqs[r].features[self.name] for r in rows]
+        data: dict[str, Any] = {
+            "rows": torch.tensor(rows, dtype=torch.int64),
+            "index": {r: j for j, r in enumerate(rows)},
+            "top_n": max(p.top_logprobs_num for p in params),
+            "token_ids": self._token_id_matrix(params),
+        }
+        if fb.mode is ForwardMode.EXTEND:
+            self._plan_input_logprobs(batch, rows, params, data)
+        fb.feature_data[self.name] = data
+
+    @staticmethod
+    def _token_id_matrix(params: list[LogprobParams]) -> torch.Tensor | None:
+        width = max(len(p.token_ids_logprob) for p in params)
+        if width == 0:
+            return None
+        return torch.tensor([list(p.token_ids_logprob) + [0] * (width - len(p.token_ids_logprob)) for p in params])
+
+    def _plan_input_logprobs(self, batch: Any, rows: list[int], params: list[LogprobParams], data: dict) -> None:
+        """Which packed rows' logits score which prompt tokens (this chunk only)."""
+        fb = batch.fb
+        extra_rows: list[int] = []
+        targets: list[int] = []
+        owners: list[int] = []  # index into `rows` of each scored position
+        spans: dict[int, tuple[int, int, int]] = {}  # row -> (first position, offset, count)
+        for j, (r, p) in enumerate(zip(rows, params)):
+            if p.logprob_start_len < 0:
+                continue
+            req = batch.reqs[r]
+            chunk_start = int(fb.q_positions[r, 0])
+            chunk_len = fb.extend_lens[r]
+            packed_start = int(fb.logits_index[r]) - chunk_len + 1
+            first = max(p.logprob_start_len, chunk_start + 1)
+            positions = range(first, chunk_start + chunk_len)
+            spans[r] = (first, len(targets), len(positions))
+            for pos in positions:
+                extra_rows.append(packed_start + pos - chunk_start - 1)
+                targets.append(req.prompt_ids[pos])
+                owners.append(j)
+        if targets:
+            fb.extra_logit_rows = torch.tensor(extra_rows, dtype=torch.int64)
+            data["input_targets"] = torch.tensor(targets, dtype=torch.int64)
+            data["input_owners"] = torch.tensor(owners, dtype=torch.int64)
+        data["input_spans"] = spans
+
+    def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
+        data = batch.fb.feature_data[self.name]
+        lists = extras.setdefault("_host", None) or self._to_lists(extras)
+        extras["_host"] = lists
+        p: LogprobParams = req.features[self.name]
+        j = data["index"][row]
+        fields: dict[str, Any] = {}
+        if p.return_logprob or p.top_logprobs_num or p.token_ids_logprob:
+            fields["output"] = [self._entry(req.output_ids[-1], lists, "", j, p)]
+        span = data.get("input_spans", {}).get(row)
+        if span is not None:
+            first, offset, count = span
+            entries = [
+                self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)
+            ]
+            fields["input"] = entries
+            fields["input_start"] = first
+            fields["normalized_prompt_logprob"] = sum(e[1] for e in entries) / len(entries) if entries else 0.0
+        return fields
+
+    @staticmethod
+    def _to_lists(extras: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.tolist() for k, v in extras.items() if isinstance(v, torch.Tensor)}
+
+    def _entry(self, token: int, lists: dict, prefix: str, i: int, p: LogprobParams) -> TokenEntry:
+        top: list[tuple[int, float, str]] = []
+        if p.top_logprobs_num:
+            ids = lists[prefix + "top_ids"][i][: p.top_logprobs_num]
+            vals = lists[prefix + "top_vals"][i][: p.top_logprobs_num]
+            top = [(t, v, self._text(t)) for t, v in zip(ids, vals)]
+        tids: list[tuple[int, float]] = []
+        if p.token_ids_logprob:
+            vals = lists[prefix + "tid_vals"][i]
+            tids = list(zip(p.token_ids_logprob, vals[: len(p.token_ids_logprob)]))
+        return (token, lists[prefix + "lp"][i], top, tids)
+
+    def _text(self, token: int) -> str:
+        text = self._text_cache.get(token)
+        if text is None:
+            text = self._text_cache[token] = self._tokenizer.decode([token], False) if self._tokenizer else ""
+        return text
+
+    # ---- forward thread ------------------------------------------------------------------
+    def after_sampling(self, fb: Any, logits: Any, next_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        data = fb.feature_data[self.name]
+        rows = data["rows"]
+        lp = torch.log_softmax(logits.next_token[rows].float(), dim=-1)
+        out = {"lp": lp.gather(1, next_ids[rows].unsqueeze(1)).squeeze(1)}
+        self._alternatives(lp, data["top_n"], data["token_ids"], "", out)
+        if logits.extra is not None and "input_targets" in data:
+            owners = data["input_owners"]
+            ilp = torch.log_softmax(logits.extra.float(), dim=-1)
+            out["in_lp"] = ilp.gather(1, data["input_targets"].unsqueeze(1)).squeeze(1)
+            tids = data["token_ids"][owners] if data["token_ids"] is not None else None
+            self._alternatives(ilp, data["top_n"], tids, "in_", out)
+        return out
+
+    @staticmethod
+    def _alternatives(lp: torch.Tensor, top_n: int, token_ids: torch.Tensor | None, prefix: str, out: dict) -> None:
+        if top_n:
+            vals, ids = lp.topk(top_n, dim=-1)
+            # Deterministic ties: equal logprobs ordered by lower token id.
+            order = torch.argsort(ids, dim=-1, stable=True)
+            vals, ids = vals.gather(1, order), ids.gather(1, order)
+            order = torch.argsort(vals, dim=-1, descending=True, stable=True)
+            out[prefix + "top_vals"], out[prefix + "top_ids"] = vals.gather(1, order), ids.gather(1, order)
+        if token_ids is not None:
+            out[prefix + "tid_vals"] = lp.gather(1, token_ids)

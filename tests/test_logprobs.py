@@ -1,0 +1,147 @@
+"""Logprobs against transformers' forward, edge cases and the gRPC surface."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import torch
+
+from service import protos
+from service.config import ServerArgs
+from service.engine.engine import SyncClient, collect
+from service.engine.request import SamplingParams
+from service.server import BackgroundServer
+
+pb2, pb2_grpc = protos.load()
+TOL = 2e-4
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits over a whole sequence [len, vocab]."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def outputs_field(outs, name):
+    return [e for o in outs for e in o.extras.get("logprobs", {}).get(name, [])]
+
+
+def check_against_reference(client, hf, prompt, n_new=12, start=0, top_n=3):
+    outs = client.generate([prompt], SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True),
+                           [{"logprobs": dict(return_logprob=True, top_logprobs_num=top_n, token_ids_logprob=(7, 11),
+                                              logprob_start_len=start)}])[0]
+    ids = collect(outs)[0]
+    ref = hf_logprobs(hf, prompt + ids)
+    out_entries = outputs_field(outs, "output")
+    assert [e[0] for e in out_entries] == ids
+    for k, (tok, lp, top, tids) in enumerate(out_entries):
+        row = ref[len(prompt) - 1 + k]
+        assert abs(lp - float(row[tok])) < TOL
+        assert [t for t, _, _ in top] == row.topk(top_n).indices.tolist()
+        assert all(abs(v - float(row[t])) < TOL for t, v, _ in top)
+        assert top[0][0] == tok  # greedy picks the most likely
+        assert [t for t, _ in tids] == [7, 11] and all(abs(v - float(row[t])) < TOL for t, v in tids)
+    first = outs[0].extras["logprobs"]
+    inputs = first["input"]
+    assert first["input_start"] == max(start, 1)
+    assert [e[0] for e in inputs] == prompt[max(start, 1):]
+    for k, (tok, lp, _, _) in enumerate(inputs):
+        assert abs(lp - float(ref[max(start, 1) + k - 1, tok])) < TOL
+    assert abs(first["normalized_prompt_logprob"] - sum(e[1] for e in inputs) / len(inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["normal", "overlap"])
+def test_smollm2_logprobs_match_transformers(mode, smol_dir, hf_smol, hf_tokenizer):
+    client = SyncClient(ServerArgs(disable_overlap=mode == "normal", kv_cache_tokens=2048, max_running_requests=4), smol_dir)
+    try:
+        for text, start in (("The capital of France is", 0), ("def add(a, b):\n    return", 3)):
+            check_against_reference(client, hf_smol, hf_tokenizer.encode(text), start=start)
+    finally:
+        client.close()
+
+
+def test_tiny_model_logprobs_match_transformers(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
+    client = SyncClient(ServerArgs(kv_cache_tokens=1024, max_running_requests=4), tiny_qwen2_dir)
+    try:
+        check_against_reference(client, hf, [5, 9, 200, 3000, 17, 42], start=0, top_n=5)
+    finally:
+        client.close()
+
+
+def test_logprobs_are_raw_whatever_the_sampling(smol_dir, hf_smol):
+    """Temperature and penalties change the sampling, not the reported logprobs."""
+    client = SyncClient(ServerArgs(kv_cache_tokens=1024, max_running_requests=4), smol_dir)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    try:
+        outs = client.generate([prompt], SamplingParams(temperature=1.5, repetition_penalty=1.5, seed=3, max_new_tokens=8,
+                                                        ignore_eos=True), [{"logprobs": dict(return_logprob=True)}])[0]
+    finally:
+        client.close()
+    ids = collect(outs)[0]
+    ref = hf_logprobs(hf_smol, prompt + ids)
+    for k, (tok, lp, _, _) in enumerate(outputs_field(outs, "output")):
+        assert abs(lp - float(ref[len(prompt) - 1 + k, tok])) < TOL
+
+
+def test_top_logprobs_ties_order_by_token_id():
+    from features.logprobs import LogprobsFeature
+
+    lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]]), dim=-1)
+    out: dict = {}
+    LogprobsFeature._alternatives(lp, 4, None, "", out)
+    assert out["top_ids"].tolist() == [[1, 2, 4, 5]]
+    assert out["top_vals"][0, 0] == out["top_vals"][0, 2] > out["top_vals"][0, 3]
+
+
+@pytest.fixture(scope="module")
+def stub(tiny_llama_dir):
+    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=2048, max_running_requests=8))
+    with grpc.insecure_channel(srv.address) as ch:
+        yield pb2_grpc.GenerationStub(ch)
+    srv.stop()
+
+
+PROMPT = pb2.TokenIds(ids=[5, 6, 7, 8, 9])
+
+
+def test_grpc_logprob_fields_and_stream(stub):
+    req = pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True),
+                              return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 4], logprob_start_len=0)
+    whole = stub.Generate(req)
+    assert [e.token_id for e in whole.output_logprobs] == list(whole.token_ids)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in whole.output_logprobs)
+    assert all([t.token_id for t in e.token_ids_logprobs] == [3, 4] for e in whole.output_logprobs)
+    assert [e.token_id for e in whole.input_logprobs] == [6, 7, 8, 9] and whole.input_logprobs_start == 1
+    assert math.isclose(whole.normalized_prompt_logprob, sum(e.logprob for e in whole.input_logprobs) / 4, rel_tol=1e-5)
+    parts = list(stub.GenerateStream(req))
+    assert [e.token_id for p in parts for e in p.output_logprobs] == list(whole.token_ids)
+    assert [e.logprob for p in parts for e in p.output_logprobs] == pytest.approx([e.logprob for e in whole.output_logprobs], abs=1e-5)
+    assert len(parts[0].input_logprobs) == 4 and all(len(p.input_logprobs) == 0 for p in parts[1:])
+    plain = stub.Generate(pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)))
+    assert list(plain.token_ids) == list(whole.token_ids) and not plain.output_logprobs
+
+
+@pytest.mark.parametrize("start, n_inputs", [(0, 4), (1, 4), (4, 1)])
+def test_logprob_start_len_edges(stub, start, n_inputs):
+    r = stub.Generate(pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=2, temperature=0),
+                                          logprob_start_len=start))
+    assert len(r.input_logprobs) == n_inputs and r.input_logprobs_start == max(start, 1)
+    assert not r.output_logprobs  # only input logprobs were asked for
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(logprob_start_len=5), "logprob_start_len"),
+    (dict(logprob_start_len=-2), "logprob_start_len"),
+    (dict(top_logprobs_num=21), "top_logprobs_num"),
+    (dict(top_logprobs_num=-1), "top_logprobs_num"),
+    (dict(token_ids_logprob=[49152]), "token_ids_logprob"),
+])
+def test_bad_logprob_arguments(stub, kw, field):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=2), **kw))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
