@@ -8,8 +8,10 @@ points. Hooks run on the thread named in their docstring — never both.
     caller thread     from_proto / validate    request admission (gRPC handler / API)
                       to_proto                 a response (delta) for the client
     scheduler thread  on_admit                 the request joins the scheduler
+                      admission_ready          may it be scheduled now? (e.g. grammar compiled)
                       on_batch_formed          a batch with active rows was formed
-                      after_launch             the batch's forward runs meanwhile
+                      after_launch             the batch's forward runs meanwhile; called once the
+                                               results of all earlier batches were processed
                       on_result                the batch's result is on the host, per row
                       on_finish                the request ended (any reason)
     forward thread    before_forward           right before the model runs
@@ -76,6 +78,10 @@ class Feature:
     # ---- scheduler thread --------------------------------------------------------------
     def on_admit(self, req: "Req") -> None:
         pass
+
+    def admission_ready(self, req: "Req") -> bool:
+        """False keeps the request waiting (others go ahead); raise RequestError to fail it."""
+        return True
 
     def on_batch_formed(self, batch: "ScheduleBatch", rows: list[int]) -> None:
         """`rows` are the batch rows whose requests use the feature."""

@@ -21,9 +21,10 @@ POLICIES = ("per-batch", "global", "strict")
 
 def builtin_features() -> list[Feature]:
     """The feature modules shipped with zerogap, in matrix order."""
+    from features.constrained import ConstrainedDecoding
     from features.logprobs import LogprobsFeature
 
-    return [LogprobsFeature()]
+    return [LogprobsFeature(), ConstrainedDecoding()]
 
 
 @dataclass
@@ -105,6 +106,10 @@ class FeatureRegistry:
 
     def features_of(self, req: "Req") -> list[Feature]:
         return [self.features[n] for n in req.features if n in self.features]
+
+    def ready(self, req: "Req") -> bool:
+        """Whether every feature of the request lets it be scheduled now (may raise RequestError)."""
+        return all(f.admission_ready(req) for f in self.features_of(req))
 
     def on_admit(self, req: "Req") -> None:
         for f in self.features_of(req):

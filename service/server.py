@@ -174,7 +174,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
 
     async def _fail_if_error(self, last: RequestOutput, context) -> None:
         if last.finish_reason is FinishReason.ERROR:
-            await context.abort(grpc.StatusCode.INTERNAL, last.error or "internal error")
+            await context.abort(_code(last.error_code), last.error or "internal error")
 
     # ---- RPCs ----------------------------------------------------------------------
     async def Generate(self, request, context):

@@ -18,3 +18,8 @@ WORKLOADS["logprobs"] = lambda i: (
     dict(return_logprob=True, top_logprobs_num=i % 6, token_ids_logprob=(5, 17) if i % 3 == 0 else (), logprob_start_len=i % 3 - 1)
     if i % 2 == 0 else None
 )
+WORKLOADS["constrained"] = lambda i: (
+    [dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?"), dict(kind="json_object"),
+     dict(kind="ebnf", text='root ::= "yes" | "no" | "maybe " [0-9]')][i % 3]
+    if i % 2 == 0 else None
+)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
@@ -101,6 +102,7 @@ class RequestOutput:
     matched_stop: str | int | None = None
     error: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # feature outputs, by feature name
+    error_code: str = "INTERNAL"  # gRPC status code name, with error
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
@@ -135,6 +137,8 @@ class Req:
         self.finished: FinishReason | None = None
         self.features: dict[str, Any] = features or {}  # feature name -> validated payload
         self.feature_stop = False  # set by a feature (e.g. a finished grammar): stop after this token
+        self.feature_state: dict[str, Any] = {}  # per-request state a feature keeps (e.g. a matcher)
+        self.arrival = time.monotonic()
         # Constant per-request sampling row, built once (temperature, top_k, top_p,
         # min_p, repetition, frequency, presence).
         p = params

@@ -28,6 +28,7 @@ class ScheduleBatch:
     # Features the batch carries (with their rows) and the weakest overlap support among them.
     plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
     support: OverlapSupport = OverlapSupport.FULL
+    after_launch_pending: bool = False  # overlap loop: its after_launch hooks wait for older results
 
     @property
     def mode(self) -> ForwardMode:

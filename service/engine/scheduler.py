@@ -20,7 +20,7 @@ from service.engine.forward_batch import BatchResult
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.overlap_worker import FutureMap, FutureMapFull, LaunchedBatch, OverlapWorker
-from service.engine.request import FinishReason, OutputSink, Req, RequestOutput
+from service.engine.request import FinishReason, OutputSink, Req, RequestError, RequestOutput
 from service.engine.schedule_batch import ScheduleBatch, build_decode_batch, build_extend_batch
 from service.engine.timeline import SCHEDULER_TID, Timeline
 
@@ -116,7 +116,17 @@ class Scheduler:
                 self.in_flight.append((batch, self.launch_batch(batch)))
             if self.in_flight and (batch is None or len(self.in_flight) > 1):
                 self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+                self.run_deferred_after_launch()
             self.flush_outputs()
+
+    def run_deferred_after_launch(self) -> None:
+        """A batch's after_launch hooks run once every earlier result is processed
+        (e.g. grammar masks need the previous tokens accepted), while it computes."""
+        if self.in_flight and self.in_flight[0][0].after_launch_pending:
+            batch = self.in_flight[0][0]
+            batch.after_launch_pending = False
+            for feature, rows in batch.plan:
+                feature.after_launch(batch, rows)
 
     def run_batch_fallback(self, batch: ScheduleBatch) -> None:
         """Per-batch fallback for a batch carrying a feature that cannot fully overlap:
@@ -125,6 +135,7 @@ class Scheduler:
         start = time.perf_counter()
         while self.in_flight:
             self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+            self.run_deferred_after_launch()
         names = ",".join(f.name for f, _ in batch.plan if f.support is not OverlapSupport.FULL)
         self.timeline.add(SCHEDULER_TID, f"sync point [{names}]", start, time.perf_counter())
         handle = self.launch_batch(batch, fallback=names)
@@ -179,14 +190,22 @@ class Scheduler:
     def form_prefill_batch(self) -> ScheduleBatch | None:
         admitted: list[Req] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if len(self.running) + len(admitted) >= self.max_running:
+                break
+            if req.features:
+                try:
+                    if not self.features.ready(req):
+                        continue  # e.g. its grammar still compiles: others go ahead
+                except RequestError as e:
+                    self.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
+                    continue
             n = len(req.prompt_ids)
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
             if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
                 break  # wait until running requests free KV
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.reserved_tokens += req.budget_tokens
             req.slot = self.req_pool.alloc()
             admitted.append(req)
@@ -227,12 +246,16 @@ class Scheduler:
                 # Sync point: finishing an older batch frees its future slots.
                 self.sync_points += 1
                 self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+                self.run_deferred_after_launch()
         batch.placeholders = handle.placeholders
         for req, placeholder in zip(batch.reqs, handle.placeholders):
             req.next_input = placeholder
         self.features.count(batch.plan, "fallback" if fallback else "overlapped")
-        for feature, rows in batch.plan:  # runs while the forward computes
-            feature.after_launch(batch, rows)
+        if self.in_flight:
+            batch.after_launch_pending = True  # after the older batches' results
+        else:
+            for feature, rows in batch.plan:  # runs while the forward computes
+                feature.after_launch(batch, rows)
         return handle
 
     def wait_result(self, item: tuple[ScheduleBatch, LaunchedBatch]) -> tuple[ScheduleBatch, BatchResult | BaseException]:
@@ -303,6 +326,7 @@ class Scheduler:
         token_ids: list[int] | None = None,
         error: str | None = None,
         extras: dict | None = None,
+        error_code: str = "INTERNAL",
     ) -> None:
         """End a request exactly once: free its KV and request slot, tell the client."""
         if req.finished is not None:
@@ -319,7 +343,7 @@ class Scheduler:
         try:
             self.features.on_finish(req)
         finally:
-            self.emit(req, token_ids or [], text, reason, matched, error, extras)
+            self.emit(req, token_ids or [], text, reason, matched, error, extras, error_code)
 
     def release(self, req: Req) -> None:
         if req.slot >= 0:
@@ -344,9 +368,11 @@ class Scheduler:
         matched: str | int | None = None,
         error: str | None = None,
         extras: dict | None = None,
+        error_code: str = "INTERNAL",
     ) -> None:
         self.outbox.append(
-            RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error, extras or {})
+            RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error,
+                          extras or {}, error_code)
         )
 
     def flush_outputs(self) -> None:
