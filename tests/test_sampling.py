@@ -64,6 +64,21 @@ def test_counter_noise_depends_only_on_seed_step_token():
     assert abs(float(u.mean()) - 0.5) < 0.02
 
 
+def test_noise_is_strictly_inside_the_unit_interval():
+    """Regression: 24-bit uniforms rounded to 1.0, so -log(u) = 0 made 0/0 = NaN win the argmax."""
+    u = counter_uniform(torch.arange(64), torch.arange(64), 49152)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+
+
+def test_masked_tokens_are_never_sampled():
+    vocab, bs = 49152, 64
+    logits = torch.full((bs, vocab), float("-inf"))
+    logits[:, 91] = 0.0
+    logits[:, 4000] = 1.0
+    ids = Sampler(bs, vocab).sample(logits, _sb(bs, top_ks=torch.full((bs,), vocab), need_top_k_p=False))
+    assert set(ids.tolist()) <= {91, 4000}
+
+
 def _sb(bs: int, **kw) -> SamplingBatch:
     base = dict(
         temperatures=torch.ones(bs), top_ks=torch.full((bs,), 8), top_ps=torch.ones(bs), min_ps=torch.zeros(bs),

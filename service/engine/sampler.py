@@ -32,7 +32,8 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tor
     key = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ _mix32(steps & _M32)))
     tok = (torch.arange(vocab, dtype=torch.int64) * 0x9E3779B9) & _M32
     h = _mix32(key.unsqueeze(1) ^ tok.unsqueeze(0))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits + 0.5 is exact in float32, so u < 1 strictly (24 bits would round to 1.0).
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 class Sampler:
@@ -81,7 +82,8 @@ class Sampler:
                 probs = torch.where(probs < sb.min_ps.unsqueeze(1) * top, 0.0, probs)
             # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
             noise = -torch.log(counter_uniform(sb.seeds, sb.steps, probs.shape[1]))
-            sampled = (probs / noise).argmax(dim=-1)
+            # Tokens with zero probability (masked, filtered) can never win, whatever the noise.
+            sampled = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
             ids = torch.where(sb.temperatures > 0, sampled, greedy)
         self.counts.index_put_((sb.req_slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         return ids
