@@ -20,12 +20,12 @@ def smol_dir() -> Path:
     return prepare_default_model()
 
 
-def make_tiny_model(smol: Path, out: Path, kind: str) -> Path:
+def make_tiny_model(smol: Path, out: Path, kind: str, vocab_size: int = 49152) -> Path:
     """A small random-init Llama or Qwen2 with SmolLM2's tokenizer (vocab 49152)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.2, eos_token_id=2, bos_token_id=1,
     )
