@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_features.py fallback [--fraction 0.1]   # per-batch vs global fallback
     .venv/bin/python bench/bench_features.py logprobs                    # top-5 logprobs on every request vs none
+    .venv/bin/python bench/bench_features.py constrained                 # JSON-schema constrained vs unconstrained
 
 fallback: a fraction of requests (default 10%) carry the test-only "none"
 feature (its batches cannot overlap); runs `--overlap-policy per-batch` (only
@@ -11,6 +12,12 @@ everyone, as SGLang does at startup) and, for reference, no feature at all.
 logprobs: the same workload without logprobs and with top-5 logprobs (and
 output logprobs) on every request, both under the overlap loop; prints the
 throughput ratio and the forward-busy fraction of each.
+
+constrained: every request constrained by a JSON schema whose outputs all have
+the same length (fixed-size integer array), vs the same requests unconstrained
+with max_new_tokens set to that length, under the overlap loop; prints the
+throughput ratio, the per-row mask fill time (median/p99) and grammar compile
+time cold vs cached.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def make_workload(n: int, max_new: int, seed: int = 0):
     return prompts, params
 
 
-def measure(model_dir, args, prompts, params, feats, **server_args) -> Measured:
+def measure(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
     client = SyncClient(
         ServerArgs(max_running_requests=len(prompts), kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
                    dtype=args.dtype, **server_args),
@@ -57,6 +64,8 @@ def measure(model_dir, args, prompts, params, feats, **server_args) -> Measured:
         tokens = sum(len(collect(o)[0]) for o in outs)
         counters = {r.feature: (r.batches_overlapped, r.batches_fallback, r.batches_normal_loop)
                     for r in client.engine.features.matrix()}
+        if on_client is not None:
+            on_client(client, outs)
         return Measured(tokens / elapsed, client.engine.stats().forward_busy_fraction, client.engine.mode, counters)
     finally:
         client.close()
@@ -95,9 +104,64 @@ def bench_logprobs(model_dir, args) -> None:
           f"(forward busy {with_lp.busy:.3f} vs {plain.busy:.3f})")
 
 
+# A realistic schema for the compile-time figure (nested objects, arrays, enums, patterns, $ref).
+ORDER_SCHEMA = {
+    "$defs": {"money": {"type": "number", "minimum": 0, "maximum": 100000}},
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 60},
+                                                      "tier": {"type": "string", "enum": ["free", "pro", "enterprise"]}},
+                     "required": ["name", "tier"]},
+        "lines": {"type": "array", "minItems": 1, "maxItems": 20, "items": {
+            "type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
+                                             "price": {"$ref": "#/$defs/money"}}, "required": ["sku", "qty", "price"]}},
+        "total": {"$ref": "#/$defs/money"},
+        "notes": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    },
+    "required": ["id", "customer", "lines", "total"],
+}
+
+
+def bench_constrained(model_dir, args) -> None:
+    import json
+
+    n_items = max(1, (args.max_new_tokens - 2) // 2)  # "[d,d,...,d]": 2 tokens per item + brackets
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": n_items, "maxItems": n_items}
+    prompts, _ = make_workload(args.num_requests, args.max_new_tokens)
+    lengths: list[int] = []
+    stats: dict = {}
+
+    def grab(client, outs):
+        lengths.extend(len(collect(o)[0]) for o in outs)
+        feature = client.engine.features.features["constrained"]
+        stats["fill"] = feature.mask_fill_stats_us()
+        backend = feature.backend
+        text = json.dumps(ORDER_SCHEMA)
+        t = time.perf_counter()
+        backend.compile("json_schema", text).result()
+        stats["cold"] = time.perf_counter() - t
+        t = time.perf_counter()
+        backend.compile("json_schema", text).result()
+        stats["cached"] = time.perf_counter() - t
+
+    constrained = [{"constrained": dict(kind="json_schema", text=json.dumps(schema))}] * len(prompts)
+    greedy = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens) for _ in prompts]
+    with_c = measure(model_dir, args, prompts, greedy, constrained, on_client=grab)
+    n = round(sum(lengths) / len(lengths))
+    print(f"workload: {len(prompts)} requests; constrained outputs average {n} tokens (incl. EOS)")
+    report("constrained", with_c, "constrained")
+    plain_params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for _ in prompts]
+    plain = measure(model_dir, args, prompts, plain_params, [None] * len(prompts))
+    report("unconstrained", plain, "constrained")
+    print(f"constrained / unconstrained throughput: {with_c.tokens_per_s / plain.tokens_per_s:.3f}x")
+    print(f"mask fill per row: median {stats['fill'][0]:.1f} us, p99 {stats['fill'][1]:.1f} us")
+    print(f"grammar compile: cold {stats['cold'] * 1e3:.1f} ms, cached {stats['cached'] * 1e3:.3f} ms")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=["fallback", "logprobs"])
+    p.add_argument("scenario", choices=["fallback", "logprobs", "constrained"])
     p.add_argument("--model", default=None)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -105,7 +169,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args()
     model_dir = resolve_model_path(args.model)
-    {"fallback": bench_fallback, "logprobs": bench_logprobs}[args.scenario](model_dir, args)
+    {"fallback": bench_fallback, "logprobs": bench_logprobs, "constrained": bench_constrained}[args.scenario](model_dir, args)
 
 
 if __name__ == "__main__":
