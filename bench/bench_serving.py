@@ -311,7 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--configs", default="overlap,normal", help="comma list of: " + ", ".join(CONFIG_FLAGS))
-    extra_help = "extra server options, one quoted string (a lone flag: --server-args=--compile)"
+    extra_help = "extra server options, one quoted string (a lone flag: --server-args=--disable-overlap)"
     p.add_argument("--server-args", default="", help=extra_help)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads: server --num-threads and HF")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)

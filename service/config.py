@@ -26,7 +26,6 @@ class ServerArgs:
     disabled_features: list[str] = field(default_factory=list)
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch intra-op threads for the forward; None = all cores
-    compile: bool = False  # torch.compile the decode step
     trace_file: str | None = None
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
@@ -65,7 +64,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="switch a feature module off (repeatable); `python -m service matrix` lists them")
     p.add_argument("--attention-backend", choices=["torch"], default=d.attention_backend)
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
