@@ -30,7 +30,6 @@ class ServerArgs:
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
-    seed: int = 0
     grammar_compile_timeout_s: float = 30.0
 
     @property
@@ -68,7 +67,6 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
     p.add_argument("--future-map-size", type=int, default=d.future_map_size)
-    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a constrained request whose grammar compiles longer fails with DEADLINE_EXCEEDED")
     return p

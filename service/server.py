@@ -276,6 +276,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     router: OutputRouter
     port: int
+    metrics_http: object | None = None  # (HTTP server, thread) from prometheus_client
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Stop admitting, let in-flight requests finish within grace_s, then stop."""
@@ -288,6 +289,8 @@ class RunningServer:
         for rid in list(self.router.queues):
             self.engine.abort(rid)
         await self.server.stop(grace=1.0)
+        if self.metrics_http is not None:
+            self.metrics_http[0].shutdown()
         self.engine.shutdown()
 
 
@@ -312,10 +315,11 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics_http = None
     if args.metrics_port is not None:
-        start_metrics_server(args.metrics_port, args.host, engine, router)
+        metrics_http = start_metrics_server(args.metrics_port, args.host, engine, router)
     log.info("serving %s on %s:%d (%s)", model_dir.name, args.host, port, engine.mode)
-    return RunningServer(args, engine, server, servicer, health_servicer, router, port)
+    return RunningServer(args, engine, server, servicer, health_servicer, router, port, metrics_http)
 
 
 def serve(args: ServerArgs) -> int:

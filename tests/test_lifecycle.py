@@ -86,3 +86,21 @@ def test_cli_help_lists_options():
     assert out.returncode == 0
     for opt in ("--model", "--max-running-requests", "--kv-cache-tokens", "--dtype", "--disable-overlap", "--trace-file"):
         assert opt in out.stdout
+
+
+def test_prometheus_metrics_endpoint(tiny_llama_dir):
+    import urllib.request
+
+    port = free_port()
+    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
+                                      metrics_port=port))
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            pb2_grpc.GenerationStub(ch).Generate(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]),
+                                                                     sampling=pb2.SamplingParams(max_new_tokens=8, temperature=0)))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for name in ("zerogap_forward_busy_fraction", "zerogap_forward_gap_median_seconds", "zerogap_kv_pool_free_tokens",
+                     "zerogap_forward_steps_total", 'zerogap_requests_finished_total{reason="length"} 1.0'):
+            assert name in body, name
+    finally:
+        srv.stop()

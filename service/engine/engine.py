@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from features import Feature, FeatureRegistry, builtin_features
-from service import __version__
 from service.config import ServerArgs
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -197,7 +196,6 @@ class Engine:
         if self.args.trace_file:
             self.timeline.write_chrome_trace(self.args.trace_file)
 
-    version = __version__
 
 
 class SyncClient:
