@@ -22,7 +22,7 @@ def smol_dir() -> Path:
 
 def make_tiny_model(smol: Path, out: Path, kind: str, vocab_size: int = 49152) -> Path:
     """A small random-init Llama or Qwen2 with SmolLM2's tokenizer (vocab 49152)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -36,6 +36,9 @@ def make_tiny_model(smol: Path, out: Path, kind: str, vocab_size: int = 49152) -
                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                            "original_max_position_embeddings": 128})
         model = LlamaForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = MistralConfig(**common, tie_word_embeddings=False, sliding_window=8)
+        model = MistralForCausalLM(cfg)
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         model = Qwen2ForCausalLM(cfg)
@@ -58,6 +61,11 @@ def tiny_llama_dir(smol_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(smol_dir, tmp_path_factory) -> Path:
     return make_tiny_model(smol_dir, tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(smol_dir, tmp_path_factory) -> Path:
+    return make_tiny_model(smol_dir, tmp_path_factory.mktemp("tiny-mistral"), "mistral")
 
 
 @pytest.fixture(scope="session")

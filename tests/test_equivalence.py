@@ -54,7 +54,7 @@ def test_smollm2_greedy_concurrent_matches_transformers(smol_client, prompts_and
     assert smol_client.engine.kv_pool.free_count == smol_client.engine.kv_pool.size
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("mode", ["normal", "overlap"])
 def test_tiny_models_greedy_match_transformers(kind, mode, request):
     from transformers import AutoModelForCausalLM

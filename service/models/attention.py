@@ -17,7 +17,7 @@ from service.engine.forward_batch import ForwardBatch, ForwardMode
 class AttentionMeta:
     """Per-batch tensors every layer reuses (built once per forward)."""
 
-    def __init__(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int):
+    def __init__(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None):
         bs, lq = fb.q_positions.shape
         group = num_q_heads // num_kv_heads
         self.fb = fb
@@ -25,7 +25,10 @@ class AttentionMeta:
         kv_pos = torch.arange(fb.kv_indices.shape[1])
         # Query row (bs, lq) sees kv position p when p <= its own position;
         # padding rows sit at position 0 so no row is fully masked.
-        mask = kv_pos.view(1, 1, -1) <= fb.q_positions.unsqueeze(-1)  # [bs, lq, L]
+        q_pos = fb.q_positions.unsqueeze(-1)
+        mask = kv_pos.view(1, 1, -1) <= q_pos  # [bs, lq, L]
+        if sliding_window is not None:  # Mistral-style: only the last `sliding_window` positions
+            mask &= kv_pos.view(1, 1, -1) > q_pos - sliding_window
         # GQA: the group's query heads share a kv head -> rows (lq, group).
         self.mask = mask.unsqueeze(2).expand(bs, lq, group, -1).reshape(bs, 1, lq * group, -1)
 

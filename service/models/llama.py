@@ -36,6 +36,7 @@ class ModelShape:
     o_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    sliding_window: int | None = None  # attend to at most this many most recent positions
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -46,6 +47,9 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        window = getattr(config, "sliding_window", None)
+        if is_qwen2 and not getattr(config, "use_sliding_window", False):
+            window = None
         return cls(
             architecture=arch,
             num_layers=config.num_hidden_layers,
@@ -60,6 +64,7 @@ class ModelShape:
             o_bias=attention_bias and not is_qwen2,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+            sliding_window=int(window) if window else None,
         )
 
 
@@ -149,7 +154,7 @@ class LlamaModel(nn.Module):
         s = self.shape
         h = self.embed(input_ids)
         cos, sin = self.cos[fb.positions], self.sin[fb.positions]
-        meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads)
+        meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
