@@ -13,8 +13,10 @@ points. Hooks run on the thread named in their docstring — never both.
                       after_launch             the batch's forward runs meanwhile; called once the
                                                results of all earlier batches were processed
                       on_result                the batch's result is on the host, per row
+                      on_retract               the request was retracted; rebuild state from its kept tokens
                       on_finish                the request ended (any reason)
     forward thread    before_forward           right before the model runs
+                      modify_embeddings        input embeddings, before the first layer (e.g. images)
                       process_logits           at sampling: mask / bias the logits
                       after_sampling           tokens sampled: compute extra outputs
 """
@@ -93,12 +95,19 @@ class Feature:
         """Per active row, after its token was appended; returns output fields for the client."""
         return None
 
+    def on_retract(self, req: "Req") -> None:
+        """The request lost its KV and will be re-run from prompt + kept output tokens."""
+
     def on_finish(self, req: "Req") -> None:
         pass
 
     # ---- forward thread ----------------------------------------------------------------
     def before_forward(self, fb: "ForwardBatch") -> None:
         pass
+
+    def modify_embeddings(self, fb: "ForwardBatch", hidden: "torch.Tensor") -> "torch.Tensor":
+        """Packed input embeddings [T, hidden] -> the ones the first layer sees."""
+        return hidden
 
     def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
         return logits

@@ -144,6 +144,9 @@ class ConstrainedDecoding(Feature):
     def on_finish(self, req: Any) -> None:
         req.feature_state.pop(self.name, None)
 
+    def on_retract(self, req: Any) -> None:
+        self.rebuild_state(req)
+
     def rebuild_state(self, req: Any) -> None:
         """Rebuild a request's matcher from its kept output tokens (e.g. after retraction)."""
         matcher = req.feature_state[self.name]

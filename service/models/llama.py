@@ -153,6 +153,8 @@ class LlamaModel(nn.Module):
         those of fb.extra_logit_rows when set."""
         s = self.shape
         h = self.embed(input_ids)
+        for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
+            h = feature.modify_embeddings(fb, h)
         cos, sin = self.cos[fb.positions], self.sin[fb.positions]
         meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
         for i, layer in enumerate(self.layers):
