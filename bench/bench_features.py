@@ -54,6 +54,13 @@ def make_workload(n: int, max_new: int, seed: int = 0):
 
 
 def measure(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
+    """The median of `--repeats` runs (tok/s), so that one noisy run does not decide a ratio."""
+    runs = [measure_once(model_dir, args, prompts, params, feats, on_client, **server_args) for _ in range(args.repeats)]
+    runs.sort(key=lambda m: m.tokens_per_s)
+    return runs[len(runs) // 2]
+
+
+def measure_once(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
     client = SyncClient(
         ServerArgs(max_running_requests=len(prompts), kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
                    dtype=args.dtype, **server_args),
@@ -171,6 +178,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
     args = p.parse_args()
     model_dir = resolve_model_path(args.model)
     {"fallback": bench_fallback, "logprobs": bench_logprobs, "constrained": bench_constrained}[args.scenario](model_dir, args)
