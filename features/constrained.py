@@ -57,6 +57,9 @@ class ConstrainedDecoding(Feature):
 
     def bind(self, engine: Any) -> None:
         self._engine = engine
+        # Build the tokenizer info in the background: the first constrained request must not
+        # stall the gRPC event loop for it.
+        threading.Thread(target=lambda: self.backend, name="zerogap-grammar-init", daemon=True).start()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -98,6 +101,9 @@ class ConstrainedDecoding(Feature):
         return CompilingConstraint(spec, fut)
 
     # ---- scheduler thread ----------------------------------------------------------------
+    def on_admit(self, req: Any) -> None:
+        req.ban_stop_before_min = False  # the grammar decides where EOS may come
+
     def admission_ready(self, req: Any) -> bool:
         c: CompilingConstraint = req.features[self.name]
         if not c.compiled.done():

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import xgrammar as xgr
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
+MAX_CACHED_GRAMMARS = 1024
 
 
 @dataclass
@@ -33,7 +35,7 @@ class GrammarBackend:
         self.vocab_size = model_vocab_size
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerogap-grammar")
-        self._futures: dict[tuple[str, str], Future] = {}
+        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()  # LRU of compiled grammars
         self._lock = threading.Lock()
         self.stats = CompileStats()
 
@@ -44,9 +46,12 @@ class GrammarBackend:
             fut = self._futures.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 self.stats.cache_hits += 1
+                self._futures.move_to_end(key)
                 return fut
             fut = self._pool.submit(self._compile, kind, text)
             self._futures[key] = fut
+            while len(self._futures) > MAX_CACHED_GRAMMARS:
+                self._futures.popitem(last=False)
             return fut
 
     def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:

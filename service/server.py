@@ -142,12 +142,9 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 if payload is not None:
                     features[name] = payload
             req = self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features)
+            self.engine.submit(req)  # raises ALREADY_EXISTS for a live id: its queue stays untouched
+            # No await since submit: outputs reach the router through this loop, after the queue exists.
             queue = self.router.open(rid)
-            try:
-                self.engine.submit(req)
-            except RequestError:
-                self.router.queues.pop(rid, None)
-                raise
         except RequestError as e:
             await context.abort(_code(e.code), e.message)
         return rid, queue

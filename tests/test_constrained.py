@@ -103,6 +103,14 @@ def test_constrained_with_logprobs_penalties_and_stop(client, hf_tokenizer):
     assert sum(1 for t, _, _ in entries[0][2] if t not in ids) >= 1
 
 
+def test_grammar_governs_termination_despite_min_new_tokens(client, hf_tokenizer):
+    """Regression: EOS was banned below min_new_tokens even where the grammar allowed nothing else."""
+    outs = client.generate([chat(hf_tokenizer, "Yes or no?")], SamplingParams(temperature=0, max_new_tokens=20, min_new_tokens=8),
+                           [{"constrained": dict(kind="regex", text="(yes|no)")}])
+    _, text, last = collect(outs[0])
+    assert last.finish_reason is FinishReason.STOP and text in ("yes", "no"), (text, last.error)
+
+
 def test_matcher_state_rebuilds_from_kept_tokens(client):
     feature = client.engine.features.features["constrained"]
     compiled = feature.backend.compile("regex", r"abc(d|e)f").result()

@@ -11,7 +11,7 @@ import pytest
 from features import builtin_features
 from features.base import OverlapSupport
 from features.registry import render_matrix_markdown
-from features.testing import fake_features
+from features.testing import BanTokensFeature, fake_features
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
@@ -124,6 +124,28 @@ def test_mixed_batch_features_and_plain_requests(tiny_llama_dir):
     i = next(i for i, f in enumerate(feats) if f and "test_full" in f)
     steps = [o.extras["test_full"]["step"] for o in outs[i] if "test_full" in o.extras]
     assert steps == list(range(1, len(ids[i]) + 1))
+
+
+class FailingLaunchHook(BanTokensFeature):
+    name = "test_failing"
+
+    def after_launch(self, batch, rows):
+        raise RuntimeError("injected hook failure")
+
+
+def test_failing_feature_hook_fails_its_batch_and_frees_everything(tiny_llama_dir):
+    """Regression: an exception right after a launch leaked the batch's future-map slots."""
+    client = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=4), tiny_llama_dir, features=[FailingLaunchHook()])
+    try:
+        bad = client.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), [{"test_failing": [1]}])[0]
+        assert bad[-1].finish_reason.value == "error" and "injected hook failure" in bad[-1].error
+        good = client.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=4))[0]
+        assert good[-1].finish_reason.value == "length"
+        e = client.engine
+        fm = e.scheduler.overlap_worker.future_map
+        assert fm.free_count == fm.size and e.kv_pool.free_count == e.kv_pool.size
+    finally:
+        client.close()
 
 
 def test_fallback_is_visible_in_the_trace(tiny_llama_dir, tmp_path):

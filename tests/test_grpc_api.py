@@ -197,7 +197,18 @@ def test_duplicate_live_request_id(stub):
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(pb2.GenerateRequest(request_id="dup", text="x", sampling=greedy(2)))
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    call.cancel()
+    # Regression: the refused duplicate must not steal the original's output queue.
+    assert stub.Abort(pb2.AbortRequest(request_id="dup")).found
+    assert list(it)[-1].finish_reason == pb2.FINISH_REASON_ABORT
+
+
+def test_full_uint64_seed_range_and_tiny_temperature(stub):
+    """Regression: a seed >= 2^63 used to break batch formation for every live request."""
+    big = pb2.GenerateRequest(text="Once upon a time", sampling=pb2.SamplingParams(max_new_tokens=8, temperature=0.9, seed=2**64 - 1))
+    assert stub.Generate(big).token_ids == stub.Generate(big).token_ids
+    tiny = stub.Generate(pb2.GenerateRequest(text="Once upon a time", sampling=pb2.SamplingParams(max_new_tokens=8, temperature=1e-30)))
+    zero = stub.Generate(pb2.GenerateRequest(text="Once upon a time", sampling=greedy(8)))
+    assert tiny.token_ids == zero.token_ids
 
 
 def test_health_and_reflection(server):

@@ -71,9 +71,9 @@ class Engine:
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config)
         shape = self.model.shape
-        self.features.bind(self)
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
+        self.features.bind(self)
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
         self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype)
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length)
@@ -133,6 +133,8 @@ class Engine:
             raise RequestError("OUT_OF_RANGE", f"input: prompt of {n} tokens does not fit the context length {self.context_length}")
         if params.max_new_tokens is None:
             params.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.context_length - n)
+            if params.min_new_tokens > params.max_new_tokens:
+                raise RequestError("INVALID_ARGUMENT", "sampling.min_new_tokens: exceeds the default max_new_tokens; set max_new_tokens")
         elif n + params.max_new_tokens > self.context_length:
             raise RequestError(
                 "OUT_OF_RANGE",
@@ -144,7 +146,9 @@ class Engine:
                 f"request needs {n + params.max_new_tokens} KV tokens but the pool holds {self.kv_pool.size}",
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        if seed >= 2**63:  # uint64 seeds as their int64 bit pattern (no collisions, fits a tensor)
+            seed -= 2**64
         payloads = self.features.validate_request(features or {}, self, prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         return Req(rid, list(prompt_ids), params, seed, detok, stop_ids, payloads)

@@ -28,6 +28,8 @@ class RequestError(Exception):
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -81,12 +83,15 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise bad("stop_token_ids", f"token id {t} outside the vocabulary [0, {vocab_size})")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad("seed", f"must be in [0, 2^64), got {self.seed}")
         if any(s == "" for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # A vanishing temperature is greedy: dividing by it would overflow the logits.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass
@@ -138,6 +143,7 @@ class Req:
         self.features: dict[str, Any] = features or {}  # feature name -> validated payload
         self.feature_stop = False  # set by a feature (e.g. a finished grammar): stop after this token
         self.feature_state: dict[str, Any] = {}  # per-request state a feature keeps (e.g. a matcher)
+        self.ban_stop_before_min = True  # False when a grammar governs termination
         self.arrival = time.monotonic()
         # Constant per-request sampling row, built once (temperature, top_k, top_p,
         # min_p, repetition, frequency, presence).

@@ -94,6 +94,7 @@ class Sampler:
         rank = torch.arange(probs.shape[1]).unsqueeze(0)
         drop = rank >= top_ks.unsqueeze(1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= top_ps.unsqueeze(1)
+        # (rows with top_p = 1 keep everything: float rounding of the cumsum must not cut their tail)
+        drop |= ((sorted_p.cumsum(dim=-1) - sorted_p) >= top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_p)

@@ -29,6 +29,7 @@ class ScheduleBatch:
     plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
     support: OverlapSupport = OverlapSupport.FULL
     after_launch_pending: bool = False  # overlap loop: its after_launch hooks wait for older results
+    hook_error: Exception | None = None  # a feature hook failed: the batch's requests fail
 
     @property
     def mode(self) -> ForwardMode:
@@ -44,7 +45,7 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
     banned_rows: list[int] = []
     banned_tokens: list[int] = []
     for i, r in enumerate(reqs):
-        if r.launched - 1 < r.params.min_new_tokens:
+        if r.launched - 1 < r.params.min_new_tokens and r.ban_stop_before_min:
             banned_rows.extend([i] * len(r.banned_ids))
             banned_tokens.extend(r.banned_ids)
     return SamplingBatch(

@@ -90,14 +90,19 @@ class Scheduler:
                 loop()
             except Exception as e:  # a scheduler bug: fail what is live, keep serving
                 log.exception("scheduler loop failed")
-                self.recover(f"scheduler failure: {e!r}")
+                try:
+                    self.recover(f"scheduler failure: {e!r}")
+                except Exception:
+                    log.exception("recovery failed")
+                    self.last_error = f"recovery failed after: {e!r}"
         if self.overlap_worker is not None:
             self.overlap_worker.shutdown()
 
     def event_loop_normal(self) -> None:
         """Form a batch, run it, process its result; repeat."""
+        batch = None
         while not self._stop:
-            self.process_input_requests(self.recv_requests(block=not self.has_work()))
+            self.process_input_requests(self.recv_requests(block=batch is None))
             batch = self.get_next_batch_to_run()
             if batch:
                 result = self.run_batch(batch)
@@ -107,13 +112,14 @@ class Scheduler:
     def event_loop_overlap(self) -> None:
         """Launch batch N, then process batch N-1's result while N computes."""
         self.in_flight: deque[tuple[ScheduleBatch, LaunchedBatch]] = deque()
+        batch = None
         while not self._stop:
-            self.process_input_requests(self.recv_requests(block=not self.has_work()))
+            self.process_input_requests(self.recv_requests(block=batch is None and not self.in_flight))
             batch = self.get_next_batch_to_run()
             if batch and batch.support is not OverlapSupport.FULL:
                 self.run_batch_fallback(batch)
             elif batch:
-                self.in_flight.append((batch, self.launch_batch(batch)))
+                self.launch_batch(batch)
             if self.in_flight and (batch is None or len(self.in_flight) > 1):
                 self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
                 self.run_deferred_after_launch()
@@ -123,10 +129,17 @@ class Scheduler:
         """A batch's after_launch hooks run once every earlier result is processed
         (e.g. grammar masks need the previous tokens accepted), while it computes."""
         if self.in_flight and self.in_flight[0][0].after_launch_pending:
-            batch = self.in_flight[0][0]
-            batch.after_launch_pending = False
-            for feature, rows in batch.plan:
+            self.run_after_launch(self.in_flight[0][0])
+
+    def run_after_launch(self, batch: ScheduleBatch) -> None:
+        """Each hook on its own: a failing hook fails this batch's requests, nobody else's."""
+        batch.after_launch_pending = False
+        for feature, rows in batch.plan:
+            try:
                 feature.after_launch(batch, rows)
+            except Exception as e:
+                log.exception("after_launch of %s failed", feature.name)
+                batch.hook_error = e
 
     def run_batch_fallback(self, batch: ScheduleBatch) -> None:
         """Per-batch fallback for a batch carrying a feature that cannot fully overlap:
@@ -138,22 +151,18 @@ class Scheduler:
             self.run_deferred_after_launch()
         names = ",".join(f.name for f, _ in batch.plan if f.support is not OverlapSupport.FULL)
         self.timeline.add(SCHEDULER_TID, f"sync point [{names}]", start, time.perf_counter())
-        handle = self.launch_batch(batch, fallback=names)
-        if batch.support is OverlapSupport.SYNC_POINT:
-            self.in_flight.append((batch, handle))
-        else:
-            self.process_batch_result(*self.wait_result((batch, handle)))
+        self.launch_batch(batch, fallback=names)
+        if batch.support is OverlapSupport.NONE:
+            self.process_batch_result(*self.wait_result(self.in_flight.pop()))
 
     # ---- loop steps ----------------------------------------------------------------
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or getattr(self, "in_flight", None))
-
     def recv_requests(self, block: bool) -> list[tuple[str, object]]:
+        """New commands; when nothing could be scheduled, wait briefly for one instead of spinning."""
         cmds = []
         if block:
             self.timeline.mark_idle()
             try:
-                cmds.append(self.inbox.get(timeout=0.05))
+                cmds.append(self.inbox.get(timeout=0.05 if not self.waiting else 0.01))
             except queue.Empty:
                 return cmds
         while True:
@@ -225,13 +234,12 @@ class Scheduler:
         """Normal loop: forward on this thread and wait for the tokens."""
         self.features.count(batch.plan, "normal_loop")
         try:
-            for feature, rows in batch.plan:
-                feature.after_launch(batch, rows)
+            self.run_after_launch(batch)
             return self.worker.forward(batch.fb, batch.fb.input_ids)
         except Exception as e:
             return e
 
-    def launch_batch(self, batch: ScheduleBatch, fallback: str = "") -> LaunchedBatch:
+    def launch_batch(self, batch: ScheduleBatch, fallback: str = "") -> None:
         """Overlap loop: hand the batch to the forward thread; inputs of later
         batches use the returned placeholders until the result is processed."""
         assert self.overlap_worker is not None
@@ -247,16 +255,16 @@ class Scheduler:
                 self.sync_points += 1
                 self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
                 self.run_deferred_after_launch()
+        # In flight from here on, whatever happens next: its future slots are released with it.
+        self.in_flight.append((batch, handle))
         batch.placeholders = handle.placeholders
         for req, placeholder in zip(batch.reqs, handle.placeholders):
             req.next_input = placeholder
         self.features.count(batch.plan, "fallback" if fallback else "overlapped")
-        if self.in_flight:
+        if len(self.in_flight) > 1:
             batch.after_launch_pending = True  # after the older batches' results
         else:
-            for feature, rows in batch.plan:  # runs while the forward computes
-                feature.after_launch(batch, rows)
-        return handle
+            self.run_after_launch(batch)  # runs while the forward computes
 
     def wait_result(self, item: tuple[ScheduleBatch, LaunchedBatch]) -> tuple[ScheduleBatch, BatchResult | BaseException]:
         batch, handle = item
@@ -271,6 +279,8 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult | BaseException) -> None:
         start = time.perf_counter()
+        if batch.hook_error is not None and not isinstance(result, BaseException):
+            result = batch.hook_error
         if isinstance(result, BaseException):
             log.error("forward failed for a batch of %d: %r", len(batch.reqs), result)
             for req in batch.reqs:
@@ -332,7 +342,7 @@ class Scheduler:
         if req.finished is not None:
             return
         if reason is FinishReason.LENGTH or (reason is FinishReason.STOP and not isinstance(matched, str)):
-            tail = req.stops.feed(req.detok.flush(), True)
+            tail = req.stops.feed(req.detok.flush(), len(req.output_ids) > req.params.min_new_tokens)
             text += tail.text
             if tail.matched is not None and matched is None:
                 reason, matched = FinishReason.STOP, tail.matched
@@ -383,7 +393,9 @@ class Scheduler:
     # ---- recovery ------------------------------------------------------------------
     def recover(self, error: str) -> None:
         """After a loop failure: drain the forward thread, fail every live request."""
-        for _, handle in getattr(self, "in_flight", ()):
+        for batch, handle in getattr(self, "in_flight", ()):
+            if batch.after_launch_pending:  # the forward may wait on what these hooks provide
+                self.run_after_launch(batch)
             try:
                 handle.wait()
             except Exception:
