@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from service import protos
+from service.config import ServerArgs
 
 
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:
@@ -12,3 +19,17 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+@contextmanager
+def grpc_stub(model_dir, **args) -> Iterator:
+    """A real server on a loopback ephemeral port and a Generation stub for it."""
+    from service.server import BackgroundServer
+
+    _, pb2_grpc = protos.load()
+    srv = BackgroundServer(ServerArgs(model=str(model_dir), port=0, **args))
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            yield pb2_grpc.GenerationStub(ch)
+    finally:
+        srv.stop()

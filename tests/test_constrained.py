@@ -14,10 +14,10 @@ from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
 from service.engine.request import FinishReason, SamplingParams
-from service.server import BackgroundServer
+from tests.helpers import grpc_stub
 from tests.data.json_schemas import SCHEMAS
 
-pb2, pb2_grpc = protos.load()
+pb2, _ = protos.load()
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +155,8 @@ def test_grammar_compiles_once_and_slow_compile_times_out(smol_dir):
 
 @pytest.fixture(scope="module")
 def stub(smol_dir):
-    srv = BackgroundServer(ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8))
-    with grpc.insecure_channel(srv.address) as ch:
-        yield pb2_grpc.GenerationStub(ch)
-    srv.stop()
+    with grpc_stub(smol_dir, kv_cache_tokens=4096, max_running_requests=8) as s:
+        yield s
 
 
 def test_grpc_constraint_and_errors(stub):

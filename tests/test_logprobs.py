@@ -12,9 +12,9 @@ from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
 from service.engine.request import SamplingParams
-from service.server import BackgroundServer
+from tests.helpers import grpc_stub
 
-pb2, pb2_grpc = protos.load()
+pb2, _ = protos.load()
 TOL = 2e-4
 
 
@@ -100,10 +100,8 @@ def test_top_logprobs_ties_order_by_token_id():
 
 @pytest.fixture(scope="module")
 def stub(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=2048, max_running_requests=8))
-    with grpc.insecure_channel(srv.address) as ch:
-        yield pb2_grpc.GenerationStub(ch)
-    srv.stop()
+    with grpc_stub(tiny_llama_dir, kv_cache_tokens=2048, max_running_requests=8) as s:
+        yield s
 
 
 PROMPT = pb2.TokenIds(ids=[5, 6, 7, 8, 9])
