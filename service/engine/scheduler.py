@@ -65,6 +65,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.reserved_tokens = 0  # KV rows promised to admitted requests
+        # Overlap loop: launched batches whose results are not processed yet (oldest first).
+        self.in_flight: deque[tuple[ScheduleBatch, LaunchedBatch]] = deque()
         self.outbox: list[RequestOutput] = []
         self._stop = False
         self.last_error: str | None = None
@@ -111,7 +113,6 @@ class Scheduler:
 
     def event_loop_overlap(self) -> None:
         """Launch batch N, then process batch N-1's result while N computes."""
-        self.in_flight: deque[tuple[ScheduleBatch, LaunchedBatch]] = deque()
         batch = None
         while not self._stop:
             self.process_input_requests(self.recv_requests(block=batch is None and not self.in_flight))
@@ -393,7 +394,7 @@ class Scheduler:
     # ---- recovery ------------------------------------------------------------------
     def recover(self, error: str) -> None:
         """After a loop failure: drain the forward thread, fail every live request."""
-        for batch, handle in getattr(self, "in_flight", ()):
+        for batch, handle in self.in_flight:
             if batch.after_launch_pending:  # the forward may wait on what these hooks provide
                 self.run_after_launch(batch)
             try:
@@ -402,7 +403,7 @@ class Scheduler:
                 pass
             assert self.overlap_worker is not None
             self.overlap_worker.future_map.release(handle.slots)
-        self.in_flight = deque()
+        self.in_flight.clear()
         self.last_error = error
         for req in list(self.reqs.values()):
             self.finish(req, FinishReason.ERROR, error=error)
