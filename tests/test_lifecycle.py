@@ -12,10 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
+from tests.helpers import wait_until
 
 pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +49,10 @@ def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):
             it = iter(stream)
             next(it)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            # Draining is announced through health (NOT_SERVING); wait for it rather than for a fixed time.
+            health = health_pb2_grpc.HealthStub(ch)
+            assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+                              != health_pb2.HealthCheckResponse.SERVING, 20)
             with pytest.raises(grpc.RpcError) as e:
                 stub.Generate(pb2.GenerateRequest(text="new", sampling=pb2.SamplingParams(max_new_tokens=2)))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
