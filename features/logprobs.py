@@ -143,8 +143,9 @@ class LogprobsFeature(Feature):
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
         data = batch.fb.feature_data[self.name]
-        lists = extras.setdefault("_host", None) or self._to_lists(extras)
-        extras["_host"] = lists
+        lists = extras.get("_host")
+        if lists is None:  # convert the batch's tensors to lists once, for all its rows
+            lists = extras["_host"] = self._to_lists(extras)
         p: LogprobParams = req.features[self.name]
         j = data["index"][row]
         fields: dict[str, Any] = {}

@@ -28,9 +28,8 @@ class BanTokensFeature(Feature):
 
     def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
-        for row in self._rows(fb):
-            # fb.features holds (feature, rows); payloads travel in feature_data.
-            logits[row, fb.feature_data[self.name][row]] = float("-inf")
+        for row, banned in fb.feature_data[self.name].items():  # row -> the request's payload
+            logits[row, banned] = float("-inf")
         return logits
 
     def on_batch_formed(self, batch, rows: list[int]) -> None:
@@ -38,9 +37,6 @@ class BanTokensFeature(Feature):
 
     def on_result(self, batch, row: int, req, extras: Any) -> dict[str, Any]:
         return {"step": len(req.output_ids)}
-
-    def _rows(self, fb) -> list[int]:
-        return list(fb.feature_data[self.name])
 
 
 class NoRepeatFeature(Feature):

@@ -38,7 +38,6 @@ class Timeline:
         # (start, end, busy_epoch) of recent forwards; see mark_idle.
         self.forwards: deque[tuple[float, float, int]] = deque(maxlen=window)
         self.forward_steps = 0
-        self.fallback_steps = 0
         self._epoch = 0
         self.t0 = time.perf_counter()
 
