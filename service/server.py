@@ -11,6 +11,8 @@ import asyncio
 import logging
 import math
 import signal
+import socket
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -291,24 +293,59 @@ class RunningServer:
         self.engine.shutdown()
 
 
+class AddressInUse(RuntimeError):
+    """The listen address is taken (or cannot be bound): the server refuses to start."""
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Fail fast, before the model loads, when host:port is already bound (port 0 = any is always free)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise AddressInUse(f"cannot listen on {host}:{port}: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does; never SO_REUSEPORT
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise AddressInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another server running?)") from None
+
+
+def bind_port(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind exclusively: gRPC's default SO_REUSEPORT would let a second server share the port silently."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise AddressInUse(f"cannot listen on {host}:{port}: the address is in use or not available (is another server running?)")
+    return bound
+
+
 async def start_server(args: ServerArgs, features: list | None = None) -> RunningServer:
     """Load the model, start the engine and a gRPC server on args.host:args.port (0 = any).
     `features`: extra feature modules beside the built-in ones (tests)."""
+    check_address_free(args.host, args.port)
     model_dir = resolve_model_path(args.model)
     loop = asyncio.get_running_loop()
     router = OutputRouter(loop)
     engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (pb2.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        raise RuntimeError(f"cannot bind {args.host}:{args.port}")
+    try:
+        port = bind_port(server, args.host, args.port)
+    except AddressInUse:
+        engine.shutdown()
+        raise
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -334,7 +371,12 @@ def serve(args: ServerArgs) -> int:
         log.info("shutting down: draining for up to %.0fs", args.grace_period_s)
         await running.drain_and_stop(args.grace_period_s)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except AddressInUse as e:
+        log.error("%s", e)
+        print(f"zerogap: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -345,7 +387,12 @@ class BackgroundServer:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="zerogap-grpc", daemon=True)
         self._thread.start()
-        self.running: RunningServer = asyncio.run_coroutine_threadsafe(start_server(args, features), self.loop).result()
+        try:
+            self.running: RunningServer = asyncio.run_coroutine_threadsafe(start_server(args, features), self.loop).result()
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            raise
         self.port = self.running.port
         self.engine = self.running.engine
         self.address = f"{args.host}:{self.port}"
