@@ -6,6 +6,8 @@ of the hooks below; the scheduler and the worker call them at fixed, named
 points. Hooks run on the thread named in their docstring — never both.
 
     caller thread     from_proto / validate    request admission (gRPC handler / API)
+                      pending                  work to finish before the request is queued (awaited
+                                               by the server off the event loop, e.g. a grammar compile)
                       to_proto                 a response (delta) for the client
     scheduler thread  on_admit                 the request joins the scheduler
                       admission_ready          may it be scheduled now? (e.g. grammar compiled)
@@ -27,6 +29,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from service.engine.forward_batch import ForwardBatch, LogitsOutput
@@ -76,6 +80,14 @@ class Feature:
     def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> Any:
         """Check and normalise a request's payload; raise RequestError when bad."""
         return payload
+
+    def pending(self, payload: Any) -> "Future | None":
+        """A future the request should wait for before it is queued, or None. Its exception (a
+        RequestError) fails the request at validation; cancelling it says nobody waits any more."""
+        return None
+
+    def shutdown(self) -> None:
+        """The engine stops: release what the feature holds (threads, processes) without blocking."""
 
     # ---- scheduler thread --------------------------------------------------------------
     def on_admit(self, req: "Req") -> None:

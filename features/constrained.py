@@ -25,7 +25,7 @@ import torch
 import xgrammar as xgr
 
 from features.base import Feature, OverlapSupport
-from features.grammar_backend import KINDS, GrammarBackend
+from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits
 from service.engine.request import RequestError
 
 MASK_WAIT_S = 120.0  # a forward never waits forever for a mask
@@ -51,6 +51,7 @@ class ConstrainedDecoding(Feature):
 
     def __init__(self) -> None:
         self._backend: GrammarBackend | None = None
+        self._closed = False
         self._backend_lock = threading.Lock()
         self._engine: Any = None
         self.fill_us: deque[float] = deque(maxlen=100_000)  # per-row mask fill times
@@ -65,9 +66,23 @@ class ConstrainedDecoding(Feature):
     def backend(self) -> GrammarBackend:
         with self._backend_lock:  # built on first use: tokenizer info takes a moment
             if self._backend is None:
+                if self._closed:
+                    raise RequestError("UNAVAILABLE", "the server is shutting down")
                 e = self._engine
-                self._backend = GrammarBackend(e.tokenizer.hf, e.vocab_size, sorted(e.eos_ids))
+                self._backend = GrammarBackend(e.tokenizer.hf, e.vocab_size, sorted(e.eos_ids), self.limits())
             return self._backend
+
+    def limits(self) -> GrammarLimits:
+        a = self._engine.args
+        return GrammarLimits(max_bytes=a.max_constraint_bytes, max_depth=a.max_constraint_depth,
+                             max_properties=a.max_constraint_properties, compile_timeout_s=a.grammar_compile_timeout_s,
+                             max_worker_rss_mb=a.grammar_worker_max_rss_mb, workers=a.grammar_workers)
+
+    def shutdown(self) -> None:
+        with self._backend_lock:
+            self._closed = True
+            if self._backend is not None:
+                self._backend.shutdown()
 
     def mask_fill_stats_us(self) -> tuple[float, float]:
         """(median, p99) of per-row mask fill times in µs."""
@@ -90,6 +105,8 @@ class ConstrainedDecoding(Feature):
             raise RequestError("INVALID_ARGUMENT", f"constraint: set one of {', '.join(KINDS)}")
         if spec.kind != "json_object" and not spec.text:
             raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: empty")
+        if spec.kind != "json_object":
+            check_limits(spec.kind, spec.text, self.limits())  # before parsing: bounded size and nesting
         if spec.kind == "json_schema":
             try:
                 json.loads(spec.text)
@@ -97,8 +114,11 @@ class ConstrainedDecoding(Feature):
                 raise RequestError("INVALID_ARGUMENT", f"constraint.json_schema: not valid JSON: {e}") from None
         fut = self.backend.compile(spec.kind, spec.text)
         if fut.done() and fut.exception() is not None:  # a known-bad grammar fails at once
-            raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: {fut.exception()}")
+            raise _as_request_error(spec, fut.exception())
         return CompilingConstraint(spec, fut)
+
+    def pending(self, payload: Any) -> Future:
+        return payload.compiled  # a GrammarTicket: its errors are RequestErrors; cancelling it stops the compile
 
     # ---- scheduler thread ----------------------------------------------------------------
     def on_admit(self, req: Any) -> None:
@@ -112,7 +132,7 @@ class ConstrainedDecoding(Feature):
                 raise RequestError("DEADLINE_EXCEEDED", f"constraint.{c.spec.kind}: grammar compilation took longer than {timeout:g}s")
             return False
         if c.compiled.exception() is not None:
-            raise RequestError("INVALID_ARGUMENT", f"constraint.{c.spec.kind}: {c.compiled.exception()}")
+            raise _as_request_error(c.spec, c.compiled.exception())
         if self.name not in req.feature_state:
             req.feature_state[self.name] = self.backend.matcher(c.compiled.result())
         return True
@@ -149,6 +169,7 @@ class ConstrainedDecoding(Feature):
 
     def on_finish(self, req: Any) -> None:
         req.feature_state.pop(self.name, None)
+        req.features[self.name].compiled.cancel()  # nobody waits any more: an unfinished compile stops
 
     def on_retract(self, req: Any) -> None:
         self.rebuild_state(req)
@@ -169,3 +190,10 @@ class ConstrainedDecoding(Feature):
         logits = logits.clone()  # keep the raw logits intact (logprobs)
         xgr.apply_token_bitmask_inplace(logits, data["mask"], indices=data["rows"])
         return logits
+
+
+def _as_request_error(spec: ConstraintSpec, exc: BaseException) -> RequestError:
+    """A compile's failure as the client's status: a fresh RequestError (one per request)."""
+    if isinstance(exc, RequestError):
+        return RequestError(exc.code, exc.message)
+    return RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: {exc}")

@@ -1,22 +1,177 @@
-"""The grammar engine behind constrained decoding: xgrammar, compiled off-thread.
+"""The grammar engine behind constrained decoding: xgrammar, compiled in worker processes.
 
-Compilation runs on a small thread pool, never on the scheduling thread; one
-future per (kind, text) is shared by every request that asks for the same
-grammar, so a grammar compiles once however many requests wait for it.
+A compile runs in a worker process so that it can really be stopped: the worker
+is killed when the compile outlives its deadline, grows past its memory bound,
+when no request waits for it any more, or at shutdown; a fresh worker (forked
+from a forkserver with xgrammar preloaded) takes its place. The compiled grammar
+comes back serialized (`CompiledGrammar.serialize_json`, a few ms for a normal
+schema) and is checked to accept some output before any request uses it.
+
+Before anything compiles, `check_limits` bounds the text's size and nesting.
+One job per (kind, text) is shared by every request that asks for the same
+grammar, and finished grammars are cached (LRU). Small grammars are never
+starved by big ones: at most `workers - 1` large compiles run at once.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import multiprocessing
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
 
 import xgrammar as xgr
 
+from service.engine.request import RequestError
+
+log = logging.getLogger("zerogap.grammar")
+
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
 MAX_CACHED_GRAMMARS = 1024
+JSON_SEPARATORS = (",", ":")  # compact JSON: no free whitespace anywhere
+ANY_JSON_OBJECT = '{"type": "object"}'
+POLL_S = 0.05  # how often a running compile is checked for deadline, memory and waiters
+
+
+@dataclass(frozen=True)
+class GrammarLimits:
+    max_bytes: int = 64 << 10  # grammar text (schema / regex / EBNF) size
+    max_depth: int = 64  # bracket nesting of a schema, parenthesis nesting of a regex / EBNF
+    max_properties: int = 128  # properties of one schema object (compile cost grows ~quadratically)
+    compile_timeout_s: float = 30.0  # from the first request for it, queueing included
+    max_worker_rss_mb: int = 2048  # a compile that grows its worker past this is stopped
+    workers: int = 2
+    large_bytes: int = 8 << 10  # a text above this is a "large" compile
+    small_compile_s: float = 2.0  # a compile running longer than this counts as large too
+
+
+class GrammarError(RequestError):
+    """A grammar that cannot be served, with the gRPC status for the client and the field named."""
+
+    def __init__(self, code: str, kind: str, detail: str):
+        super().__init__(code, f"constraint.{kind}: {detail}")
+
+
+def nesting_depth(text: str, kind: str) -> int:
+    """Deepest bracket nesting, scanned without recursion: `{[` for JSON, `(` for regex and EBNF
+    (outside strings, escapes and character classes)."""
+    opens, closes = ("{[", "}]") if kind == "json_schema" else ("(", ")")
+    quoted = kind != "regex"
+    depth = best = 0
+    i, n = 0, len(text)
+    in_str = in_class = False
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_str:
+            in_str = c != '"'
+        elif in_class:
+            in_class = c != "]"
+        elif c == '"' and quoted:
+            in_str = True
+        elif c == "[" and kind != "json_schema":
+            in_class = True
+        elif c in opens:
+            depth += 1
+            best = max(best, depth)
+        elif c in closes:
+            depth -= 1
+        i += 1
+    return best
+
+
+def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
+    """Refuse, before compiling, a grammar text beyond the size, nesting or object-size limits."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.max_bytes:
+        raise GrammarError("INVALID_ARGUMENT", kind, f"{size} bytes exceed the limit of {limits.max_bytes} (--max-constraint-bytes)")
+    depth = nesting_depth(text, kind)
+    if depth > limits.max_depth:
+        raise GrammarError("INVALID_ARGUMENT", kind, f"nesting depth {depth} exceeds the limit of {limits.max_depth} (--max-constraint-depth)")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)  # safe: the nesting is bounded
+        except ValueError:
+            return  # reported as invalid JSON by the caller
+        most = max_object_properties(schema)
+        if most > limits.max_properties:
+            raise GrammarError("INVALID_ARGUMENT", kind, f"an object with {most} properties exceeds the limit of "
+                               f"{limits.max_properties} (--max-constraint-properties)")
+
+
+def max_object_properties(schema: Any) -> int:
+    """The largest `properties` map anywhere in a JSON schema (iterative walk)."""
+    most, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                most = max(most, len(props))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return most
+
+
+def compile_text(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.CompiledGrammar:
+    if kind == "json_schema":
+        return compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+    if kind == "json_object":  # any JSON object, compact
+        return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "ebnf":
+        return compiler.compile_grammar(text)
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def worker_main(conn: Connection) -> None:
+    """A compile worker (see _WorkerSlot): the tokenizer info first, then (kind, text) in,
+    ("ok", serialized grammar) or ("error", message) out, until the pipe closes."""
+    _die_with_parent()
+    info = xgr.TokenizerInfo.deserialize_json(conn.recv())
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn.send(("ready", ""))
+    while True:
+        try:
+            kind, text = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", compile_text(compiler, kind, text).serialize_json())
+        except Exception as e:  # xgrammar's parse / schema errors: the client's grammar
+            reply = ("error", str(e).strip() or type(e).__name__)
+        conn.send(reply)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when its parent (the forkserver, which exits with the
+    server) exits, however that happens."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 @dataclass
@@ -24,51 +179,83 @@ class CompileStats:
     compiles: int = 0
     cache_hits: int = 0
     last_compile_s: float = 0.0
+    stopped: dict[str, int] = field(default_factory=dict)  # compiles whose worker was killed, by status
+
+
+@dataclass(eq=False)
+class _Job:
+    kind: str
+    text: str
+    result: Future  # of xgr.CompiledGrammar, shared by the job's waiters
+    created: float
+    large: bool
+    waiters: int = 0
+    started: float | None = None
+
+
+class GrammarTicket(Future):
+    """One waiter's view of a compile. Cancelling it (or `release()`) says that nobody behind it
+    waits any more; a compile that nobody waits for is stopped."""
+
+    def __init__(self, backend: "GrammarBackend", job: _Job):
+        super().__init__()
+        self._release = lambda: backend._release(job)
+        job.result.add_done_callback(self._copy)
+        self.add_done_callback(lambda f: f.cancelled() and self._release())
+
+    def _copy(self, src: Future) -> None:
+        try:
+            if src.cancelled():
+                self.cancel()
+            elif src.exception() is not None:
+                self.set_exception(src.exception())
+            else:
+                self.set_result(src.result())
+        except InvalidStateError:  # cancelled by its waiter meanwhile
+            pass
+
+    def release(self) -> None:
+        self.cancel()  # no-op once done
 
 
 class GrammarBackend:
-    """Compiles grammars for one tokenizer/vocabulary and builds matchers."""
+    """Compiles grammars for one tokenizer/vocabulary in worker processes and builds matchers."""
 
-    def __init__(self, hf_tokenizer, model_vocab_size: int, stop_token_ids: list[int], threads: int = 2):
+    def __init__(self, hf_tokenizer, model_vocab_size: int, stop_token_ids: list[int], limits: GrammarLimits | None = None):
         # The model's vocabulary may be larger than the tokenizer's: xgrammar masks the padding rows.
         self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=model_vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = model_vocab_size
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=True)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zerogap-grammar")
-        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()  # LRU of compiled grammars
-        self._lock = threading.Lock()
+        self.limits = limits or GrammarLimits()
         self.stats = CompileStats()
+        self._info_json = self.info.serialize_json()
+        self._jobs: OrderedDict[tuple[str, str], _Job] = OrderedDict()  # running, queued and compiled (LRU)
+        self._queue: list[_Job] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._ready_at: float | None = None  # when the first worker was ready: deadlines never count its start-up
+        self._slots = [_WorkerSlot(self, i) for i in range(max(1, self.limits.workers))]
 
-    def compile(self, kind: str, text: str) -> Future:
-        """A future of the CompiledGrammar; shared by identical (kind, text)."""
+    # ---- any thread ----------------------------------------------------------------------
+    def compile(self, kind: str, text: str) -> GrammarTicket:
+        """A ticket (future) for the CompiledGrammar; raises GrammarError for a text beyond the limits."""
+        if kind != "json_object":
+            check_limits(kind, text, self.limits)
         key = (kind, text)
-        with self._lock:
-            fut = self._futures.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
-                self.stats.cache_hits += 1
-                self._futures.move_to_end(key)
-                return fut
-            fut = self._pool.submit(self._compile, kind, text)
-            self._futures[key] = fut
-            while len(self._futures) > MAX_CACHED_GRAMMARS:
-                self._futures.popitem(last=False)
-            return fut
-
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
-        start = time.perf_counter()
-        if kind == "json_schema":
-            out = self.compiler.compile_json_schema(text, any_whitespace=False)
-        elif kind == "json_object":
-            out = self.compiler.compile_builtin_json_grammar()
-        elif kind == "regex":
-            out = self.compiler.compile_regex(text)
-        elif kind == "ebnf":
-            out = self.compiler.compile_grammar(text)
-        else:
-            raise ValueError(f"unknown constraint kind {kind!r}")
-        self.stats.compiles += 1
-        self.stats.last_compile_s = time.perf_counter() - start
-        return out
+        with self._cv:
+            job = self._jobs.get(key)  # pending, compiled or known-bad: failures for other reasons are dropped
+            if job is not None:
+                self.stats.cache_hits += 1  # compiled, compiling or known-bad: shared
+                self._jobs.move_to_end(key)
+            else:
+                if self._closed:
+                    raise GrammarError("UNAVAILABLE", kind, "the server is shutting down")
+                job = _Job(kind, text, Future(), time.monotonic(), len(text) > self.limits.large_bytes)
+                self._jobs[key] = job
+                self._queue.append(job)
+                self._evict_locked()
+                self._cv.notify_all()
+            job.waiters += 1
+            return GrammarTicket(self, job)
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -76,5 +263,229 @@ class GrammarBackend:
     def allocate_bitmask(self, rows: int):
         return xgr.allocate_token_bitmask(rows, self.vocab_size)
 
+    def accepts_nothing(self, compiled: xgr.CompiledGrammar) -> bool:
+        """Whether no token (not even a stop token) may come first: the grammar matches no string."""
+        mask = self.allocate_bitmask(1)
+        mask.zero_()
+        self.matcher(compiled).fill_next_token_bitmask(mask, 0)
+        return not bool(mask.any())
+
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop every compile now (workers killed); waiters get UNAVAILABLE. Never blocks on a compile."""
+        with self._cv:
+            self._closed = True
+            queued, self._queue = self._queue, []
+            self._cv.notify_all()
+        for job in queued:
+            self._fail(job, GrammarError("UNAVAILABLE", job.kind, "the server is shutting down"))
+        for slot in self._slots:
+            slot.kill()
+
+    # ---- internals -----------------------------------------------------------------------
+    def _evict_locked(self) -> None:
+        while len(self._jobs) > MAX_CACHED_GRAMMARS:
+            key = next((k for k, j in self._jobs.items() if j.result.done()), None)
+            if key is None:
+                return
+            del self._jobs[key]
+
+    def _release(self, job: _Job) -> None:
+        """A waiter left. A queued job nobody waits for is dropped here; a running one by its slot."""
+        with self._cv:
+            job.waiters -= 1
+            if job.waiters > 0 or job.result.done() or job not in self._queue:
+                return
+            self._queue.remove(job)
+        self._fail(job, GrammarError("CANCELLED", job.kind, "nobody waits for this grammar any more"))
+
+    def _fail(self, job: _Job, err: GrammarError) -> None:
+        with self._cv:
+            if err.code == "CANCELLED" and job.waiters > 0 and not self._closed:
+                job.started = None  # a waiter came meanwhile: compile it again
+                self._queue.insert(0, job)
+                self._cv.notify_all()
+                return
+            if err.code != "INVALID_ARGUMENT" and self._jobs.get((job.kind, job.text)) is job:
+                del self._jobs[(job.kind, job.text)]  # not the grammar's fault: a later request may retry
+        if not job.result.done():
+            job.result.set_exception(err)
+
+    def _next_job(self, slot: "_WorkerSlot") -> _Job | None:
+        """Blocks until a job may run on this slot; None once closed."""
+        while True:
+            self.expire_queued()
+            with self._cv:
+                if self._closed:
+                    return None
+                job = self._pick_locked()
+                if job is not None:
+                    self._queue.remove(job)
+                    job.started = time.monotonic()
+                    slot.job = job
+                    return job
+                self._cv.wait(0.1)
+
+    def _pick_locked(self) -> _Job | None:
+        small = next((j for j in self._queue if not j.large), None)
+        if small is not None:
+            return small
+        now = time.monotonic()
+        running_large = sum(1 for s in self._slots if s.job is not None and (
+            s.job.large or now - (s.job.started or now) > self.limits.small_compile_s))
+        if running_large < max(1, len(self._slots) - 1):
+            return next(iter(self._queue), None)
+        return None
+
+    def _deadline(self, job: _Job) -> float:
+        """`compile_timeout_s` after its first request, queueing included (not the first worker's start-up)."""
+        if self._ready_at is None:
+            return float("inf")
+        return max(job.created, self._ready_at) + self.limits.compile_timeout_s
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until a compile worker runs (tests, benchmarks)."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self._ready_at is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self._ready_at is not None
+
+    def expire_queued(self) -> None:
+        """Fail the queued jobs whose deadline passed (they never got a worker in time)."""
+        now = time.monotonic()
+        with self._cv:
+            expired = [j for j in self._queue if self._deadline(j) <= now]
+            for job in expired:
+                self._queue.remove(job)
+        for job in expired:
+            self._fail(job, self._timeout_error(job))
+
+    def _timeout_error(self, job: _Job) -> GrammarError:
+        return GrammarError("DEADLINE_EXCEEDED", job.kind, f"grammar compilation took longer than {self.limits.compile_timeout_s:g}s")
+
+    def _why_stop(self, job: _Job, pid: int | None) -> GrammarError | None:
+        if self._closed:
+            return GrammarError("UNAVAILABLE", job.kind, "the server is shutting down")
+        if job.waiters <= 0:
+            return GrammarError("CANCELLED", job.kind, "nobody waits for this grammar any more")
+        if time.monotonic() > self._deadline(job):
+            return self._timeout_error(job)
+        if pid is not None and _rss_mb(pid) > self.limits.max_worker_rss_mb:
+            return GrammarError("RESOURCE_EXHAUSTED", job.kind, f"compiling the grammar needs more than {self.limits.max_worker_rss_mb} MB")
+        return None
+
+    def _complete(self, job: _Job, reply: tuple[str, str]) -> None:
+        """Slot thread: turn a worker's reply into the job's result."""
+        status, payload = reply
+        if status != "ok":
+            self._fail(job, GrammarError("INVALID_ARGUMENT", job.kind, payload))
+            return
+        compiled = xgr.CompiledGrammar.deserialize_json(payload, self.info)
+        if self.accepts_nothing(compiled):
+            self._fail(job, GrammarError("INVALID_ARGUMENT", job.kind, "the grammar accepts no output at all"))
+            return
+        self.stats.compiles += 1
+        self.stats.last_compile_s = time.monotonic() - (job.started or time.monotonic())
+        if not job.result.done():
+            job.result.set_result(compiled)
+
+
+class _WorkerSlot:
+    """One worker process and the thread that feeds it jobs, watches them and kills it when told."""
+
+    def __init__(self, backend: GrammarBackend, index: int):
+        self.backend = backend
+        self.job: _Job | None = None
+        self.proc: Any = None
+        self.conn: Any = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"zerogap-grammar-{index}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        b = self.backend
+        while True:
+            try:
+                self._ensure_worker()  # warm before the next job arrives
+            except Exception:
+                if not b._closed:
+                    log.exception("cannot start a grammar worker")
+            job = b._next_job(self)
+            if job is None:
+                break
+            try:
+                self._serve(job)
+            except Exception as e:
+                log.exception("grammar compile failed")
+                self.kill()
+                b._fail(job, GrammarError("INTERNAL", job.kind, f"grammar compile failed: {e!r}"))
+            finally:
+                with b._cv:
+                    self.job = None
+                    b._cv.notify_all()
+        self.kill()
+
+    def _ensure_worker(self) -> None:
+        with self._lock:
+            if self.proc is not None and self.proc.is_alive() or self.backend._closed:
+                return
+            ctx = _worker_context()
+            conn, theirs = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(theirs,), name="zerogap-grammar-worker", daemon=True)
+            proc.start()
+            theirs.close()
+            self.proc, self.conn = proc, conn
+        conn.send(self.backend._info_json)  # read once the worker imported xgrammar; kill() may close it meanwhile
+        while not conn.poll(POLL_S):
+            if not proc.is_alive() or self.backend._closed:
+                raise RuntimeError(f"the grammar worker exited at start-up (exit code {proc.exitcode})")
+        if conn.recv()[0] != "ready":
+            raise RuntimeError("the grammar worker did not start")
+        with self.backend._cv:
+            if self.backend._ready_at is None:
+                self.backend._ready_at = time.monotonic()
+
+    def _serve(self, job: _Job) -> None:
+        b = self.backend
+        self._ensure_worker()
+        proc, conn = self.proc, self.conn
+        if proc is None:
+            raise RuntimeError("no grammar worker")
+        conn.send((job.kind, job.text))
+        while True:
+            try:
+                reply = conn.recv() if conn.poll(POLL_S) else None
+            except (EOFError, OSError, ValueError):  # the worker died, or kill() closed the pipe
+                err = b._why_stop(job, None) or GrammarError(
+                    "INVALID_ARGUMENT", job.kind, f"the grammar compiler crashed (exit code {proc.exitcode})")
+                self.kill()
+                b._fail(job, err)
+                return
+            if reply is not None:
+                b._complete(job, reply)
+                return
+            b.expire_queued()
+            err = b._why_stop(job, proc.pid)
+            if err is not None:
+                self.kill()
+                b.stats.stopped[err.code] = b.stats.stopped.get(err.code, 0) + 1
+                log.warning("grammar compile stopped after %.1fs: %s", time.monotonic() - (job.started or 0), err)
+                b._fail(job, err)
+                return
+
+    def kill(self) -> None:
+        with self._lock:
+            proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+        if conn is not None:
+            conn.close()
+
+
+def _worker_context():
+    """Workers fork from a forkserver with xgrammar preloaded: a fresh worker is a cheap fork of a
+    clean single-threaded process (never of the server, whose threads a fork would not survive).
+    As with any forkserver, a server started from a script needs the `if __name__ == "__main__"` guard."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["features.grammar_backend"])
+    return ctx

@@ -104,6 +104,15 @@ class FeatureRegistry:
             out[name] = f.validate(payload, engine, prompt_ids)
         return out
 
+    def pending(self, req: "Req") -> list[Any]:
+        """Caller thread: the futures the request should wait for before it is queued."""
+        futures = [f.pending(req.features[f.name]) for f in self.features_of(req)]
+        return [fut for fut in futures if fut is not None]
+
+    def shutdown(self) -> None:
+        for f in self.features.values():
+            f.shutdown()
+
     def features_of(self, req: "Req") -> list[Feature]:
         return [self.features[n] for n in req.features if n in self.features]
 

@@ -31,6 +31,11 @@ class ServerArgs:
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     grammar_compile_timeout_s: float = 30.0
+    grammar_workers: int = 2  # compile worker processes
+    grammar_worker_max_rss_mb: int = 2048  # a compile growing its worker past this is stopped
+    max_constraint_bytes: int = 64 << 10  # schema / regex / EBNF text
+    max_constraint_depth: int = 64  # bracket / parenthesis nesting
+    max_constraint_properties: int = 128  # properties of one JSON-schema object
 
     @property
     def overlap(self) -> bool:
@@ -68,7 +73,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
     p.add_argument("--future-map-size", type=int, default=d.future_map_size)
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
-                   help="a constrained request whose grammar compiles longer fails with DEADLINE_EXCEEDED")
+                   help="a grammar not compiled this long after its first request is stopped (DEADLINE_EXCEEDED)")
+    p.add_argument("--grammar-workers", type=int, default=d.grammar_workers,
+                   help="grammar compile worker processes; at most N-1 run large grammars, so small ones never starve")
+    p.add_argument("--grammar-worker-max-rss-mb", type=int, default=d.grammar_worker_max_rss_mb,
+                   help="a compile whose worker grows past this is stopped (RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-constraint-bytes", type=int, default=d.max_constraint_bytes,
+                   help="largest schema / regex / EBNF text (INVALID_ARGUMENT beyond)")
+    p.add_argument("--max-constraint-depth", type=int, default=d.max_constraint_depth,
+                   help="deepest bracket (JSON) / parenthesis (regex, EBNF) nesting (INVALID_ARGUMENT beyond)")
+    p.add_argument("--max-constraint-properties", type=int, default=d.max_constraint_properties,
+                   help="most properties in one JSON-schema object (INVALID_ARGUMENT beyond)")
     return p
 
 

@@ -144,6 +144,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 if payload is not None:
                     features[name] = payload
             req = self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features)
+            for fut in self.engine.features.pending(req):  # e.g. its grammar: errors found before admission
+                await asyncio.wrap_future(fut)  # cancelled with the RPC: the work stops when nobody waits
+            if self.draining:
+                raise RequestError("UNAVAILABLE", "server is shutting down")
             self.engine.submit(req)  # raises ALREADY_EXISTS for a live id: its queue stays untouched
             # No await since submit: outputs reach the router through this loop, after the queue exists.
             queue = self.router.open(rid)

@@ -14,7 +14,7 @@ from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
 from service.engine.request import FinishReason, SamplingParams
-from tests.helpers import grpc_stub
+from tests.helpers import grpc_stub, wait_until
 from tests.data.json_schemas import SCHEMAS
 
 pb2, _ = protos.load()
@@ -132,22 +132,23 @@ def test_matcher_state_rebuilds_from_kept_tokens(client):
 
 
 def test_grammar_compiles_once_and_slow_compile_times_out(smol_dir):
-    c = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=4, grammar_compile_timeout_s=0.3), smol_dir)
+    c = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=4, grammar_compile_timeout_s=1.0,
+                              max_constraint_bytes=1 << 20, max_constraint_properties=10_000, grammar_worker_max_rss_mb=1 << 20),
+                   smol_dir)
     try:
         backend = c.engine.features.features["constrained"].backend
+        assert backend.wait_ready(120)
         f1 = backend.compile("regex", "x+")
-        assert backend.compile("regex", "x+") is f1 and backend.stats.cache_hits >= 1
-        real = backend._compile
-        backend._compile = lambda kind, text: (time.sleep(2), real(kind, text))[1]
-        try:
-            c.submit("slow", [5, 6, 7], SamplingParams(max_new_tokens=4), {"constrained": dict(kind="regex", text="y+z")})
-            c.submit("fast", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4))
-            fast = c.wait("fast")  # not held up by the compiling one
-            assert fast[-1].finish_reason is FinishReason.LENGTH
-            slow = c.wait("slow")[-1]
-            assert slow.finish_reason is FinishReason.ERROR and slow.error_code == "DEADLINE_EXCEEDED"
-        finally:
-            backend._compile = real
+        assert backend.compile("regex", "x+").result() is f1.result() and backend.stats.cache_hits >= 1
+        # 1,000 properties: compiles for much longer than 1 s (quadratic in xgrammar), so it is stopped.
+        slow = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}})
+        c.submit("slow", [5, 6, 7], SamplingParams(max_new_tokens=4), {"constrained": dict(kind="json_schema", text=slow)})
+        c.submit("fast", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4))
+        fast = c.wait("fast")  # not held up by the compiling one
+        assert fast[-1].finish_reason is FinishReason.LENGTH
+        slow_out = c.wait("slow")[-1]
+        assert slow_out.finish_reason is FinishReason.ERROR and slow_out.error_code == "DEADLINE_EXCEEDED"
+        assert wait_until(lambda: backend.stats.stopped == {"DEADLINE_EXCEEDED": 1} and all(s.job is None for s in backend._slots), 10)
         assert c.engine.kv_pool.free_count == c.engine.kv_pool.size
     finally:
         c.close()

@@ -6,6 +6,8 @@ their latency as a ratio to an unloaded run), and that the KV pool is back to it
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import subprocess
 import sys
@@ -79,3 +81,135 @@ def test_exclusive_bind_refuses_a_port_held_with_so_reuseport():
             await other.stop(0)
 
     asyncio.run(scenario())
+
+
+# ---- 2. grammar compiles are bounded -------------------------------------------------------------
+
+
+def slow_schema(tag: str, n: int = 1000) -> str:
+    """Compiles for tens of seconds and gigabytes in xgrammar (cost ~quadratic in the properties)."""
+    return json.dumps({"type": "object", "title": tag, "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+
+
+def constrained(constraint: pb2.Constraint, n: int = 8) -> pb2.GenerateRequest:
+    return pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7]), sampling=greedy(n), constraint=constraint)
+
+
+PLAIN = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7, 8]), sampling=greedy(12, ignore_eos=True))
+STOPPED = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}  # time or memory bound, whichever first
+
+
+@pytest.fixture(scope="module")
+def grammar_server(tiny_llama_dir):
+    # Limits relaxed so that a slow schema reaches the compiler: what is tested here is the stop.
+    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=2000, max_running_requests=8,
+                                      grammar_compile_timeout_s=6, max_constraint_bytes=1 << 20, max_constraint_properties=10_000))
+    assert srv.engine.features.features["constrained"].backend.wait_ready(120)
+    yield srv
+    srv.stop()
+
+
+def backend_of(srv: BackgroundServer):
+    return srv.engine.features.features["constrained"].backend
+
+
+def compiles_idle(srv: BackgroundServer) -> bool:
+    b = backend_of(srv)
+    return all(s.job is None for s in b._slots) and not b._queue
+
+
+def test_slow_compile_is_stopped_and_small_grammars_are_not_starved(grammar_server):
+    srv = grammar_server
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb2_grpc.GenerationStub(ch)
+        plain_before = stub.Generate(PLAIN).token_ids
+        stopped_before = sum(backend_of(srv).stats.stopped.values())
+        bigs = [stub.Generate.future(constrained(pb2.Constraint(json_schema=slow_schema(t)))) for t in ("a", "b", "c")]
+        time.sleep(0.5)
+        # Three large compiles are waiting or running: a tiny regex still compiles at once, plain requests run.
+        small = stub.Generate(constrained(pb2.Constraint(regex="[0-9]{3}")))
+        assert len(small.text) == 3 and small.text.isdigit()
+        assert stub.Generate(PLAIN).token_ids == plain_before
+        assert not any(f.done() for f in bigs), "the small request must not wait for the large compiles"
+        for f in bigs:
+            with pytest.raises(grpc.RpcError) as e:
+                f.result()
+            assert e.value.code() in STOPPED and "constraint.json_schema" in e.value.details(), e.value.details()
+    # The running compile was killed (not left to run on), the queued ones expired: nothing compiles any more.
+    assert sum(backend_of(srv).stats.stopped.values()) > stopped_before
+    assert wait_until(lambda: compiles_idle(srv) and kv_idle(srv), 10)
+
+
+def test_cancelled_request_stops_its_compile(grammar_server):
+    srv = grammar_server
+    b = backend_of(srv)
+    cancelled_before = b.stats.stopped.get("CANCELLED", 0)
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(constrained(pb2.Constraint(json_schema=slow_schema("cancel"))), timeout=1.0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Nobody waits for it any more: its worker is killed well before the 6 s compile deadline.
+        assert wait_until(lambda: b.stats.stopped.get("CANCELLED", 0) == cancelled_before + 1, 3)
+        assert wait_until(lambda: compiles_idle(srv) and kv_idle(srv), 5)
+        assert len(stub.Generate(constrained(pb2.Constraint(regex="[a-c]{2}"))).text) == 2
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below pid (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
+    port, grace = free_port(), 4
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port), "--kv-cache-tokens", "2000",
+         "--grace-period-s", str(grace), "--grammar-compile-timeout-s", "300", "--max-constraint-bytes", str(1 << 20),
+         "--max-constraint-properties", "10000", "--grammar-worker-max-rss-mb", "16384"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "listening" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+        assert "listening" in line, line
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb2_grpc.GenerationStub(ch)
+            stub.Generate(constrained(pb2.Constraint(regex="[0-9]{2}")), timeout=120)  # the compile workers run
+            big = stub.Generate.future(constrained(pb2.Constraint(json_schema=slow_schema("sigterm"))))
+            time.sleep(1.0)  # compiling now (it would take minutes)
+            workers = _descendants(proc.pid)
+            assert workers, "compile workers are child processes"
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=grace + 10) == 0
+            took = time.monotonic() - start
+            with pytest.raises(grpc.RpcError) as e:
+                big.result()
+            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert took < grace + 5, took
+        assert wait_until(lambda: not any(_alive(p) for p in workers), 10), "no compile worker outlives the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()

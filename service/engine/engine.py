@@ -196,6 +196,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+        self.features.shutdown()  # e.g. grammar compiles: stopped, never waited for
         self._thread.join(timeout=30)
         if self.args.trace_file:
             self.timeline.write_chrome_trace(self.args.trace_file)
