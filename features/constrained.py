@@ -155,6 +155,8 @@ class ConstrainedDecoding(Feature):
                 start = time.perf_counter()
                 matcher.fill_next_token_bitmask(data["mask"], r)
                 self.fill_us.append((time.perf_counter() - start) * 1e6)
+                if not bool(data["mask"][r].any()):  # a dead end: sample freely, on_result fails the request
+                    data["mask"][r].fill_(-1)
         finally:
             data["ready"].set()
 
@@ -162,10 +164,21 @@ class ConstrainedDecoding(Feature):
         matcher = req.feature_state[self.name]
         token = req.output_ids[-1]
         if not matcher.accept_token(token):
-            raise RuntimeError(f"the grammar rejected token {token}")
+            raise self._rejection(req, matcher, token)
         if matcher.is_terminated():
             req.feature_stop = True
         return None
+
+    def _rejection(self, req: Any, matcher: Any, token: int) -> Exception:
+        """A grammar with a dead end (no token may follow) is the client's; anything else is ours."""
+        mask = self.backend.allocate_bitmask(1)
+        mask.zero_()
+        matcher.fill_next_token_bitmask(mask, 0)
+        if not bool(mask.any()):
+            kind = req.features[self.name].spec.kind
+            return RequestError("INVALID_ARGUMENT", f"constraint.{kind}: the grammar allows no continuation after "
+                                f"{len(req.output_ids) - 1} tokens (it matches no complete string there)")
+        return RuntimeError(f"the grammar rejected token {token}")
 
     def on_finish(self, req: Any) -> None:
         req.feature_state.pop(self.name, None)

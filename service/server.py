@@ -25,6 +25,7 @@ from service import __version__, protos
 from service.config import ServerArgs
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from service.interceptors import DecodeErrors
 from service.metrics import start_metrics_server
 from service.model_prep import resolve_model_path
 
@@ -338,7 +339,8 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     router = OutputRouter(loop)
     engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=[DecodeErrors()],
+                             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

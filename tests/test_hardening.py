@@ -213,3 +213,71 @@ def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
+
+
+# ---- 3. the client's fault gets INVALID_ARGUMENT, found before admission ----------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=4000, max_running_requests=8))
+    assert backend_of(srv).wait_ready(120)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield pb2_grpc.GenerationStub(ch)
+
+
+def nested_schema(depth: int) -> str:
+    """An object schema nested `depth` objects deep (built as text: json.dumps would recurse too deep)."""
+    head = '{"type": "object", "required": ["a"], "properties": {"a": '
+    return head * depth + '{"type": "integer"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("constraint, says", [
+    (pb2.Constraint(json_schema=nested_schema(500)), "constraint.json_schema: nesting depth"),
+    (pb2.Constraint(json_schema="[" * 100_000), "constraint.json_schema: 100000 bytes exceed the limit"),
+    (pb2.Constraint(json_schema="[" * 10_000), "constraint.json_schema: nesting depth"),
+    (pb2.Constraint(regex="(" * 5000 + "a" + ")" * 5000), "constraint.regex: nesting depth"),
+    (pb2.Constraint(ebnf="root ::= root"), "constraint.ebnf: the grammar accepts no output"),
+    (pb2.Constraint(regex=r"[^\s\S]"), "constraint.regex: the grammar accepts no output"),
+])
+def test_bad_grammars_are_invalid_argument_before_admission(server, stub, caplog, constraint, says):
+    plain_before = stub.Generate(PLAIN).token_ids
+    other = stub.Generate.future(PLAIN)
+    with caplog.at_level("ERROR"):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(constrained(constraint))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(says), e.value.details()
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], "no traceback for the client's fault"
+    assert other.result().token_ids == plain_before
+    assert wait_until(lambda: kv_idle(server), 10)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_dead_end_fails_that_request_only(server, stub, temperature):
+    """After "ab" nothing may follow (`x` matches nothing): a dead end, found while generating."""
+    plain_before = stub.Generate(PLAIN).token_ids
+    other = stub.Generate.future(PLAIN)
+    req = constrained(pb2.Constraint(ebnf='root ::= "ab" x\nx ::= x'), n=16)
+    req.sampling.temperature, req.sampling.seed = temperature, 7
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allows no continuation" in e.value.details(), e.value.details()
+    assert other.result().token_ids == plain_before
+    assert wait_until(lambda: kv_idle(server), 10)
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "Tokenize", "GetServerInfo"])
+def test_undecodable_request_body_is_invalid_argument(server, stub, method):
+    with grpc.insecure_channel(server.address) as ch:
+        call = (ch.unary_stream if method == "GenerateStream" else ch.unary_unary)(f"/zerogap.v1.Generation/{method}")
+        with pytest.raises(grpc.RpcError) as e:
+            out = call(b"\xff\xff\xff\xff")
+            list(out) if method == "GenerateStream" else out
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be decoded" in e.value.details(), e.value.details()
+    assert stub.Generate(PLAIN).token_ids  # the server serves on

@@ -306,6 +306,8 @@ class Scheduler:
                         if fields:
                             extras[feature.name] = fields
                 self.check_finished_and_emit(req, token, extras)
+            except RequestError as e:  # the request's own fault, found while serving it
+                self.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
             except Exception as e:
                 log.exception("request %s failed", req.rid)
                 self.finish(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
