@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -27,6 +28,7 @@ from service.engine.engine import Engine
 from service.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from service.interceptors import DecodeErrors
 from service.metrics import start_metrics_server
+from service.tokenizer import InputTooLong
 from service.model_prep import resolve_model_path
 
 pb2, pb2_grpc = protos.load()
@@ -110,15 +112,21 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         self.router = router
         self.model_path = model_path
         self.draining = False
+        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerogap-input")
 
     # ---- helpers ---------------------------------------------------------------------
     def _prompt_ids(self, request) -> list[int]:
+        """Worker thread (never the event loop): the prompt's token ids, refusing cheaply what cannot fit."""
         tok = self.engine.tokenizer
         which = request.WhichOneof("input")
+        limit = self.engine.context_length - 1
         if which == "text":
             if not request.text:
                 raise RequestError("INVALID_ARGUMENT", "input.text: empty")
-            return tok.encode(request.text)
+            try:
+                return tok.encode_bounded(request.text, limit)
+            except InputTooLong as e:
+                raise RequestError("OUT_OF_RANGE", f"input.text: does not fit the context length {self.engine.context_length}: {e}") from None
         if which == "token_ids":
             if not request.token_ids.ids:
                 raise RequestError("INVALID_ARGUMENT", "input.token_ids: empty")
@@ -128,7 +136,9 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 raise RequestError("INVALID_ARGUMENT", "input.chat.messages: empty")
             add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
             try:
-                return tok.encode_chat(chat_messages(request.chat), add)[1]
+                return tok.encode_chat(chat_messages(request.chat), add, max_tokens=limit)[1]
+            except InputTooLong as e:
+                raise RequestError("OUT_OF_RANGE", f"input.chat: does not fit the context length {self.engine.context_length}: {e}") from None
             except ValueError as e:
                 raise RequestError("INVALID_ARGUMENT", f"input.{e}") from None
         raise RequestError("INVALID_ARGUMENT", "input: set one of text, token_ids or chat")
@@ -144,7 +154,8 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 payload = feature.from_proto(request)
                 if payload is not None:
                     features[name] = payload
-            req = self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features)
+            req = await self._off_loop(
+                lambda: self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features))
             for fut in self.engine.features.pending(req):  # e.g. its grammar: errors found before admission
                 await asyncio.wrap_future(fut)  # cancelled with the RPC: the work stops when nobody waits
             if self.draining:
@@ -155,6 +166,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         except RequestError as e:
             await context.abort(_code(e.code), e.message)
         return rid, queue
+
+    async def _off_loop(self, fn):
+        """Tokenizing, chat templates, validation: on a worker thread, so no RPC waits for another's input."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     def _response(self, rid: str, outs: list[RequestOutput]):
         last = outs[-1]
@@ -215,14 +230,17 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
     async def Tokenize(self, request, context):
         tok = self.engine.tokenizer
         which = request.WhichOneof("input")
-        try:
+
+        def encode() -> tuple[str, list[int]]:
             if which == "chat":
                 add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-                text, ids = tok.encode_chat(chat_messages(request.chat), add)
-            elif which == "text":
-                text, ids = request.text, tok.encode(request.text, add_special_tokens=request.add_special_tokens)
-            else:
-                raise ValueError("input: set text or chat")
+                return tok.encode_chat(chat_messages(request.chat), add)
+            if which == "text":
+                return request.text, tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+            raise ValueError("input: set text or chat")
+
+        try:
+            text, ids = await self._off_loop(encode)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb2.TokenizeResponse(token_ids=ids, text=text)
@@ -232,7 +250,8 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         if bad is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad} outside the vocabulary")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        return pb2.DetokenizeResponse(text=self.engine.tokenizer.decode(list(request.token_ids), skip))
+        text = await self._off_loop(lambda: self.engine.tokenizer.decode(list(request.token_ids), skip))
+        return pb2.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context):
         e = self.engine
@@ -293,6 +312,7 @@ class RunningServer:
         for rid in list(self.router.queues):
             self.engine.abort(rid)
         await self.server.stop(grace=1.0)
+        self.servicer.executor.shutdown(wait=False, cancel_futures=True)
         if self.metrics_http is not None:
             self.metrics_http[0].shutdown()
         self.engine.shutdown()

@@ -9,9 +9,15 @@ still become a stop string, so a stream never shows text that is later trimmed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+PREFIX_CHECK_BYTES_PER_TOKEN = 16  # above this many bytes per allowed token, count a prefix's tokens first
+
+
+class InputTooLong(ValueError):
+    """A text that cannot fit the token limit, found without tokenizing all of it."""
 
 
 class Tokenizer:
@@ -27,6 +33,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the text bytes one token covers: the longest vocabulary entry in UTF-8
+        (byte-level and SentencePiece spellings are never shorter than the bytes they stand for)."""
+        return max(len(t.encode("utf-8")) for t in self.hf.get_vocab())
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """encode(), but a text that cannot fit max_tokens is refused cheaply (InputTooLong): by its
+        size (no token covers more than max_token_bytes), else by the token count of a prefix."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > max_tokens * self.max_token_bytes:
+            raise InputTooLong(f"{size} bytes cannot fit {max_tokens} tokens (no token covers more than "
+                               f"{self.max_token_bytes} bytes)")
+        cut = max_tokens * PREFIX_CHECK_BYTES_PER_TOKEN
+        if len(text) > cut:  # a prefix's tokens (give or take the word cut in two) are a lower bound
+            n = len(self.encode(text[:cut], add_special_tokens=False))
+            if n > max_tokens + 8:
+                raise InputTooLong(f"more than {n - 8} tokens in its first {cut} characters already")
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Apply the model's chat template; raises ValueError for bad roles / no template."""
         for i, m in enumerate(messages):
@@ -36,10 +62,13 @@ class Tokenizer:
             raise ValueError("chat: this model has no chat template; send text or token_ids")
         return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    max_tokens: int | None = None) -> tuple[str, list[int]]:
         text = self.render_chat(messages, add_generation_prompt)
         # The template already holds the special tokens it wants.
-        return text, self.encode(text, add_special_tokens=False)
+        if max_tokens is None:
+            return text, self.encode(text, add_special_tokens=False)
+        return text, self.encode_bounded(text, max_tokens, add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

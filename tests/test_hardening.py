@@ -281,3 +281,58 @@ def test_undecodable_request_body_is_invalid_argument(server, stub, method):
             list(out) if method == "GenerateStream" else out
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be decoded" in e.value.details(), e.value.details()
     assert stub.Generate(PLAIN).token_ids  # the server serves on
+
+
+# ---- 4. input handling never stalls other RPCs ----------------------------------------------------
+
+
+def _latencies_during(stub, call) -> tuple[float, list[float]]:
+    """(seconds `call` took, latencies of GetServerInfo calls made back to back meanwhile)."""
+    import threading
+
+    lat: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            t = time.perf_counter()
+            stub.GetServerInfo(pb2.GetServerInfoRequest())
+            lat.append(time.perf_counter() - t)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    time.sleep(0.05)
+    t = time.perf_counter()
+    try:
+        call()
+    finally:
+        took = time.perf_counter() - t
+        done.set()
+        th.join()
+    return took, lat
+
+
+@pytest.mark.parametrize("size, says", [(5 << 20, "bytes cannot fit"), (60_000, "tokens in its first")])
+def test_oversized_text_is_refused_cheaply(server, stub, size, says):
+    text = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
+    for req in (pb2.GenerateRequest(text=text, sampling=greedy(4)),
+                pb2.GenerateRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content=text)]), sampling=greedy(4))):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(req)
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and says in e.value.details(), e.value.details()
+    assert wait_until(lambda: kv_idle(server), 10)
+
+
+def test_tokenizing_a_large_text_does_not_stall_other_rpcs(server, stub, hf_tokenizer):
+    text = "The quick brown fox jumps over the lazy dog. " * 40_000  # 1.8 MB: seconds of tokenizing
+    resp = None
+
+    def tokenize():
+        nonlocal resp
+        resp = stub.Tokenize(pb2.TokenizeRequest(text=text[:2000]))  # warm
+        resp = stub.Tokenize(pb2.TokenizeRequest(text=text))
+
+    took, lat = _latencies_during(stub, tokenize)
+    assert list(resp.token_ids) == hf_tokenizer.encode(text)
+    # Others are served while it tokenizes: no call waits for a sizeable part of it.
+    assert len(lat) >= 3 and max(lat) < 0.3 * took, (took, sorted(lat)[-3:])

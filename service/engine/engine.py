@@ -124,6 +124,8 @@ class Engine:
         """Validate a request against the model, limits and features; raises RequestError."""
         if not prompt_ids:
             raise RequestError("INVALID_ARGUMENT", "input: the prompt is empty")
+        if len(prompt_ids) >= self.context_length:  # before looking at each id
+            raise RequestError("OUT_OF_RANGE", f"input: prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_length}")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestError("INVALID_ARGUMENT", f"input.token_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})")
