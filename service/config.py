@@ -30,6 +30,7 @@ class ServerArgs:
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
+    max_skip_ahead: int = 32  # requests admitted past one waiting for KV, at most (then it gets the room)
     grammar_compile_timeout_s: float = 30.0
     grammar_workers: int = 2  # compile worker processes
     grammar_worker_max_rss_mb: int = 2048  # a compile growing its worker past this is stopped
@@ -72,6 +73,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)
     p.add_argument("--future-map-size", type=int, default=d.future_map_size)
+    p.add_argument("--max-skip-ahead", type=int, default=d.max_skip_ahead,
+                   help="smaller requests admitted past one that waits for KV, at most (bounds how long a big one waits)")
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a grammar not compiled this long after its first request is stopped (DEADLINE_EXCEEDED)")
     p.add_argument("--grammar-workers", type=int, default=d.grammar_workers,

@@ -336,3 +336,84 @@ def test_tokenizing_a_large_text_does_not_stall_other_rpcs(server, stub, hf_toke
     assert list(resp.token_ids) == hf_tokenizer.encode(text)
     # Others are served while it tokenizes: no call waits for a sizeable part of it.
     assert len(lat) >= 3 and max(lat) < 0.3 * took, (took, sorted(lat)[-3:])
+
+
+# ---- 5. admission does not stop at the first request that does not fit ------------------------------
+
+
+class Streamed:
+    """A GenerateStream consumed on a thread, recording when its first and last messages came."""
+
+    def __init__(self, stub, req: pb2.GenerateRequest):
+        import threading
+
+        self.first = self.last = None
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self._thread = threading.Thread(target=self._run, args=(stub, req))
+        self._thread.start()
+
+    def _run(self, stub, req) -> None:
+        try:
+            for msg in stub.GenerateStream(req):
+                self.first = self.first or time.monotonic()
+                self.tokens += msg.token_ids
+            self.last = time.monotonic()
+        except grpc.RpcError as e:
+            self.error = e
+
+    def join(self) -> "Streamed":
+        self._thread.join(timeout=300)
+        return self
+
+
+def long_request(n: int, prompt: int = 10) -> pb2.GenerateRequest:
+    return pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=list(range(5, 5 + prompt))), sampling=greedy(n, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def kv_server(tiny_llama_dir):
+    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=8,
+                                      max_skip_ahead=2))
+    yield srv
+    srv.stop()
+
+
+def test_small_request_gets_in_past_one_waiting_for_kv(kv_server):
+    srv = kv_server
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb2_grpc.GenerationStub(ch)
+        small_req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7, 8]), sampling=greedy(8))
+        small_alone = stub.Generate(small_req).token_ids
+        # Two long requests hold 2 x 410 of 1000 KV tokens; a third waits for 410 that are not free.
+        longs = [Streamed(stub, long_request(400)) for _ in range(2)]
+        assert wait_until(lambda: all(s.first for s in longs), 60)
+        waiting = Streamed(stub, long_request(400))
+        assert wait_until(lambda: srv.engine.stats().queued_requests == 1, 10)
+        small = stub.Generate(small_req, timeout=60)  # needs 12: fits beside them
+        assert small.token_ids == small_alone
+        assert not waiting.first and not all(s.last for s in longs), "the small one went ahead of them"
+        for s in [*longs, waiting]:
+            assert s.join().error is None and len(s.tokens) == 400
+    assert wait_until(lambda: kv_idle(srv), 10)
+
+
+def test_skip_ahead_is_bounded_so_a_big_request_is_not_starved(kv_server):
+    srv = kv_server  # max_skip_ahead=2
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = pb2_grpc.GenerationStub(ch)
+        longs = [Streamed(stub, long_request(400)) for _ in range(2)]
+        assert wait_until(lambda: all(s.first for s in longs), 60)
+        big = Streamed(stub, long_request(400))
+        assert wait_until(lambda: srv.engine.stats().queued_requests == 1, 10)
+        smalls = []
+        for _ in range(5):  # 50 KV tokens each: three would fit beside the longs at any time
+            smalls.append(Streamed(stub, long_request(40)))
+            assert wait_until(lambda: srv.engine.stats().queued_requests + srv.engine.stats().running_requests
+                              >= 3 + len(smalls), 10)
+        for s in [*longs, big, *smalls]:
+            assert s.join().error is None
+        # Two smalls passed the big one; the others were admitted only after it.
+        assert all(s.first < big.first for s in smalls[:2]), [s.first for s in smalls]
+        assert all(s.first > big.first for s in smalls[2:]), [s.first for s in smalls]
+    assert wait_until(lambda: kv_idle(srv), 10)

@@ -97,6 +97,7 @@ class Engine:
             overlap=self.overlap,
             features=self.features,
             future_map_size=args.future_map_size,
+            max_skip_ahead=args.max_skip_ahead,
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()

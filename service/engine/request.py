@@ -145,6 +145,7 @@ class Req:
         self.feature_state: dict[str, Any] = {}  # per-request state a feature keeps (e.g. a matcher)
         self.ban_stop_before_min = True  # False when a grammar governs termination
         self.arrival = time.monotonic()
+        self.skipped_by = 0  # requests admitted ahead of it while it waited for KV
         # Constant per-request sampling row, built once (temperature, top_k, top_p,
         # min_p, repetition, frequency, presence).
         p = params

@@ -43,6 +43,7 @@ class Scheduler:
         overlap: bool,
         features: FeatureRegistry,
         future_map_size: int | None = None,
+        max_skip_ahead: int = 32,
     ):
         self.worker = worker
         self.req_pool = req_pool
@@ -50,6 +51,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_skip_ahead = max_skip_ahead  # requests admitted past one that waits for KV, at most
         self.timeline = timeline
         self.output_sink = output_sink
         self.overlap = overlap
@@ -198,8 +200,11 @@ class Scheduler:
         return batch
 
     def form_prefill_batch(self) -> ScheduleBatch | None:
+        """Admit waiting requests in order. One that does not fit the KV pool yet does not block the
+        smaller ones behind it, but only `max_skip_ahead` of them may pass it: then it gets the room."""
         admitted: list[Req] = []
         tokens = 0
+        blocked: Req | None = None  # the oldest waiting request that does not fit yet
         for req in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_running:
                 break
@@ -214,7 +219,12 @@ class Scheduler:
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
             if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
-                break  # wait until running requests free KV
+                blocked = blocked or req
+                continue  # it waits until running requests free KV; smaller ones may fit meanwhile
+            if blocked is not None:
+                if blocked.skipped_by >= self.max_skip_ahead:
+                    break  # it waited long enough: what frees up is kept for it
+                blocked.skipped_by += 1
             self.waiting.remove(req)
             self.reserved_tokens += req.budget_tokens
             req.slot = self.req_pool.alloc()
