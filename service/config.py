@@ -32,6 +32,11 @@ class ServerArgs:
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     max_skip_ahead: int = 32  # requests admitted past one waiting for KV, at most (then it gets the room)
     grammar_compile_timeout_s: float = 30.0
+    max_message_bytes: int = 16 << 20  # one gRPC request message (RESOURCE_EXHAUSTED beyond)
+    max_request_id_bytes: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+    max_stop_token_ids: int = 64
     grammar_workers: int = 2  # compile worker processes
     grammar_worker_max_rss_mb: int = 2048  # a compile growing its worker past this is stopped
     max_constraint_bytes: int = 64 << 10  # schema / regex / EBNF text
@@ -77,6 +82,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="smaller requests admitted past one that waits for KV, at most (bounds how long a big one waits)")
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a grammar not compiled this long after its first request is stopped (DEADLINE_EXCEEDED)")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
+                   help="largest request message (gRPC answers RESOURCE_EXHAUSTED beyond)")
+    p.add_argument("--max-request-id-bytes", type=int, default=d.max_request_id_bytes, help="INVALID_ARGUMENT beyond")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="INVALID_ARGUMENT beyond")
+    p.add_argument("--max-stop-string-bytes", type=int, default=d.max_stop_string_bytes, help="INVALID_ARGUMENT beyond")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids, help="INVALID_ARGUMENT beyond")
     p.add_argument("--grammar-workers", type=int, default=d.grammar_workers,
                    help="grammar compile worker processes; at most N-1 run large grammars, so small ones never starve")
     p.add_argument("--grammar-worker-max-rss-mb", type=int, default=d.grammar_worker_max_rss_mb,

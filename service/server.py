@@ -27,6 +27,7 @@ from service.config import ServerArgs
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from service.interceptors import DecodeErrors
+from service.limits import InputLimits
 from service.metrics import start_metrics_server
 from service.tokenizer import InputTooLong
 from service.model_prep import resolve_model_path
@@ -113,6 +114,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         self.model_path = model_path
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerogap-input")
+        self.limits = InputLimits.from_args(engine.args)
 
     # ---- helpers ---------------------------------------------------------------------
     def _prompt_ids(self, request) -> list[int]:
@@ -149,6 +151,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
+            self.limits.check(request)  # cheap bounds first, before any work is done for it
             features = {}
             for name, feature in self.engine.features.features.items():
                 payload = feature.from_proto(request)
@@ -360,7 +363,7 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
     server = grpc.aio.server(interceptors=[DecodeErrors()],
-                             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+                             options=[("grpc.max_receive_message_length", args.max_message_bytes), ("grpc.so_reuseport", 0)])
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -473,3 +473,54 @@ def test_mixed_prompt_lengths_cost_about_their_tokens(smol_dir):
         assert mixed < 1.5 * alone, (mixed, alone)  # 1,016 tokens cost about what 1,000 do
     finally:
         srv.stop()
+
+
+# ---- 7. input limits, compact JSON ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, code, says", [
+    (dict(request_id="x" * (1 << 20)), "INVALID_ARGUMENT", "request_id: 1048576 bytes exceed the limit of 256 (--max-request-id-bytes)"),
+    (dict(sampling=greedy(4, stop=["a"] * 17)), "INVALID_ARGUMENT", "sampling.stop: 17 strings exceed the limit of 16"),
+    (dict(sampling=greedy(4, stop=["a" * 257])), "INVALID_ARGUMENT", "sampling.stop: a string of 257 bytes exceed the limit of 256"),
+    (dict(sampling=greedy(4, stop_token_ids=list(range(65)))), "INVALID_ARGUMENT", "sampling.stop_token_ids: 65 ids exceed"),
+    (dict(constraint=pb2.Constraint(regex="a" * 70_000)), "INVALID_ARGUMENT", "constraint.regex: 70000 bytes exceed the limit of 65536"),
+    (dict(text="x" * (17 << 20)), "RESOURCE_EXHAUSTED", "message larger than max"),
+])
+def test_input_limits_refused_with_the_right_status(server, stub, kw, code, says):
+    req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]), sampling=greedy(4))
+    req.MergeFrom(pb2.GenerateRequest(**kw))
+    for call in (stub.Generate, lambda r: list(stub.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req)
+        assert e.value.code() == getattr(grpc.StatusCode, code) and says in e.value.details(), e.value.details()
+    ok = stub.Generate(pb2.GenerateRequest(request_id="r" * 256, token_ids=pb2.TokenIds(ids=[5, 6]),
+                                           sampling=greedy(4, stop=["a" * 256] * 16, stop_token_ids=list(range(3, 67)))))
+    assert ok.request_id == "r" * 256
+    assert wait_until(lambda: kv_idle(server), 10)
+
+
+def _whitespace_outside_strings(text: str) -> bool:
+    in_str = escaped = False
+    for c in text:
+        if in_str:
+            in_str, escaped = (escaped or c != '"'), (not escaped and c == "\\")
+        elif c == '"':
+            in_str = True
+        elif c in " \t\r\n":
+            return True
+    return False
+
+
+@pytest.mark.parametrize("constraint", [
+    pb2.Constraint(json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}, "c": {"type": "string", "maxLength": 6}}}},
+        "required": ["a"]})),
+    pb2.Constraint(json_object=True),
+])
+def test_constrained_json_is_compact(stub, constraint):
+    """No free whitespace between JSON tokens, whatever the sampler picks (a random model at temperature 1)."""
+    for seed in range(6):
+        req = constrained(constraint, n=48)
+        req.sampling.temperature, req.sampling.seed = 1.0, seed
+        text = stub.Generate(req).text
+        assert text.startswith("{") and not _whitespace_outside_strings(text), text
