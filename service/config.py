@@ -32,6 +32,11 @@ class ServerArgs:
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     max_skip_ahead: int = 32  # requests admitted past one waiting for KV, at most (then it gets the room)
     grammar_compile_timeout_s: float = 30.0
+    tls_cert: str | None = None  # PEM server certificate (chain); with tls_key: serve TLS only
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # PEM CA bundle: require and verify client certificates (mTLS)
+    auth_token_file: str | None = None  # bearer tokens, one per line (also $ZEROGAP_AUTH_TOKENS)
+    auth_open: str = "health"  # services reachable without a token: comma list of health, reflection ("" = none)
     max_message_bytes: int = 16 << 20  # one gRPC request message (RESOURCE_EXHAUSTED beyond)
     max_request_id_bytes: int = 256
     max_stop_strings: int = 16
@@ -82,6 +87,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="smaller requests admitted past one that waits for KV, at most (bounds how long a big one waits)")
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a grammar not compiled this long after its first request is stopped (DEADLINE_EXCEEDED)")
+    p.add_argument("--tls-cert", default=d.tls_cert, help="PEM server certificate (chain); serve TLS only (with --tls-key)")
+    p.add_argument("--tls-key", default=d.tls_key, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=d.tls_client_ca,
+                   help="PEM CA bundle: require client certificates signed by it (mutual TLS)")
+    p.add_argument("--auth-token-file", default=d.auth_token_file,
+                   help="bearer tokens, one per line ('#' comments); also $ZEROGAP_AUTH_TOKENS (comma-separated). "
+                        "Any token set: every call needs 'authorization: Bearer <token>' (else UNAUTHENTICATED)")
+    p.add_argument("--auth-open", default=d.auth_open,
+                   help="services that stay open without a token: comma list of health, reflection ('' = none)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes,
                    help="largest request message (gRPC answers RESOURCE_EXHAUSTED beyond)")
     p.add_argument("--max-request-id-bytes", type=int, default=d.max_request_id_bytes, help="INVALID_ARGUMENT beyond")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -26,7 +27,7 @@ from service import __version__, protos
 from service.config import ServerArgs
 from service.engine.engine import Engine
 from service.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
-from service.interceptors import DecodeErrors
+from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_tokens, open_service_names
 from service.limits import InputLimits
 from service.metrics import start_metrics_server
 from service.tokenizer import InputTooLong
@@ -321,7 +322,11 @@ class RunningServer:
         self.engine.shutdown()
 
 
-class AddressInUse(RuntimeError):
+class StartupError(RuntimeError):
+    """A setting that keeps the server from starting, said plainly (no traceback)."""
+
+
+class AddressInUse(StartupError):
     """The listen address is taken (or cannot be bound): the server refuses to start."""
 
 
@@ -342,10 +347,37 @@ def check_address_free(host: str, port: int) -> None:
             raise AddressInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another server running?)") from None
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int) -> int:
+def server_credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
+    """TLS from --tls-cert/--tls-key (None: plaintext); --tls-client-ca requires verified client certificates."""
+    if not args.tls_cert and not args.tls_key:
+        if args.tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(args.tls_client_ca) if args.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(args.tls_key), read(args.tls_cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def interceptors(args: ServerArgs) -> list[grpc.aio.ServerInterceptor]:
+    """Token auth when any token is configured (file or $ZEROGAP_AUTH_TOKENS), then decode errors."""
+    tokens = load_tokens(args.auth_token_file, os.environ)
+    opened = open_service_names([s.strip() for s in args.auth_open.split(",") if s.strip()])
+    auth = [TokenAuth(AuthConfig(tokens, opened))] if tokens else []
+    return [*auth, DecodeErrors()]
+
+
+def bind_port(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None = None) -> int:
     """Bind exclusively: gRPC's default SO_REUSEPORT would let a second server share the port silently."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -357,12 +389,16 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     """Load the model, start the engine and a gRPC server on args.host:args.port (0 = any).
     `features`: extra feature modules beside the built-in ones (tests)."""
     check_address_free(args.host, args.port)
+    try:  # bad TLS / auth settings fail before the model loads
+        creds, intercept = server_credentials(args), interceptors(args)
+    except (ValueError, OSError) as e:
+        raise StartupError(str(e)) from None
     model_dir = resolve_model_path(args.model)
     loop = asyncio.get_running_loop()
     router = OutputRouter(loop)
     engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
-    server = grpc.aio.server(interceptors=[DecodeErrors()],
+    server = grpc.aio.server(interceptors=intercept,
                              options=[("grpc.max_receive_message_length", args.max_message_bytes), ("grpc.so_reuseport", 0)])
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -371,7 +407,7 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     names = (pb2.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     try:
-        port = bind_port(server, args.host, args.port)
+        port = bind_port(server, args.host, args.port, creds)
     except AddressInUse:
         engine.shutdown()
         raise
@@ -381,7 +417,9 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     metrics_http = None
     if args.metrics_port is not None:
         metrics_http = start_metrics_server(args.metrics_port, args.host, engine, router)
-    log.info("serving %s on %s:%d (%s)", model_dir.name, args.host, port, engine.mode)
+    log.info("serving %s on %s:%d (%s, %s%s)", model_dir.name, args.host, port, engine.mode,
+             "mutual TLS" if args.tls_client_ca else "TLS" if creds else "plaintext",
+             ", token auth" if len(intercept) > 1 else "")
     return RunningServer(args, engine, server, servicer, health_servicer, router, port, metrics_http)
 
 
@@ -402,7 +440,7 @@ def serve(args: ServerArgs) -> int:
 
     try:
         asyncio.run(main())
-    except AddressInUse as e:
+    except StartupError as e:  # a taken port, bad TLS / auth settings
         log.error("%s", e)
         print(f"zerogap: {e}", file=sys.stderr, flush=True)
         return 1
