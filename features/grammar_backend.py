@@ -36,7 +36,7 @@ log = logging.getLogger("zerogap.grammar")
 KINDS = ("json_schema", "json_object", "regex", "ebnf")
 MAX_CACHED_GRAMMARS = 1024
 JSON_SEPARATORS = (",", ":")  # compact JSON: no free whitespace anywhere
-ANY_JSON_OBJECT = '{"type": "object"}'
+ANY_JSON = '{"anyOf": [{"type": "object"}, {"type": "array"}]}'  # json_object: what xgrammar's builtin JSON grammar allows
 POLL_S = 0.05  # how often a running compile is checked for deadline, memory and waiters
 
 
@@ -126,8 +126,8 @@ def max_object_properties(schema: Any) -> int:
 def compile_text(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.CompiledGrammar:
     if kind == "json_schema":
         return compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
-    if kind == "json_object":  # any JSON object, compact
-        return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False)
+    if kind == "json_object":  # an object or array, compact
+        return compiler.compile_json_schema(ANY_JSON, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False)
     if kind == "regex":
         return compiler.compile_regex(text)
     if kind == "ebnf":
