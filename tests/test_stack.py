@@ -168,14 +168,14 @@ def _nginx_binary() -> str | None:
     )
 
 
-def render_nginx_conf(upstreams: list[int], listen_port: int, tmp: Path) -> str:
+def render_nginx_conf(upstreams: list[int], listen_port: int, tmp: Path, conf: str | None = None) -> str:
     """deploy/nginx.conf for loopback backends, listening on listen_port.
 
     Two text substitutions on the production file (its upstream server line,
     once per backend, and its listen line) plus temp paths under tmp, so
     nothing outside tmp is written.
     """
-    conf = NGINX_CONF.read_text()
+    conf = NGINX_CONF.read_text() if conf is None else conf
     server_line = re.search(r"^(\s*)server zerogap:50051\b([^;]*);\n", conf, re.M)
     listen_line = re.search(r"^(\s*)listen 8080 http2;\n", conf, re.M)
     assert server_line and listen_line, "deploy/nginx.conf changed shape: update render_nginx_conf"
@@ -350,3 +350,100 @@ def test_healthcheck_cli_is_light() -> None:
     code = "import sys; from service import healthcheck; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+# --------------------------------------------------------------------------
+# TLS: deploy/compose.tls.yml, deploy/make-certs.sh and deploy/nginx-tls.conf
+
+NGINX_TLS_CONF = ROOT / "deploy" / "nginx-tls.conf"
+COMPOSE_TLS = ROOT / "deploy" / "compose.tls.yml"
+
+
+def test_compose_tls_override_validates_and_wires() -> None:
+    exe = Path(sys.executable).parent / "check-jsonschema"
+    if exe.exists():
+        r = subprocess.run([str(exe), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_TLS)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    svc = yaml.safe_load(COMPOSE_TLS.read_text())["services"]
+    cmd = svc["zerogap"]["command"]
+    for flag in ("--tls-cert", "--tls-key", "--tls-client-ca"):
+        assert flag in cmd
+    from service.config import build_arg_parser
+
+    build_arg_parser().parse_args(cmd[4:])  # every flag is one `serve` knows
+    assert any(v.startswith("./deploy/nginx-tls.conf:/etc/nginx/nginx.conf") for v in svc["lb"]["volumes"])
+    assert "ZEROGAP_AUTH_TOKENS" in _compose()["services"]["zerogap"]["environment"]
+
+
+@pytest.fixture(scope="module")
+def stack_certs(tmp_path_factory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI")
+    d = tmp_path_factory.mktemp("certs")
+    subprocess.run(["sh", str(ROOT / "deploy" / "make-certs.sh"), str(d)], check=True, capture_output=True, timeout=60)
+    return d
+
+
+class _TlsBackend(_Backend):
+    """A health backend serving mutual TLS with the replicas' certificate, recording the authorization it saw."""
+
+    def __init__(self, name: str, certs: Path) -> None:
+        self.servicer = _TaggedHealth(name)
+        self.servicer.set("", SERVING)
+        self.seen: list[str] = []
+        inner = self.servicer.Check
+
+        def check(request, context):
+            self.seen.append(dict(context.invocation_metadata()).get("authorization", ""))
+            return inner(request, context)
+
+        self.servicer.Check = check
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
+        creds = grpc.ssl_server_credentials([((certs / "zerogap.key").read_bytes(), (certs / "zerogap.pem").read_bytes())],
+                                            root_certificates=(certs / "ca.pem").read_bytes(), require_client_auth=True)
+        self.port = self.server.add_secure_port("127.0.0.1:0", creds)
+        assert self.port
+        self.server.start()
+        self.running = True
+
+
+def render_nginx_tls_conf(upstreams: list[int], listen_port: int, tmp: Path, certs: Path) -> str:
+    """deploy/nginx-tls.conf with render_nginx_conf's substitutions, its listen line and the certs directory."""
+    conf = NGINX_TLS_CONF.read_text()
+    listen_line = re.search(r"^(\s*)listen 8443 ssl http2;\n", conf, re.M)
+    assert listen_line and "/etc/nginx/certs/" in conf, "deploy/nginx-tls.conf changed shape: update this test"
+    conf = conf.replace(listen_line.group(0), f"{listen_line.group(1)}listen 8080 http2;\n", 1)
+    out = render_nginx_conf(upstreams, listen_port, tmp, conf)
+    out = out.replace(f"listen 127.0.0.1:{listen_port} http2;", f"listen 127.0.0.1:{listen_port} ssl http2;")
+    return out.replace("/etc/nginx/certs/", f"{certs}/")
+
+
+def test_nginx_tls_end_to_end_with_token_passthrough(stack_certs, tmp_path) -> None:
+    binary = _nginx_binary()
+    if binary is None:
+        pytest.skip("nginx binary not installed (Debian/Ubuntu: apt-get install -y nginx)")
+    bs = [_TlsBackend("tls-a", stack_certs), _TlsBackend("tls-b", stack_certs)]
+    port = _free_port()
+    lb = _Nginx(binary, render_nginx_tls_conf([b.port for b in bs], port, tmp_path, stack_certs), tmp_path, port)
+    try:
+        assert lb.wait_ready(), lb.log()
+        sec = healthcheck.Security(tls_ca=str(stack_certs / "ca.pem"), tls_server_name="lb")
+        seen = []
+        for _ in range(4):
+            with healthcheck.channel(f"127.0.0.1:{port}", sec) as ch:
+                resp, call = health_pb2_grpc.HealthStub(ch).Check.with_call(
+                    health_pb2.HealthCheckRequest(), timeout=5, metadata=[("authorization", "Bearer tok-0123456789abcdef")])
+                assert resp.status == SERVING, lb.log()
+                seen.append(dict(call.trailing_metadata() or ()).get("x-backend"))
+        assert set(seen) == {"tls-a", "tls-b"}, (seen, lb.log())
+        assert {a for b in bs for a in b.seen} == {"Bearer tok-0123456789abcdef"}  # the token reached the replicas
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # plaintext to the TLS port
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert healthcheck.main(["--port", str(port), "--tls-ca", str(stack_certs / "ca.pem"), "--tls-server-name", "lb"]) == 0
+    finally:
+        lb.stop()
+        for b in bs:
+            b.stop()
