@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,31 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return pred()
+
+
+def serve_process(model_dir, port: int, *flags: str, timeout: float = 120.0):
+    """`python -m service serve` as a child process, once it says it listens (stdout piped)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", str(port), *flags],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = ""
+    deadline = time.monotonic() + timeout
+    while "listening" not in line and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+    if "listening" not in line:
+        proc.kill()
+        proc.stdout.close()
+        raise AssertionError(f"the server did not start: {line}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,10 @@ import pytest
 from service import protos
 from service.config import ServerArgs
 from service.server import AddressInUse, BackgroundServer, bind_port, check_address_free
-from tests.helpers import wait_until
+from tests.helpers import free_port, serve_process, wait_until
 
 pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def greedy(n: int = 8, **kw) -> pb2.SamplingParams:
@@ -182,18 +175,10 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
     port, grace = free_port(), 4
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port), "--kv-cache-tokens", "2000",
-         "--grace-period-s", str(grace), "--grammar-compile-timeout-s", "300", "--max-constraint-bytes", str(1 << 20),
-         "--max-constraint-properties", "10000", "--grammar-worker-max-rss-mb", "16384"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = serve_process(tiny_llama_dir, port, "--kv-cache-tokens", "2000", "--grace-period-s", str(grace),
+                         "--grammar-compile-timeout-s", "300", "--max-constraint-bytes", str(1 << 20),
+                         "--max-constraint-properties", "10000", "--grammar-worker-max-rss-mb", "16384")
     try:
-        line = ""
-        deadline = time.monotonic() + 120
-        while "listening" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "listening" in line, line
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb2_grpc.GenerationStub(ch)
             stub.Generate(constrained(pb2.Constraint(regex="[0-9]{2}")), timeout=120)  # the compile workers run

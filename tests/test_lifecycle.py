@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,31 +16,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
-from tests.helpers import wait_until
+from tests.helpers import free_port, serve_process, wait_until
 
 pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port),
-         "--kv-cache-tokens", "2000", "--grace-period-s", "20"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = serve_process(tiny_llama_dir, port, "--kv-cache-tokens", "2000", "--grace-period-s", "20")
     try:
-        line = proc.stdout.readline()
-        deadline = time.monotonic() + 60
-        while "listening" not in line and time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-        assert "listening" in line, line
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb2_grpc.GenerationStub(ch)
             stream = stub.GenerateStream(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7]),
