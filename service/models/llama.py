@@ -15,6 +15,7 @@ from torch import nn
 
 from service.engine.forward_batch import ForwardBatch
 from service.models.attention import AttentionMeta, TorchAttention
+from service.models.linear import PackedLinear, pack_linear, packed_if_exact
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -142,27 +143,37 @@ class LlamaModel(nn.Module):
         self.config = config
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)  # filled by init_rope() on the real device
+        self.packed_head: PackedLinear | None = None  # pack_weights(): the LM head laid out for oneDNN
 
     def init_rope(self) -> None:
         """cos/sin tables (float32), computed outside any meta-device context."""
         self.cos, self.sin = rope_cos_sin(self.config, self.shape.head_dim, self.max_positions)
 
+    def pack_weights(self) -> None:
+        """Lay the linear weights out once for oneDNN where that is exact (bf16 on CPU)."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, pack_linear(getattr(layer, name)))
+        # A packed copy of the head (tied: the embedding keeps its own table for lookups).
+        self.packed_head = packed_if_exact(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention) -> torch.Tensor:
-        """Logits (float32) at each request's last token [bs, vocab], followed by
-        those of fb.extra_logit_rows when set."""
+        """Logits (in the model's dtype) at each request's last token [bs, vocab],
+        followed by those of fb.extra_logit_rows when set."""
         s = self.shape
         h = self.embed(input_ids)
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
         cos, sin = self.cos[fb.positions], self.sin[fb.positions]
-        meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
+        meta = attn.prepare(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
         h = rms_norm(h[rows], self.norm, s.rms_norm_eps)
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        if self.packed_head is not None:
+            return self.packed_head(h)
+        return F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face checkpoint tensors in, fusing qkv and gate/up."""
