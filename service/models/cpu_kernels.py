@@ -60,16 +60,22 @@ def _build() -> ctypes.CDLL:
             subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True, text=True)
             os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(out))
-    for name in ("paged_attention_bf16", "paged_attention_f32"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [
-            ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    for name in ("argmax_rows_bf16", "argmax_rows_f32"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        for suffix in ("bf16", "f32"):
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {  # each has a _bf16 and an _f32 variant
+    "paged_attention": (_INT, [_P] * 4 + [_I64] + [_P] * 2 + [_I64] * 4 + [_F32, _I64, _P, _INT]),
+    "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
+    "rms_norm": (None, [_P, _P, _P, _F32, _I64, _I64, _P, _P, _INT]),
+    "rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
+    "silu_mul": (None, [_P, _I64, _I64, _P, _INT]),
+}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def load() -> ctypes.CDLL | None:
@@ -90,7 +96,6 @@ def available() -> bool:
     return load() is not None
 
 
-_FUNCS = {torch.bfloat16: "paged_attention_bf16", torch.float32: "paged_attention_f32"}
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers (MAX_G, MAX_D in the C source)
 
 
@@ -106,12 +111,12 @@ def paged_attention(
 ) -> torch.Tensor:
     lib = load()
     assert lib is not None
-    if q.dtype not in _FUNCS or q.shape[-1] > MAX_HEAD_DIM:
+    if q.dtype not in _SUFFIX or q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"paged_attention: no kernel for {q.dtype} with head_dim {q.shape[-1]}")
     q = q.contiguous()
     out = torch.empty_like(q)
     n, hq, d = q.shape
-    rc = getattr(lib, _FUNCS[q.dtype])(
+    rc = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}")(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
         req_of.data_ptr(), pos_of.data_ptr(), n, hq, k_cache.shape[1], d, scale, window or 0,
         out.data_ptr(), torch.get_num_threads(),
@@ -121,16 +126,57 @@ def paged_attention(
     return out
 
 
-_ARGMAX = {torch.bfloat16: "argmax_rows_bf16", torch.float32: "argmax_rows_f32"}
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for a 2-D bf16/fp32 tensor (first index on ties), vectorized
     and parallel over rows (aten's argmax runs one row at a time, scalar)."""
     lib = load()
-    if lib is None or x.dtype not in _ARGMAX or x.dim() != 2 or x.device.type != "cpu":
+    if lib is None or x.dtype not in _SUFFIX or x.dim() != 2 or x.device.type != "cpu":
         return x.argmax(dim=-1)
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    getattr(lib, _ARGMAX[x.dtype])(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
+    getattr(lib, f"argmax_rows_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
     return out
+
+
+def fused_ok(*tensors: torch.Tensor) -> bool:
+    """The fused elementwise kernels apply: CPU tensors of one supported dtype, library built."""
+    t0 = tensors[0]
+    return t0.device.type == "cpu" and t0.dtype in _SUFFIX and all(t.dtype == t0.dtype for t in tensors) and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """(h, normed): h = x + residual (x itself without one), normed = RMSNorm(h) * weight."""
+    lib = load()
+    assert lib is not None
+    x = x.contiguous()
+    rows, cols = x.shape
+    normed = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    res_ptr = residual.contiguous().data_ptr() if residual is not None else None
+    getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows))
+    return h, normed
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first `heads` heads of each row of x [T, >= heads * head_dim] in place."""
+    lib = load()
+    assert lib is not None and x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
+    getattr(lib, f"rope_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        _threads(x.shape[0]))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up]."""
+    lib = load()
+    assert lib is not None
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows))
+    return out
+
+
+def _threads(rows: int) -> int:
+    return max(1, min(torch.get_num_threads(), rows))

@@ -16,6 +16,7 @@ from torch import nn
 from service.engine.forward_batch import ForwardBatch
 from service.models.attention import AttentionMeta, TorchAttention
 from service.models.linear import PackedLinear, pack_linear, packed_if_exact
+from service.models.ops import add_rms_norm, silu_mul, split_qkv_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -88,20 +89,6 @@ def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tenso
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] (HF rotate_half convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -116,18 +103,15 @@ class DecoderLayer(nn.Module):
         self.split = (q, kv, kv)
         self.scale = s.head_dim**-0.5
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMeta, attn: TorchAttention):
+    def forward(self, h, delta, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMeta, attn: TorchAttention):
+        """(h, delta) -> the next layer's (h, delta): the residual add of each block is
+        deferred into the next norm (h + delta, then RMSNorm, in one pass)."""
         s = self.s
-        x = rms_norm(h, self.input_norm, s.rms_norm_eps)
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, s.num_q_heads, s.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        h, x = add_rms_norm(h, delta, self.input_norm, s.rms_norm_eps)
+        q, k, v = split_qkv_rope(self.qkv(x), s.num_q_heads, s.num_kv_heads, s.head_dim, positions, cos_table, sin_table)
         a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        h = h + self.o(a)
-        x = rms_norm(h, self.post_norm, s.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        h, x = add_rms_norm(h, self.o(a), self.post_norm, s.rms_norm_eps)
+        return h, self.down(silu_mul(self.gate_up(x)))
 
 
 class LlamaModel(nn.Module):
@@ -165,12 +149,12 @@ class LlamaModel(nn.Module):
         h = self.embed(input_ids)
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
-        cos, sin = self.cos[fb.positions], self.sin[fb.positions]
         meta = attn.prepare(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
+            h, delta = layer(h, delta, fb.positions, self.cos, self.sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
-        h = rms_norm(h[rows], self.norm, s.rms_norm_eps)
+        _, h = add_rms_norm(h[rows], delta[rows], self.norm, s.rms_norm_eps)
         if self.packed_head is not None:
             return self.packed_head(h)
         return F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)

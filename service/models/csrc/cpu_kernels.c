@@ -39,13 +39,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(x >> 16);
 }
 
-/* exp(x) for x <= 0 (softmax after max subtraction), vectorizable (no libm call):
- * 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a degree-6 polynomial
- * (relative error ~2e-7, like float rounding). Below -87 it returns 0. */
-static inline float exp_neg(float x) {
+/* exp(x), vectorizable (no libm call): 2^(x log2 e) split into 2^n * 2^f,
+ * f in [-0.5, 0.5], with a degree-6 polynomial (relative error ~2e-7, a few
+ * float ulps). Below -87 it returns 0; above 88 it saturates at ~2^127. */
+static inline float exp_approx(float x) {
     float t = x * 1.44269504088896341f;
-    t = t < -126.f ? -126.f : t;
-    const float n = __builtin_roundf(t);
+    t = t < -126.f ? -126.f : (t > 127.f ? 127.f : t);
+    const float n = (t + 12582912.f) - 12582912.f; /* round to nearest: 1.5 * 2^23 trick, vectorizes */
     const float f = t - n;
     float p = 1.5403530e-4f;
     p = p * f + 1.3333558e-3f;
@@ -100,13 +100,13 @@ static inline float exp_neg(float x) {
                 for (int64_t a = 0; a < g; a++) {                                                           \
                     float bm = m[a];                                                                        \
                     for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                       \
-                    const float corr = exp_neg(m[a] - bm); /* 0 on the first block (m = -inf) */            \
+                    const float corr = exp_approx(m[a] - bm); /* 0 on the first block (m = -inf) */            \
                     l[a] *= corr;                                                                           \
                     for (int64_t e = 0; e < d; e++) acc[a][e] *= corr;                                      \
                     m[a] = bm;                                                                              \
                     float sum = 0.f;                                                                        \
                     _Pragma("omp simd reduction(+ : sum)")                                                  \
-                    for (int64_t j = 0; j < n; j++) { s[a][j] = exp_neg(s[a][j] - bm); sum += s[a][j]; }    \
+                    for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }    \
                     l[a] += sum;                                                                            \
                 }                                                                                           \
                 for (int64_t j = 0; j < n; j++) {                                                           \
@@ -170,3 +170,74 @@ DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32)
 
 DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32)
 DEFINE_ARGMAX(argmax_rows_f32, float, LOAD_F32)
+
+/* ---- fused elementwise ops of a decoder layer (row-parallel) --------------------------------
+ * Each matches its eager torch form op by op (float math, one rounding to T per torch op), so
+ * the two paths agree to the last bit or ulp; -std=c11 keeps the compiler from fusing a*b+c. */
+
+/* h_out = x + residual (if residual), rounded to T; normed = w * T(h * rsqrt(mean(h^2) + eps)). */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                         \
+    void NAME(const T *x, const T *residual, const T *w, float eps, int64_t rows, int64_t cols,     \
+              T *h_out, T *normed, int nthreads) {                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *xr = x + r * cols;                                                               \
+            T *hr = h_out + r * cols, *nr = normed + r * cols;                                        \
+            float ss = 0.f;                                                                           \
+            if (residual) {                                                                           \
+                const T *rr = residual + r * cols;                                                    \
+                for (int64_t c = 0; c < cols; c++) hr[c] = STORE(LOAD(xr[c]) + LOAD(rr[c]));        \
+                xr = hr;                                                                              \
+            }                                                                                         \
+            _Pragma("omp simd reduction(+ : ss)")                                                     \
+            for (int64_t c = 0; c < cols; c++) { const float v = LOAD(xr[c]); ss += v * v; }          \
+            const float inv = 1.f / sqrtf(ss / (float)cols + eps);                                    \
+            for (int64_t c = 0; c < cols; c++) nr[c] = STORE(LOAD(w[c]) * LOAD(STORE(LOAD(xr[c]) * inv))); \
+        }                                                                                             \
+    }
+
+/* In place on the first `heads` heads of each row (q then k in the fused qkv output):
+ * x = T(x * cos + rotate_half(x) * sin), cos/sin float32 tables [positions, d]. */
+#define DEFINE_ROPE(NAME, T, LOAD, STORE)                                                             \
+    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, const int64_t *pos, \
+              const float *cos_t, const float *sin_t, int nthreads) {                                \
+        const int64_t half = d / 2;                                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const float *cs = cos_t + pos[r] * d, *sn = sin_t + pos[r] * d;                           \
+            for (int64_t h = 0; h < heads; h++) {                                                     \
+                T *xh = x + r * row_stride + h * d;                                                   \
+                float a[MAX_D];                                                                       \
+                for (int64_t e = 0; e < d; e++) a[e] = LOAD(xh[e]);                                   \
+                for (int64_t e = 0; e < half; e++) {                                                  \
+                    const float p = a[e] * cs[e], q = (-a[e + half]) * sn[e];                         \
+                    xh[e] = STORE(p + q);                                                             \
+                }                                                                                     \
+                for (int64_t e = half; e < d; e++) {                                                  \
+                    const float p = a[e] * cs[e], q = a[e - half] * sn[e];                            \
+                    xh[e] = STORE(p + q);                                                             \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+/* out = T(T(silu(gate)) * up) for gate_up rows [gate | up] of width 2 * inter. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                         \
+    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int nthreads) {                 \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *g = gate_up + r * 2 * inter, *u = g + inter;                                     \
+            T *o = out + r * inter;                                                                   \
+            for (int64_t c = 0; c < inter; c++) {                                                     \
+                const float x = LOAD(g[c]);                                                           \
+                o[c] = STORE(LOAD(STORE(x / (1.f + exp_approx(-x)))) * LOAD(u[c]));                        \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROPE(rope_f32, float, LOAD_F32, STORE_F32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)
