@@ -81,7 +81,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disable-feature", dest="disabled_features", action="append", default=[], metavar="NAME",
                    help="switch a feature module off (repeatable); `python -m service matrix` lists them")
-    p.add_argument("--attention-backend", choices=["torch"], default=d.attention_backend)
+    p.add_argument("--attention-backend", choices=["torch", "torch-sdpa"], default=d.attention_backend,
+                   help="torch: native paged kernels where built (else SDPA); torch-sdpa: SDPA only")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
     p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
