@@ -23,7 +23,8 @@ class ServerArgs:
     kv_mem_fraction: float = 0.05  # of total host memory, when kv_cache_tokens is None
     context_length: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096  # tokens per prefill batch
-    disable_overlap: bool = False
+    loop: str = "auto"  # auto | overlap | normal (auto: see default_loop)
+    disable_overlap: bool = False  # = loop "normal"
     overlap_policy: str = "per-batch"  # per-batch | global | strict
     disabled_features: list[str] = field(default_factory=list)
     attention_backend: str = "torch"
@@ -36,7 +37,17 @@ class ServerArgs:
 
     @property
     def overlap(self) -> bool:
-        return not self.disable_overlap
+        if self.disable_overlap:
+            return False
+        loop = default_loop() if self.loop == "auto" else self.loop
+        if loop not in ("overlap", "normal"):
+            raise ValueError(f"unknown loop {self.loop!r} (auto, overlap, normal)")
+        return loop == "overlap"
+
+
+def default_loop() -> str:
+    """The loop `--loop auto` picks on this machine (see README: measured, not assumed)."""
+    return "overlap"
 
 
 def cpu_has_native_bf16() -> bool:
@@ -71,7 +82,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-mem-fraction", type=float, default=d.kv_mem_fraction, help="KV pool size as a fraction of host memory (when --kv-cache-tokens is not given)")
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    p.add_argument("--disable-overlap", action="store_true", help="use the normal (serial) scheduler loop")
+    p.add_argument("--loop", choices=["auto", "overlap", "normal"], default=d.loop,
+                   help="scheduler loop; auto picks the faster one on this machine (README: Scheduler loops)")
+    p.add_argument("--disable-overlap", action="store_true", help="the normal (serial) loop: same as --loop normal")
     p.add_argument(
         "--overlap-policy",
         choices=["per-batch", "global", "strict"],

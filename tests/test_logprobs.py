@@ -54,7 +54,7 @@ def check_against_reference(client, hf, prompt, n_new=12, start=0, top_n=3):
 
 @pytest.mark.parametrize("mode", ["normal", "overlap"])
 def test_smollm2_logprobs_match_transformers(mode, smol_dir, hf_smol, hf_tokenizer):
-    client = SyncClient(ServerArgs(dtype="float32", disable_overlap=mode == "normal", kv_cache_tokens=2048, max_running_requests=4), smol_dir)
+    client = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=2048, max_running_requests=4), smol_dir)
     try:
         for text, start in (("The capital of France is", 0), ("def add(a, b):\n    return", 3)):
             check_against_reference(client, hf_smol, hf_tokenizer.encode(text), start=start)

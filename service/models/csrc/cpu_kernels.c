@@ -60,7 +60,64 @@ static inline float exp_approx(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+/* One work item: query row i, kv head h; `d` is a compile-time constant in the
+ * specialised calls (64, 128), so the inner loops unroll into whole vectors. */
 #define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
+    static inline __attribute__((always_inline)) void NAME##_item(                                          \
+        const T *q, const T *k, const T *v, const int64_t *rows, int64_t start, int64_t pos, int64_t i,     \
+        int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, T *out) {              \
+        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                                      \
+        float s[MAX_G][BLOCK], kf[MAX_D];                                                                   \
+        for (int64_t a = 0; a < g; a++) {                                                                   \
+            const T *qa = q + (i * hq + h * g + a) * d;                                                     \
+            for (int64_t e = 0; e < d; e++) { qf[a][e] = LOAD(qa[e]) * scale; acc[a][e] = 0.f; }            \
+            m[a] = -INFINITY;                                                                               \
+            l[a] = 0.f;                                                                                     \
+        }                                                                                                   \
+        for (int64_t j0 = start; j0 <= pos; j0 += BLOCK) {                                                  \
+            const int64_t n = (pos + 1 - j0) < BLOCK ? (pos + 1 - j0) : BLOCK;                              \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                if (j + PREFETCH < n) {                                                                     \
+                    __builtin_prefetch(k + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
+                    __builtin_prefetch(v + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
+                }                                                                                           \
+                const T *kr = k + (rows[j0 + j] * hkv + h) * d;                                             \
+                for (int64_t e = 0; e < d; e++) kf[e] = LOAD(kr[e]);                                        \
+                for (int64_t a = 0; a < g; a++) {                                                           \
+                    float dot = 0.f;                                                                        \
+                    _Pragma("omp simd reduction(+ : dot)")                                                  \
+                    for (int64_t e = 0; e < d; e++) dot += qf[a][e] * kf[e];                                \
+                    s[a][j] = dot;                                                                          \
+                }                                                                                           \
+            }                                                                                               \
+            for (int64_t a = 0; a < g; a++) {                                                               \
+                float bm = m[a];                                                                            \
+                for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                           \
+                const float corr = exp_approx(m[a] - bm); /* 0 on the first block (m = -inf) */             \
+                l[a] *= corr;                                                                               \
+                for (int64_t e = 0; e < d; e++) acc[a][e] *= corr;                                          \
+                m[a] = bm;                                                                                  \
+                float sum = 0.f;                                                                            \
+                _Pragma("omp simd reduction(+ : sum)")                                                      \
+                for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }     \
+                l[a] += sum;                                                                                \
+            }                                                                                               \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                             \
+                for (int64_t e = 0; e < d; e++) kf[e] = LOAD(vr[e]);                                        \
+                for (int64_t a = 0; a < g; a++) {                                                           \
+                    const float p = s[a][j];                                                                \
+                    _Pragma("omp simd")                                                                     \
+                    for (int64_t e = 0; e < d; e++) acc[a][e] += p * kf[e];                                 \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int64_t a = 0; a < g; a++) {                                                                   \
+            T *o = out + (i * hq + h * g + a) * d;                                                          \
+            const float inv = 1.f / l[a];                                                                   \
+            for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a][e] * inv);                                  \
+        }                                                                                                   \
+    }                                                                                                       \
     int NAME(const T *q, const T *k, const T *v, const int64_t *table, int64_t table_stride,                \
              const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
              float scale, int64_t window, T *out, int nthreads) {                                           \
@@ -73,57 +130,12 @@ static inline float exp_approx(float x) {
             const int64_t pos = pos_of[i];                                                                  \
             const int64_t *rows = table + req_of[i] * table_stride;                                         \
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;              \
-            float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                                  \
-            float s[MAX_G][BLOCK], kf[MAX_D];                                                               \
-            for (int64_t a = 0; a < g; a++) {                                                               \
-                const T *qa = q + (i * hq + h * g + a) * d;                                                 \
-                for (int64_t e = 0; e < d; e++) { qf[a][e] = LOAD(qa[e]) * scale; acc[a][e] = 0.f; }        \
-                m[a] = -INFINITY;                                                                           \
-                l[a] = 0.f;                                                                                 \
-            }                                                                                               \
-            for (int64_t j0 = start; j0 <= pos; j0 += BLOCK) {                                              \
-                const int64_t n = (pos + 1 - j0) < BLOCK ? (pos + 1 - j0) : BLOCK;                          \
-                for (int64_t j = 0; j < n; j++) {                                                           \
-                    if (j + PREFETCH < n) {                                                                 \
-                        __builtin_prefetch(k + (rows[j0 + j + PREFETCH] * hkv + h) * d);                    \
-                        __builtin_prefetch(v + (rows[j0 + j + PREFETCH] * hkv + h) * d);                    \
-                    }                                                                                       \
-                    const T *kr = k + (rows[j0 + j] * hkv + h) * d;                                         \
-                    for (int64_t e = 0; e < d; e++) kf[e] = LOAD(kr[e]);                                    \
-                    for (int64_t a = 0; a < g; a++) {                                                       \
-                        float dot = 0.f;                                                                    \
-                        _Pragma("omp simd reduction(+ : dot)")                                              \
-                        for (int64_t e = 0; e < d; e++) dot += qf[a][e] * kf[e];                            \
-                        s[a][j] = dot;                                                                      \
-                    }                                                                                       \
-                }                                                                                           \
-                for (int64_t a = 0; a < g; a++) {                                                           \
-                    float bm = m[a];                                                                        \
-                    for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                       \
-                    const float corr = exp_approx(m[a] - bm); /* 0 on the first block (m = -inf) */            \
-                    l[a] *= corr;                                                                           \
-                    for (int64_t e = 0; e < d; e++) acc[a][e] *= corr;                                      \
-                    m[a] = bm;                                                                              \
-                    float sum = 0.f;                                                                        \
-                    _Pragma("omp simd reduction(+ : sum)")                                                  \
-                    for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }    \
-                    l[a] += sum;                                                                            \
-                }                                                                                           \
-                for (int64_t j = 0; j < n; j++) {                                                           \
-                    const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                         \
-                    for (int64_t e = 0; e < d; e++) kf[e] = LOAD(vr[e]);                                    \
-                    for (int64_t a = 0; a < g; a++) {                                                       \
-                        const float p = s[a][j];                                                            \
-                        _Pragma("omp simd")                                                                 \
-                        for (int64_t e = 0; e < d; e++) acc[a][e] += p * kf[e];                             \
-                    }                                                                                       \
-                }                                                                                           \
-            }                                                                                               \
-            for (int64_t a = 0; a < g; a++) {                                                               \
-                T *o = out + (i * hq + h * g + a) * d;                                                      \
-                const float inv = 1.f / l[a];                                                               \
-                for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a][e] * inv);                              \
-            }                                                                                               \
+            if (d == 64)                                                                                    \
+                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
+            else if (d == 128)                                                                              \
+                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
+            else                                                                                            \
+                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
         }                                                                                                   \
         return 0;                                                                                           \
     }
