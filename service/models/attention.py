@@ -22,7 +22,7 @@ class AttentionMeta:
         group = num_q_heads // num_kv_heads
         self.fb = fb
         self.bs, self.lq, self.group = bs, lq, group
-        kv_pos = torch.arange(fb.kv_indices.shape[1])
+        kv_pos = torch.arange(fb.kv_indices.shape[1], device=fb.kv_indices.device)
         # Query row (bs, lq) sees kv position p when p <= its own position;
         # padding rows sit at position 0 so no row is fully masked.
         q_pos = fb.q_positions.unsqueeze(-1)
@@ -37,6 +37,9 @@ class TorchAttention:
     """Paged attention with torch ops (SDPA) — the CPU backend."""
 
     name = "torch"
+
+    def prepare(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None) -> AttentionMeta:
+        return AttentionMeta(fb, num_q_heads, num_kv_heads, sliding_window)
 
     def forward(
         self,

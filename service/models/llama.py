@@ -156,7 +156,7 @@ class LlamaModel(nn.Module):
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
         cos, sin = self.cos[fb.positions], self.sin[fb.positions]
-        meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
+        meta = attn.prepare(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
