@@ -76,8 +76,9 @@ class FeatureRegistry:
         self.model: Any = None  # set by the engine: what unavailable_reason() is asked about
 
     def bind(self, engine: Any) -> None:
+        """Bind the enabled modules (a disabled one starts nothing, e.g. no grammar-init thread)."""
         self.model = engine
-        for f in self.features.values():
+        for f in self.enabled_features():
             f.bind(engine)
 
     def enabled_features(self) -> list[Feature]:

@@ -105,6 +105,8 @@ class Engine:
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
+        if self.device.is_cuda:  # weights and pools were filled on the default stream
+            torch.cuda.synchronize(self.device.device)
         self._thread = threading.Thread(target=self.scheduler.run, name="zerogap-scheduler", daemon=True)
         self._thread.start()
         log.info(
