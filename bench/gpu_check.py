@@ -16,8 +16,12 @@ tokenizer comes from --tokenizer (default: the prepared SmolLM2 directory).
    must be identical), CUDA events on the forward stream around every step: the
    median gap between consecutive decode forwards, busy fraction, and throughput
    overlap/normal;
-3. syncs: one short overlap run under torch.cuda.set_sync_debug_mode("warn"): any
-   synchronizing CUDA call on any thread is reported.
+3. syncs: one short overlap run (after its warm-up) under
+   torch.cuda.set_sync_debug_mode("warn"): every synchronizing CUDA call, on any
+   thread, is reported with its thread and stack.
+
+Decode runs as CUDA graphs (the engine's default with the Triton backend);
+`--no-cuda-graph` measures the eager path.
 
 `--device cpu --quick` runs the same code on tiny shapes on CPU (the kernels in
 the Triton interpreter) — how the script itself is tested.
@@ -26,6 +30,7 @@ the Triton interpreter) — how the script itself is tested.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,6 +39,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -69,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the prepared SmolLM2)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (default: CUDA graphs on CUDA)")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,loops,syncs")
     p.add_argument("--out", default=None, help="write the results here as JSON")
     return p.parse_args()
@@ -190,7 +197,10 @@ def make_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
     return out
 
 
-def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: int, tokens: int, prompt_len: int) -> dict:
+def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: int, tokens: int, prompt_len: int,
+             cuda_graph: bool = True, sync_log: list | None = None) -> dict:
+    """Warm up, then one measured run of n requests; with `sync_log`, the measured run
+    is under CUDA's sync debug mode and each synchronizing call is logged (thread, stack)."""
     from service.config import ServerArgs
     from service.engine.engine import SyncClient, collect
     from service.engine.request import SamplingParams
@@ -202,7 +212,7 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
     args = ServerArgs(model=str(model_dir), device=device_name, dtype=dtype, load_format="dummy", disabled_features=off,
                       disable_overlap=not overlap, max_running_requests=n, max_queued_requests=4 * n,
                       kv_cache_tokens=n * (prompt_len + tokens) + 64, context_length=prompt_len + tokens + 8,
-                      max_prefill_tokens=max(4096, n * prompt_len))
+                      max_prefill_tokens=max(4096, n * prompt_len), disable_cuda_graph=not cuda_graph)
     client = SyncClient(args, model_dir)
     engine = client.engine
     rng = random.Random(1)
@@ -220,7 +230,11 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
         once("warmup")  # compiles the kernels for every batch shape the measured run meets
         engine.timeline.device_timing = True
         engine.timeline.clear_device_spans()
-        outs, wall = once("run")
+        if sync_log is not None:
+            with sync_debug(sync_log):
+                outs, wall = once("run")
+        else:
+            outs, wall = once("run")
         engine.timeline.device_timing = False
         dev = engine.timeline.device_forward_stats("decode")
         busy, host_gap = engine.timeline.forward_stats()
@@ -229,14 +243,16 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
     return dict(loop="overlap" if overlap else "normal", wall_s=wall, tokens_per_s=n * tokens / wall,
                 decode_pairs=dev.pairs, median_decode_gap_ms=dev.median_gap_ms, median_decode_forward_ms=dev.median_forward_ms,
                 device_busy_fraction=dev.busy_fraction, host_median_gap_ms=host_gap * 1e3,
-                attention_backend=engine.attention_backend, outputs=outs)
+                attention_backend=engine.attention_backend, cuda_graphs=engine.worker.graphs is not None,
+                graph_replays=engine.worker.graphs.replays if engine.worker.graphs is not None else 0, outputs=outs)
 
 
-def check_loops(model_dirs: dict[str, Path], device_name: str, dtype: str, n: int, tokens: int, prompt_len: int) -> list[dict]:
+def check_loops(model_dirs: dict[str, Path], device_name: str, dtype: str, n: int, tokens: int, prompt_len: int,
+                cuda_graph: bool) -> list[dict]:
     rows = []
     for shape, model_dir in model_dirs.items():
         try:
-            res = {o: run_loop(model_dir, o, device_name, dtype, n, tokens, prompt_len) for o in (False, True)}
+            res = {o: run_loop(model_dir, o, device_name, dtype, n, tokens, prompt_len, cuda_graph) for o in (False, True)}
         except Exception:
             rows.append(dict(model=shape, identical_tokens=False, error=traceback.format_exc()))
             print(f"  {shape} FAILED:\n{rows[-1]['error']}", flush=True)
@@ -245,33 +261,53 @@ def check_loops(model_dirs: dict[str, Path], device_name: str, dtype: str, n: in
         identical = normal.pop("outputs") == overlap.pop("outputs")
         gap_ratio = overlap["median_decode_gap_ms"] / normal["median_decode_gap_ms"] if normal["median_decode_gap_ms"] else float("nan")
         speedup = overlap["tokens_per_s"] / normal["tokens_per_s"]
-        row = dict(model=shape, requests=n, tokens=tokens, dtype=dtype, identical_tokens=identical,
+        row = dict(model=shape, requests=n, tokens=tokens, dtype=dtype, identical_tokens=identical, cuda_graphs=overlap["cuda_graphs"],
                    normal=normal, overlap=overlap, gap_ratio=gap_ratio, speedup=speedup)
         rows.append(row)
         for r in (normal, overlap):
             print(f"  {shape:<14} {r['loop']:<8} {r['tokens_per_s']:9.0f} tok/s  decode forward {r['median_decode_forward_ms']:.3f} ms"
-                  f"  gap {r['median_decode_gap_ms']:.3f} ms  busy {r['device_busy_fraction']:.1%}  ({r['attention_backend']})", flush=True)
+                  f"  gap {r['median_decode_gap_ms']:.3f} ms  busy {r['device_busy_fraction']:.1%}  ({r['attention_backend']}"
+                  f"{', cuda graphs: %d replays' % r['graph_replays'] if r['cuda_graphs'] else ', eager'})", flush=True)
         print(f"  {shape:<14} overlap/normal {speedup:.2f}x  gap ratio {gap_ratio:.3f}  tokens identical: {identical}", flush=True)
     return rows
 
 
 # ---- 3. syncs ---------------------------------------------------------------------------------
-def check_syncs(model_dir: Path, device_name: str, dtype: str) -> dict:
-    """A short overlap run with CUDA's sync debug mode on: any synchronizing call warns."""
+@contextlib.contextmanager
+def sync_debug(log: list):
+    """CUDA's sync debug mode, each warning logged with its thread and the caller's frames."""
+    import torch
+
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message) and "prototype" not in str(message):
+            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]]
+            log.append(dict(thread=threading.current_thread().name, message=str(message).splitlines()[0], stack=frames))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = previous
+
+
+def check_syncs(model_dir: Path, device_name: str, dtype: str, cuda_graph: bool) -> dict:
+    """A short overlap run (after warm-up) under CUDA's sync debug mode."""
     import torch
 
     if not torch.cuda.is_available() or not device_name.startswith(("cuda", "auto")):
         return dict(skipped="needs CUDA")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run_loop(model_dir, True, device_name, dtype, 8, 16, 16)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    msgs = sorted({str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)})
-    print(f"  synchronizing CUDA calls during an overlap run: {len(msgs)} kinds" + "".join(f"\n    {m}" for m in msgs), flush=True)
-    return dict(sync_warning_kinds=len(msgs), messages=msgs)
+    log: list = []
+    run_loop(model_dir, True, device_name, dtype, 8, 16, 16, cuda_graph, sync_log=log)
+    print(f"  synchronizing CUDA calls during a measured overlap run: {len(log)}", flush=True)
+    for entry in log[:5]:
+        print(f"    [{entry['thread']}] {entry['message']}\n      " + "\n      ".join(entry["stack"]), flush=True)
+    return dict(sync_calls=len(log), first=log[:5])
 
 
 def default_tokenizer_dir() -> Path:
@@ -322,10 +358,10 @@ def main() -> int:
         dirs = {m: make_model_dir(m, tok, Path(tmp)) for m in models}
         if "loops" not in skip:
             print(f"2. {n} greedy requests x {tokens} tokens, normal vs overlap loop ({dtype})", flush=True)
-            part("loops", lambda: check_loops(dirs, str(device), dtype, n, tokens, a.prompt_len))
+            part("loops", lambda: check_loops(dirs, str(device), dtype, n, tokens, a.prompt_len, not a.no_cuda_graph))
         if "syncs" not in skip:
             print("3. host syncs", flush=True)
-            part("syncs", lambda: check_syncs(dirs[models[0]], str(device), dtype))
+            part("syncs", lambda: check_syncs(dirs[models[0]], str(device), dtype, not a.no_cuda_graph))
     results["errors"] = errors
     results["elapsed_s"] = time.perf_counter() - t0
     ok = (not errors and all(r["ok"] for r in results.get("kernels", []))

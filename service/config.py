@@ -27,6 +27,8 @@ class ServerArgs:
     overlap_policy: str = "per-batch"  # per-batch | global | strict
     disabled_features: list[str] = field(default_factory=list)
     attention_backend: str = "auto"  # torch | triton | auto (triton on CUDA, torch on CPU)
+    disable_cuda_graph: bool = False  # CUDA + triton: decode runs as captured CUDA graphs unless set
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests
     num_threads: int | None = None  # torch intra-op threads for the forward; None = all cores
     trace_file: str | None = None
     metrics_port: int | None = None  # Prometheus endpoint; None = off
@@ -68,6 +70,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="switch a feature module off (repeatable); `python -m service matrix` lists them")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=d.attention_backend,
                    help="paged attention: torch (SDPA over gathered KV) or triton kernels; auto: triton on CUDA")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="CUDA: run decode eagerly instead of as captured CUDA graphs (graphs need --attention-backend triton)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
     p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")

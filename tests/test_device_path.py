@@ -206,6 +206,14 @@ def test_device_options():
     assert cpu.to_device(t)[0] is t and cpu.to_host(t) is t
 
 
+def test_cuda_graph_buckets_cover_every_batch_size():
+    from service.engine.cuda_graph import graph_buckets
+
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_buckets(5) == [1, 2, 4, 5]
+    assert graph_buckets(100)[-3:] == [80, 96, 100]
+
+
 def test_dummy_weights_are_deterministic(tiny_llama_dir):
     """--load-format dummy: random weights from the config, the same in every engine."""
     outs = []

@@ -20,6 +20,7 @@ import torch
 
 from features import Feature, FeatureRegistry, builtin_features
 from service.config import ServerArgs
+from service.engine.cuda_graph import build_decode_graphs
 from service.engine.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -90,6 +91,10 @@ class Engine:
             self.timeline,
             self.device,
         )
+        if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
+            max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+            self.worker.graphs = build_decode_graphs(self.model, self.kv_pool, self.worker.attention, dev, max_bs,
+                                                     self.context_length)
         self.scheduler = Scheduler(
             self.worker,
             self.req_pool,
@@ -110,8 +115,9 @@ class Engine:
         self._thread = threading.Thread(target=self.scheduler.run, name="zerogap-scheduler", daemon=True)
         self._thread.start()
         log.info(
-            "engine ready in %.1fs: %s, %s on %s, attention=%s, kv=%d tokens, mode=%s",
-            time.perf_counter() - t0, shape.architecture, args.dtype, dev, self.attention_backend, kv_tokens, self.mode,
+            "engine ready in %.1fs: %s, %s on %s, attention=%s, cuda graphs=%s, kv=%d tokens, mode=%s",
+            time.perf_counter() - t0, shape.architecture, args.dtype, dev, self.attention_backend,
+            self.worker.graphs is not None, kv_tokens, self.mode,
         )
 
     @property

@@ -46,6 +46,7 @@ class ModelWorker:
         self.timeline = timeline
         self.device = device
         self.stream = device.new_stream()  # the forward stream
+        self.graphs = None  # CUDA graphs for decode (service/engine/cuda_graph.py), set by the engine
         # Test hook: called with each ForwardBatch before the forward (fault injection).
         self.before_forward = None
 
@@ -93,7 +94,10 @@ class ModelWorker:
             feature.before_forward(fb)
         if fb.new_slots is not None:
             self.sampler.reset_slots(fb.new_slots, fb.new_prompt_slots, fb.new_prompt_tokens)
-        logits = self.model(fb, input_ids, self.kv_pool, self.attention)
+        if self.graphs is not None and self.graphs.can_run(fb):
+            logits = self.graphs.run(fb, input_ids)
+        else:
+            logits = self.model(fb, input_ids, self.kv_pool, self.attention)
         bs = fb.batch_size
         raw = LogitsOutput(logits[:bs], logits[bs:] if fb.extra_logit_rows is not None else None)
         logits = raw.next_token
