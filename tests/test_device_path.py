@@ -28,6 +28,11 @@ SYNCING = {
 }
 
 
+def _has_tensor_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) for i in items)
+
+
 def _has_bool_index(index) -> bool:
     items = index if isinstance(index, tuple) else (index,)
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
@@ -47,6 +52,8 @@ class HostSyncDetector(TorchFunctionMode):
             self.found.append(name)
         elif func in (T.__getitem__, T.__setitem__) and _has_bool_index(args[1]):
             self.found.append(f"{name} with a boolean mask")
+        elif func is T.__setitem__ and _has_tensor_index(args[1]) and not isinstance(args[2], torch.Tensor):
+            self.found.append("__setitem__ of a host scalar at tensor indices")  # the scalar is copied to the device
         elif func is torch.where and len(args) + len(kwargs) == 1:
             self.found.append("torch.where(cond)")
         elif func in (torch.repeat_interleave, T.repeat_interleave) and "output_size" not in kwargs:
@@ -112,7 +119,10 @@ def test_detector_catches_syncs():
         x[x > 2] = 0
         bool(x.any())
         torch.multinomial(torch.ones(4), 1)
-    assert found == ["item", "__setitem__ with a boolean mask", "__bool__", "multinomial"]
+        x[torch.tensor([1])] = 5
+        x[torch.tensor([1])] = torch.tensor(5)  # a device value: fine
+    assert found == ["item", "__setitem__ with a boolean mask", "__bool__", "multinomial",
+                     "__setitem__ of a host scalar at tensor indices"]
 
 
 class SpyStream(torch.cpu.Stream):

@@ -43,13 +43,17 @@ class Sampler:
         self.vocab_size = vocab_size
         self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        # Values for index_put_ already on the device: `t[index] = scalar` copies the scalar
+        # from the host, a synchronizing copy on CUDA.
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._neg_inf = torch.full((), float("-inf"), device=device)
 
     def reset_slots(self, slots: torch.Tensor, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """New requests took `slots`: forget the previous owners' tokens and mark each
         (token_slots[i], tokens[i]) prompt token. Device tensors; no host sync."""
-        self.counts[slots] = 0
-        self.prompt_mask[slots] = False
-        self.prompt_mask[token_slots, tokens] = True
+        self.counts.index_fill_(0, slots, 0)
+        self.prompt_mask.index_fill_(0, slots, False)
+        self.prompt_mask.index_put_((token_slots, tokens), self._true)
 
     def apply_penalties(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         counts = self.counts[sb.req_slots]
@@ -68,7 +72,7 @@ class Sampler:
             logits = self.apply_penalties(logits, sb)
         if sb.banned_rows is not None:
             logits = logits.clone() if not sb.need_penalties else logits
-            logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
+            logits.index_put_((sb.banned_rows, sb.banned_tokens), self._neg_inf)
         greedy = logits.argmax(dim=-1)
         if sb.all_greedy:
             ids = greedy
