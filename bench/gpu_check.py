@@ -36,7 +36,6 @@ import os
 import platform
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
