@@ -167,5 +167,6 @@ class ConstrainedDecoding(Feature):
         if not data["ready"].wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
         logits = logits.clone()  # keep the raw logits intact (logprobs)
-        xgr.apply_token_bitmask_inplace(logits, data["mask"], indices=data["rows"])
+        mask = data["mask"].to(logits.device, non_blocking=True)  # filled on the host
+        xgr.apply_token_bitmask_inplace(logits, mask, indices=data["rows"])
         return logits

@@ -99,6 +99,10 @@ def available() -> bool:
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers (MAX_G, MAX_D in the C source)
 
 
+def has_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in _SUFFIX and head_dim <= MAX_HEAD_DIM
+
+
 def paged_attention(
     q: torch.Tensor,  # [n, Hq, D]
     k_cache: torch.Tensor,  # [pool, Hkv, D]
@@ -154,7 +158,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     h = torch.empty_like(x) if residual is not None else x
     res_ptr = residual.contiguous().data_ptr() if residual is not None else None
     getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
-        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows))
+        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows, cols))
     return h, normed
 
 
@@ -164,7 +168,7 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, c
     assert lib is not None and x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
     getattr(lib, f"rope_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        _threads(x.shape[0]))
+        _threads(x.shape[0], heads * head_dim))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -174,9 +178,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows))
+    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows, 2 * inter))
     return out
 
 
-def _threads(rows: int) -> int:
+# Below this many elements an elementwise kernel runs on one thread: a parallel region's
+# barrier costs more than the work, and a preempted team member stalls the whole team.
+PARALLEL_MIN_ELEMENTS = 1 << 17
+
+
+def _threads(rows: int, cols: int) -> int:
+    if rows * cols < PARALLEL_MIN_ELEMENTS:
+        return 1
     return max(1, min(torch.get_num_threads(), rows))
