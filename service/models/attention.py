@@ -95,12 +95,13 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
-        k_cache[fb.out_cache_loc] = k
-        v_cache[fb.out_cache_loc] = v
         if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             assert meta.req_of is not None
-            out = cpu_kernels.paged_attention(q, k_cache, v_cache, fb.kv_indices, meta.req_of, fb.positions, scale, meta.sliding_window)
+            out = cpu_kernels.paged_attention(q, k_cache, v_cache, fb.kv_indices, meta.req_of, fb.positions, scale,
+                                              meta.sliding_window, k, v, fb.out_cache_loc)
             return out.view(q.shape[0], -1)
+        k_cache[fb.out_cache_loc] = k
+        v_cache[fb.out_cache_loc] = v
         if fb.mode is ForwardMode.DECODE:
             return self._decode_gathered(q, k_cache, v_cache, meta, scale)
         return self._extend_per_request(q, k_cache, v_cache, meta, scale)

@@ -64,12 +64,13 @@ static inline float exp_approx(float x) {
  * specialised calls (64, 128), so the inner loops unroll into whole vectors. */
 #define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
     static inline __attribute__((always_inline)) void NAME##_item(                                          \
-        const T *q, const T *k, const T *v, const int64_t *rows, int64_t start, int64_t pos, int64_t i,     \
-        int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, T *out) {              \
+        const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
+        int64_t pos, int64_t i, int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, \
+        T *out) {                                                                                           \
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                                      \
         float s[MAX_G][BLOCK], kf[MAX_D];                                                                   \
         for (int64_t a = 0; a < g; a++) {                                                                   \
-            const T *qa = q + (i * hq + h * g + a) * d;                                                     \
+            const T *qa = q + i * q_stride + (h * g + a) * d;                                               \
             for (int64_t e = 0; e < d; e++) { qf[a][e] = LOAD(qa[e]) * scale; acc[a][e] = 0.f; }            \
             m[a] = -INFINITY;                                                                               \
             l[a] = 0.f;                                                                                     \
@@ -118,10 +119,17 @@ static inline float exp_approx(float x) {
             for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a][e] * inv);                                  \
         }                                                                                                   \
     }                                                                                                       \
-    int NAME(const T *q, const T *k, const T *v, const int64_t *table, int64_t table_stride,                \
+    int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *table, int64_t table_stride,         \
              const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
-             float scale, int64_t window, T *out, int nthreads) {                                           \
+             float scale, int64_t window, T *out, int nthreads, const T *k_new, const T *v_new,             \
+             int64_t new_stride, const int64_t *new_loc, int64_t n_new) {                                   \
         if (d > MAX_D || hq % hkv != 0 || hq / hkv > MAX_G) return -1;                                      \
+        /* Store this step's K/V rows first (the barrier at the loop's end orders it before reads). */      \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                 \
+        for (int64_t r = 0; r < n_new; r++) {                                                               \
+            memcpy(k + new_loc[r] * hkv * d, k_new + r * new_stride, hkv * d * sizeof(T));                  \
+            memcpy(v + new_loc[r] * hkv * d, v_new + r * new_stride, hkv * d * sizeof(T));                  \
+        }                                                                                                   \
         const int64_t g = hq / hkv;                                                                         \
         const int64_t items = n_q * hkv;                                                                    \
         _Pragma("omp parallel for schedule(dynamic, 4) num_threads(nthreads)")                             \
@@ -131,11 +139,11 @@ static inline float exp_approx(float x) {
             const int64_t *rows = table + req_of[i] * table_stride;                                         \
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;              \
             if (d == 64)                                                                                    \
-                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
+                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
             else if (d == 128)                                                                              \
-                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
+                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
             else                                                                                            \
-                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
+                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
         }                                                                                                   \
         return 0;                                                                                           \
     }
