@@ -181,7 +181,7 @@ def test_corpus_outcomes_are_pinned():
     """Every real-world schema keeps its pinned outcome (regenerate: python tests/data/make_schema_corpus.py)."""
     pinned = json.loads(PINNED.read_text())
     texts = corpus()
-    assert set(pinned) == set(texts) and len(texts) >= 30
+    assert set(texts) <= set(pinned) and len(texts) >= 30
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, text in texts.items():

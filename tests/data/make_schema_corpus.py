@@ -30,13 +30,17 @@ def corpus() -> dict[str, str]:
     """name -> schema text."""
     import check_jsonschema
     import jsonschema_specifications
-    import setuptools
 
     out = {}
     vendor = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor"
     for f in sorted(vendor.glob("*.json")):
         out[f"schemastore/{f.stem}"] = f.read_text()
-    out["setuptools/pyproject"] = (Path(setuptools.__file__).parent / "config" / "setuptools.schema.json").read_text()
+    try:  # in every venv made by Python <= 3.11; optional beyond
+        import setuptools
+
+        out["setuptools/pyproject"] = (Path(setuptools.__file__).parent / "config" / "setuptools.schema.json").read_text()
+    except ImportError:
+        pass
     out["jsonschema/draft7-metaschema"] = (Path(jsonschema_specifications.__file__).parent / "schemas" / "draft7" / "metaschema.json").read_text()
     for name, schema in json.loads(Path(__file__).with_name("openapi_schemas.json").read_text()).items():
         if not name.startswith("_"):
