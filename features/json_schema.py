@@ -21,6 +21,7 @@ This module makes what the grammar enforces explicit:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import re
@@ -644,17 +645,14 @@ class Unenforced(SchemaIssue):
     rejected: bool = False
 
 
-def regex_supported(pattern: str, _cache: dict[str, str | None] = {}) -> str | None:  # noqa: B006 (a pure memo)
+@functools.lru_cache(maxsize=4096)  # a pure function of the pattern
+def regex_supported(pattern: str) -> str | None:
     """None when xgrammar's regex converter takes the pattern, else its cleaned message."""
-    if pattern not in _cache:
-        try:
-            xgr.Grammar.from_regex(pattern)
-            _cache[pattern] = None
-        except Exception as e:  # noqa: BLE001 (any backend failure means unsupported)
-            _cache[pattern] = clean_backend_message(str(e))
-        if len(_cache) > 4096:
-            _cache.pop(next(iter(_cache)))
-    return _cache[pattern]
+    try:
+        xgr.Grammar.from_regex(pattern)
+        return None
+    except Exception as e:  # noqa: BLE001 (any backend failure means unsupported)
+        return clean_backend_message(str(e))
 
 
 def _checked_formats() -> frozenset[str]:
