@@ -125,10 +125,15 @@ class FeatureRegistry:
             self.counters[f.name].live_requests += 1
             f.on_admit(req)
 
-    def on_finish(self, req: "Req") -> None:
+    def on_finish(self, req: "Req") -> dict[str, Any]:
+        """Final output fields by feature name (e.g. the check of a constrained output)."""
+        final = {}
         for f in self.features_of(req):
             self.counters[f.name].live_requests -= 1
-            f.on_finish(req)
+            fields = f.on_finish(req)
+            if fields:
+                final[f.name] = fields
+        return final
 
     # ---- batches -----------------------------------------------------------------------
     def plan(self, reqs: list["Req"]) -> list[tuple[Feature, list[int]]]:

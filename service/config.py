@@ -38,6 +38,7 @@ class ServerArgs:
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     grammar_compile_timeout_s: float = 30.0
+    constraint_mode: str = "strict"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
 
     @property
     def overlap(self) -> bool:
@@ -115,6 +116,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--future-map-size", type=int, default=d.future_map_size)
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a constrained request whose grammar compiles longer fails with DEADLINE_EXCEEDED")
+    p.add_argument("--constraint-mode", choices=["strict", "lenient"], default=d.constraint_mode,
+                   help="default for requests that leave constraint.mode unset: strict refuses a JSON schema with "
+                        "keywords the grammar cannot enforce (naming them); lenient relaxes them and reports them")
     return p
 
 

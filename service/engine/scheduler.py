@@ -371,9 +371,12 @@ class Scheduler:
                 text += req.stops.flush()
         req.finished = reason
         self.release(req)
+        final: dict = {}
         try:
-            self.features.on_finish(req)
+            final = self.features.on_finish(req)
         finally:
+            if final:
+                extras = {**(extras or {}), **final}
             self.emit(req, token_ids or [], text, reason, matched, error, extras, error_code)
 
     def release(self, req: Req) -> None:
