@@ -89,7 +89,8 @@ def format_report(report: dict) -> str:
     metrics = [m for m in metrics_for(report) if any(value(report, s, m) is not None for s in systems)]
     out = [header(report), ""]
     rows = [[m.label, *(_num(value(report, s, m)) for s in systems)] for m in metrics]
-    out += ["Figures (same run):", _table(["metric", *systems], rows), ""]
+    if systems:
+        out += ["Figures (same run):", _table(["metric", *systems], rows), ""]
     cols = ratio_columns(systems)
     if cols:
         head = ["ratio", "better", *(f"{_short(a)}/{_short(b)}" for a, b in cols)]
@@ -110,20 +111,24 @@ def format_report(report: dict) -> str:
 def header(report: dict) -> str:
     m, p = report["machine"], report["params"]
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in m["cpu_flags"].items())
+    described = {
+        "burst": f"burst: {p['num_prompts']} prompts x {p['max_new_tokens']} tokens at once",
+        "single": f"single stream: {p['single_requests']} requests one after another",
+        "sweep": f"sweep: concurrency {p['sweep']}",
+        "realistic": f"realistic: {p['realistic']}",
+    }
     return "\n".join([
         f"CPU: {m['cpu_model']} ({flags}); {m['cpu_count']} cores; load average at start {m['loadavg_at_start']}",
         f"versions: {m['versions']}",
         f"command: {m['command']}",
-        f"burst: {p['num_prompts']} prompts x {p['max_new_tokens']} tokens at once; single stream: "
-        f"{p['single_requests']} one after another; sweep concurrency {p['sweep']}; realistic: "
-        f"{p['realistic']}",
+        "; ".join(described[w] for w in p.get("workloads", described)),
     ])  # fmt: skip
 
 
 # ---- plots -------------------------------------------------------------------------------
-def _cdf(ax, samples: list[float], label: str) -> None:  # noqa: ANN001 - a matplotlib Axes
+def _cdf(ax, samples: list[float], label: str, color: str) -> None:  # noqa: ANN001 - a matplotlib Axes
     xs = sorted(samples)
-    ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post", label=label)
+    ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post", label=label, color=color)
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
@@ -138,12 +143,13 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
     m = report["machine"]
     subtitle = f"{m['cpu_model']}, {m['cpu_count']} cores, SmolLM2-135M, {report['params']['dtype']}"
     written = []
+    color = {name: f"C{i}" for i, name in enumerate(report["systems"])}  # the same in every panel
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in report["systems"].items():
         pts = sorted((int(c), st["tok_per_s"]) for c, st in s.get("sweep", {}).items())
         if pts:
-            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name)
+            ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name, color=color[name])
     levels = sorted({int(c) for s in report["systems"].values() for c in s.get("sweep", {})})
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
@@ -166,7 +172,7 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
         for name, s in report["systems"].items():
             samples = s["workloads"].get(workload, {}).get(key)
             if samples:
-                _cdf(ax, samples, name)
+                _cdf(ax, samples, name, color[name])
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
         ax.xaxis.set_minor_formatter(FuncFormatter(lambda x, _: f"{x:g}" if f"{x:e}"[0] in "235" else ""))

