@@ -33,7 +33,8 @@ from service.engine.request import RequestError
 
 log = logging.getLogger("zerogap.grammar")
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+JSON_KINDS = ("json_schema", "structural_tag")  # texts that are JSON
 MAX_CACHED_GRAMMARS = 1024
 JSON_SEPARATORS = (",", ":")  # compact JSON: no free whitespace anywhere
 ANY_JSON = '{"anyOf": [{"type": "object"}, {"type": "array"}]}'  # json_object: what xgrammar's builtin JSON grammar allows
@@ -62,7 +63,7 @@ class GrammarError(RequestError):
 def nesting_depth(text: str, kind: str) -> int:
     """Deepest bracket nesting, scanned without recursion: `{[` for JSON, `(` for regex and EBNF
     (outside strings, escapes and character classes)."""
-    opens, closes = ("{[", "}]") if kind == "json_schema" else ("(", ")")
+    opens, closes = ("{[", "}]") if kind in JSON_KINDS else ("(", ")")
     quoted = kind != "regex"
     depth = best = 0
     i, n = 0, len(text)
@@ -78,7 +79,7 @@ def nesting_depth(text: str, kind: str) -> int:
             in_class = c != "]"
         elif c == '"' and quoted:
             in_str = True
-        elif c == "[" and kind != "json_schema":
+        elif c == "[" and kind not in JSON_KINDS:
             in_class = True
         elif c in opens:
             depth += 1
@@ -97,7 +98,7 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
     depth = nesting_depth(text, kind)
     if depth > limits.max_depth:
         raise GrammarError("INVALID_ARGUMENT", kind, f"nesting depth {depth} exceeds the limit of {limits.max_depth} (--max-constraint-depth)")
-    if kind == "json_schema":
+    if kind in JSON_KINDS:
         try:
             schema = json.loads(text)  # safe: the nesting is bounded
         except ValueError:
@@ -132,6 +133,8 @@ def compile_text(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.Com
         return compiler.compile_regex(text)
     if kind == "ebnf":
         return compiler.compile_grammar(text)
+    if kind == "structural_tag":
+        return compiler.compile_structural_tag(text)
     raise ValueError(f"unknown constraint kind {kind!r}")
 
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton reads this when first imported: without a GPU its kernels run in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from service.config import ServerArgs
 from service.engine.engine import SyncClient
@@ -93,7 +100,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def smol_client(request, smol_dir):
     """An in-process engine on SmolLM2 fp32, for each scheduler loop."""
     client = SyncClient(
-        ServerArgs(disable_overlap=request.param == "normal", kv_cache_tokens=16384, max_running_requests=32), smol_dir
+        ServerArgs(dtype="float32", loop=request.param, kv_cache_tokens=16384, max_running_requests=32), smol_dir
     )
     yield client
     client.close()

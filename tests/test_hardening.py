@@ -39,11 +39,11 @@ def kv_idle(srv: BackgroundServer) -> bool:
 
 
 def test_second_server_on_a_taken_port_refuses_to_start(tiny_llama_dir):
-    first = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2))
+    first = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2))
     try:
         port = first.port
         with pytest.raises(AddressInUse, match=f"127.0.0.1:{port}.*in use"):
-            BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=port, kv_cache_tokens=400))
+            BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=port, kv_cache_tokens=400))
         # The CLI says so and exits non-zero, before loading the model.
         out = subprocess.run([sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port)],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -96,7 +96,7 @@ STOPPED = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED
 @pytest.fixture(scope="module")
 def grammar_server(tiny_llama_dir):
     # Limits relaxed so that a slow schema reaches the compiler: what is tested here is the stop.
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=2000, max_running_requests=8,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=2000, max_running_requests=8,
                                       grammar_compile_timeout_s=6, max_constraint_bytes=1 << 20, max_constraint_properties=10_000))
     assert srv.engine.features.features["constrained"].backend.wait_ready(120)
     yield srv
@@ -206,7 +206,7 @@ def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=4000, max_running_requests=8))
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=4000, max_running_requests=8))
     assert backend_of(srv).wait_ready(120)
     yield srv
     srv.stop()
@@ -359,7 +359,7 @@ def long_request(n: int, prompt: int = 10) -> pb2.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def kv_server(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=8,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=8,
                                       max_skip_ahead=2))
     yield srv
     srv.stop()
@@ -448,7 +448,7 @@ def test_mixed_prompt_lengths_give_the_same_tokens(server, stub):
 def test_mixed_prompt_lengths_cost_about_their_tokens(smol_dir):
     """One 1,000-token prompt with 16 one-token prompts was 10x the long prompt alone (35.2 s vs 3.6 s)."""
     long_req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[(7 * i) % 40000 + 100 for i in range(1000)]), sampling=greedy(1))
-    srv = BackgroundServer(ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4000, max_running_requests=32))
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(smol_dir), port=0, kv_cache_tokens=4000, max_running_requests=32))
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb2_grpc.GenerationStub(ch)

@@ -75,7 +75,7 @@ def tls_server(tiny_llama_dir, pki, tmp_path_factory):
     """TLS, tokens from a file, health open (the default)."""
     tokens = tmp_path_factory.mktemp("auth") / "tokens"
     tokens.write_text(f"# zerogap tokens\n\n{TOKEN}\nanother-token-0123456789\n")
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
                                       tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), auth_token_file=str(tokens)))
     yield srv
     srv.stop()
@@ -130,7 +130,7 @@ def test_healthcheck_cli_over_tls(tls_server, pki, capsys):
 def mtls_server(tiny_llama_dir, pki, monkeypatch_module):
     """Mutual TLS, tokens from the environment, health and reflection open."""
     monkeypatch_module.setenv("ZEROGAP_AUTH_TOKENS", f"{TOKEN}, second-token-0123456789")
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
                                       tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
                                       tls_client_ca=str(pki.ca), auth_open="health,reflection"))
     yield srv
@@ -173,10 +173,10 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(mtls_server, pki):
 ])
 def test_bad_security_settings_refuse_to_start(tiny_llama_dir, kw, says):
     with pytest.raises(StartupError, match=says):
-        BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, **kw))
+        BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, **kw))
 
 
 def test_short_tokens_are_refused(tiny_llama_dir, tmp_path):
     (tmp_path / "t").write_text("short\n")
     with pytest.raises(StartupError, match="at least 16 characters"):
-        BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, auth_token_file=str(tmp_path / "t")))
+        BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, auth_token_file=str(tmp_path / "t")))

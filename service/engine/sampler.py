@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from service.engine.forward_batch import SamplingBatch
+from service.models.cpu_kernels import argmax_rows
 
 _M32 = 0xFFFFFFFF
 
@@ -30,7 +31,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[bs, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, token)."""
     key = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ _mix32(steps & _M32)))
-    tok = (torch.arange(vocab, dtype=torch.int64) * 0x9E3779B9) & _M32
+    tok = (torch.arange(vocab, dtype=torch.int64, device=seeds.device) * 0x9E3779B9) & _M32
     h = _mix32(key.unsqueeze(1) ^ tok.unsqueeze(0))
     # 23 bits + 0.5 is exact in float32, so u < 1 strictly (24 bits would round to 1.0).
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
@@ -39,17 +40,21 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tor
 class Sampler:
     """Turns logits into next tokens; owns the per-slot penalty state."""
 
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size
-        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32)
-        self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool)
+        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        # Values for index_put_ already on the device: `t[index] = scalar` copies the scalar
+        # from the host, a synchronizing copy on CUDA.
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._neg_inf = torch.full((), float("-inf"), device=device)
 
-    def reset_slots(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> None:
-        """A new request took these slots: forget the previous owner's tokens."""
-        self.counts[slots] = 0
-        self.prompt_mask[slots] = False
-        for slot, prompt in zip(slots.tolist(), prompts):
-            self.prompt_mask[slot, prompt] = True
+    def reset_slots(self, slots: torch.Tensor, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """New requests took `slots`: forget the previous owners' tokens and mark each
+        (token_slots[i], tokens[i]) prompt token. Device tensors; no host sync."""
+        self.counts.index_fill_(0, slots, 0)
+        self.prompt_mask.index_fill_(0, slots, False)
+        self.prompt_mask.index_put_((token_slots, tokens), self._true)
 
     def apply_penalties(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         counts = self.counts[sb.req_slots]
@@ -62,14 +67,22 @@ class Sampler:
         return logits - sb.presence_penalties.unsqueeze(1) * seen
 
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """Next token ids [bs] int64 for float32 logits [bs, vocab]."""
+        """Next token ids [bs] int64 for logits [bs, vocab] (any float dtype).
+
+        Token counts (penalty state) are kept only for batches with a penalised
+        row: a request's own penalty flag never changes, so a batch without one
+        holds no row whose counts are ever read.
+        """
         logits = logits[:, : self.vocab_size]
+        if sb.all_greedy and not sb.need_penalties and sb.banned_rows is None:
+            return argmax_rows(logits)  # the greedy fast path: no float copy, no softmax
+        logits = logits.float()
         if sb.need_penalties:
             logits = self.apply_penalties(logits, sb)
         if sb.banned_rows is not None:
             logits = logits.clone() if not sb.need_penalties else logits
-            logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
-        greedy = logits.argmax(dim=-1)
+            logits.index_put_((sb.banned_rows, sb.banned_tokens), self._neg_inf)
+        greedy = argmax_rows(logits)
         if sb.all_greedy:
             ids = greedy
         else:
@@ -85,13 +98,14 @@ class Sampler:
             # Tokens with zero probability (masked, filtered) can never win, whatever the noise.
             sampled = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
             ids = torch.where(sb.temperatures > 0, sampled, greedy)
-        self.counts.index_put_((sb.req_slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        if sb.need_penalties:
+            self.counts.index_put_((sb.req_slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         return ids
 
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1]).unsqueeze(0)
+        rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
         drop = rank >= top_ks.unsqueeze(1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         # (rows with top_p = 1 keep everything: float rounding of the cumsum must not cut their tail)

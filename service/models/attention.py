@@ -1,42 +1,88 @@
 """Attention backends over the paged KV pool.
 
-`torch` (CPU and anywhere): gathers each request's KV rows into a padded
-[bs, L] block and runs one batched SDPA for the whole batch, extend and decode
-alike, with no per-request Python loop. A `triton` backend (paged kernels on
-GPU) can be added beside it by implementing the same `forward` signature.
+A backend has a `name`, `prepare(fb, ...)` (per-batch metadata, built once per
+forward and reused by every layer) and `forward(q, k, v, k_cache, v_cache,
+meta, scale)`, which stores the step's K/V rows at `fb.out_cache_loc` and
+attends over each request's rows of the pool (`fb.kv_indices`).
+
+`torch` (the CPU backend):
+- decode, and extends whose chunks are short: the native paged kernel
+  (`cpu_kernels.py`) reads the pool rows in place — no gather, no padding;
+- extends with a long chunk: one SDPA per request over that request's rows
+  (gathered with index_select), so a prefill costs what its tokens cost
+  whatever the mix of prompt lengths (no padding to the longest);
+- without a C compiler: gather + one masked SDPA for decode, per-request SDPA
+  for extend.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from service.engine.forward_batch import ForwardBatch, ForwardMode
+from service.models import cpu_kernels
+
+# Extend chunks up to this many tokens go through the paged kernel (its cost grows
+# with tokens x context; SDPA's blocked matmuls win for long chunks).
+KERNEL_MAX_EXTEND = 64
 
 
+@dataclass
 class AttentionMeta:
-    """Per-batch tensors every layer reuses (built once per forward)."""
+    """Per-batch metadata every layer reuses (the fallback's, built on first use)."""
 
-    def __init__(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None):
-        bs, lq = fb.q_positions.shape
-        group = num_q_heads // num_kv_heads
-        self.fb = fb
-        self.bs, self.lq, self.group = bs, lq, group
-        kv_pos = torch.arange(fb.kv_indices.shape[1])
-        # Query row (bs, lq) sees kv position p when p <= its own position;
-        # padding rows sit at position 0 so no row is fully masked.
-        q_pos = fb.q_positions.unsqueeze(-1)
-        mask = kv_pos.view(1, 1, -1) <= q_pos  # [bs, lq, L]
-        if sliding_window is not None:  # Mistral-style: only the last `sliding_window` positions
-            mask &= kv_pos.view(1, 1, -1) > q_pos - sliding_window
-        # GQA: the group's query heads share a kv head -> rows (lq, group).
-        self.mask = mask.unsqueeze(2).expand(bs, lq, group, -1).reshape(bs, 1, lq * group, -1)
+    fb: ForwardBatch
+    group: int
+    sliding_window: int | None
+    use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
+    req_of: torch.Tensor | None = None  # [T] request row of each query token (kernel)
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[bs, 1, g, L]: decode without the kernel."""
+        fb = self.fb
+        kv_pos = torch.arange(fb.kv_indices.shape[1], device=fb.kv_indices.device).view(1, -1)
+        q_pos = fb.positions.view(-1, 1)
+        mask = kv_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= kv_pos > q_pos - self.sliding_window
+        return mask.view(mask.shape[0], 1, 1, -1).expand(-1, 1, self.group, -1)
+
+    @cached_property
+    def extend_rows(self) -> list[tuple[int, int, int]]:
+        """(kv length, new tokens, first packed row) per request: per-request SDPA, from host copies."""
+        lens = list(self.fb.extend_lens or [])
+        prefixes = self.fb.extend_prefix_lens_cpu or [0] * len(lens)
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        return [(p + n, n, s) for p, n, s in zip(prefixes, lens, starts)]
 
 
 class TorchAttention:
-    """Paged attention with torch ops (SDPA) — the CPU backend."""
+    """Paged attention on CPU: the native kernel where it pays, SDPA elsewhere."""
 
     name = "torch"
+
+    def __init__(self, use_kernel: bool = True):
+        self.use_kernel = use_kernel
+
+    def prepare(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None) -> AttentionMeta:
+        group = num_q_heads // num_kv_heads
+        decode = fb.mode is ForwardMode.DECODE
+        short = decode or max(fb.extend_lens or [0]) <= KERNEL_MAX_EXTEND
+        on_cpu = fb.kv_indices.device.type == "cpu"
+        use_kernel = self.use_kernel and on_cpu and short and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available()
+        meta = AttentionMeta(fb, group, sliding_window, use_kernel)
+        if use_kernel:
+            rows = torch.arange(fb.batch_size)
+            lens = fb.extend_lens or []
+            meta.req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
+        return meta
 
     def forward(
         self,
@@ -49,26 +95,53 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
+        if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+            assert meta.req_of is not None
+            out = cpu_kernels.paged_attention(q, k_cache, v_cache, fb.kv_indices, meta.req_of, fb.positions, scale,
+                                              meta.sliding_window, k, v, fb.out_cache_loc)
+            return out.view(q.shape[0], -1)
         k_cache[fb.out_cache_loc] = k
         v_cache[fb.out_cache_loc] = v
-        bs, lq, g = meta.bs, meta.lq, meta.group
-        hkv, d = k.shape[1], k.shape[2]
         if fb.mode is ForwardMode.DECODE:
-            qp = q.view(bs, 1, hkv, g, d)
-        else:
-            q_ext = torch.cat([q, q.new_zeros(1, q.shape[1], d)])
-            qp = q_ext[fb.q_pad_index].view(bs, lq, hkv, g, d)
-        qp = qp.permute(0, 2, 1, 3, 4).reshape(bs, hkv, lq * g, d)
-        kp = k_cache[fb.kv_indices].transpose(1, 2)  # [bs, Hkv, L, D]
-        vp = v_cache[fb.kv_indices].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=scale)
-        out = out.view(bs, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(bs * lq, hkv * g * d)
-        if fb.mode is ForwardMode.DECODE:
-            return out
-        return out[fb.q_unpad_index]
+            return self._decode_gathered(q, k_cache, v_cache, meta, scale)
+        return self._extend_per_request(q, k_cache, v_cache, meta, scale)
 
+    @staticmethod
+    def _decode_gathered(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
+        fb = meta.fb
+        bs, length = fb.kv_indices.shape
+        hkv, d = k_cache.shape[1], k_cache.shape[2]
+        rows = fb.kv_indices.reshape(-1)
+        kp = k_cache.index_select(0, rows).view(bs, length, hkv, d).transpose(1, 2)  # [bs, Hkv, L, D]
+        vp = v_cache.index_select(0, rows).view(bs, length, hkv, d).transpose(1, 2)
+        qp = q.view(bs, hkv, -1, d)  # the group's query heads as query rows of their kv head
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.decode_mask, scale=scale)
+        return out.reshape(bs, -1)
 
-def get_attention_backend(name: str) -> TorchAttention:
-    if name == "torch":
-        return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r} (available: torch)")
+    @staticmethod
+    def _extend_per_request(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
+        """One SDPA per request over its own rows: the cost of a prefill is that of its tokens."""
+        fb = meta.fb
+        hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+        group = hq // hkv
+        out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
+        for r, (length, n, start) in enumerate(meta.extend_rows):
+            rows = fb.kv_indices[r, :length]
+            kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]
+            vr = v_cache.index_select(0, rows).transpose(0, 1)
+            if group > 1:
+                kr = kr.repeat_interleave(group, dim=0)
+                vr = vr.repeat_interleave(group, dim=0)
+            qr = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+            prefix = length - n
+            if prefix == 0 and meta.sliding_window is None:
+                o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
+            else:
+                q_pos = torch.arange(prefix, length, device=q.device).view(-1, 1)
+                kv_pos = torch.arange(length, device=q.device).view(1, -1)
+                mask = kv_pos <= q_pos
+                if meta.sliding_window is not None:
+                    mask &= kv_pos > q_pos - meta.sliding_window
+                o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale)
+            out[start : start + n] = o.transpose(0, 1).reshape(n, hq * d)
+        return out
