@@ -1,16 +1,22 @@
-"""The grammar engine behind constrained decoding: xgrammar, compiled in worker processes.
+"""The grammar engine behind constrained decoding: xgrammar, compiles bounded by worker processes.
 
-A compile runs in a worker process so that it can really be stopped: the worker
-is killed when the compile outlives its deadline, grows past its memory bound,
-when no request waits for it any more, or at shutdown; a fresh worker (forked
-from a forkserver with xgrammar preloaded) takes its place. The compiled grammar
-comes back serialized (`CompiledGrammar.serialize_json`, a few ms for a normal
-schema) and is checked to accept some output before any request uses it.
+xgrammar's compile cannot be interrupted in-process, and its cost is hard to
+predict (about quadratic in an object's properties). So every new grammar is
+first compiled in a worker process, as a trial that can really be stopped: the
+worker is killed when the compile outlives its deadline, grows past its memory
+bound, when no request waits for it any more, or at shutdown; a fresh worker
+(forked from a forkserver with xgrammar preloaded) takes its place. Once the
+trial succeeded, the server compiles the same text in-process (same input,
+same bounded cost) and checks that the grammar accepts some output. The result
+is not shipped back: `CompiledGrammar.serialize_json` is cheap for most
+grammars but took more than 8 GB for a 64 KB SchemaStore schema whose compiled
+form is 7 MB.
 
-Before anything compiles, `check_limits` bounds the text's size and nesting.
-One job per (kind, text) is shared by every request that asks for the same
-grammar, and finished grammars are cached (LRU). Small grammars are never
-starved by big ones: at most `workers - 1` large compiles run at once.
+Before anything compiles, `check_limits` bounds the client's text (size,
+nesting, object size). One job per (kind, text) is shared by every request that
+asks for the same grammar, and compiled grammars are cached (LRU). Small
+grammars are never starved by big ones: at most `workers - 1` large compiles
+run at once.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from features.json_schema import clean_backend_message
 from service.engine.request import RequestError
 
 log = logging.getLogger("zerogap.grammar")
@@ -45,7 +52,7 @@ POLL_S = 0.05  # how often a running compile is checked for deadline, memory and
 class GrammarLimits:
     max_bytes: int = 64 << 10  # grammar text (schema / regex / EBNF) size
     max_depth: int = 64  # bracket nesting of a schema, parenthesis nesting of a regex / EBNF
-    max_properties: int = 128  # properties of one schema object (compile cost grows ~quadratically)
+    max_properties: int = 1024  # properties of one schema object (1,000: ~1 s to compile, 2,000: ~22 s)
     compile_timeout_s: float = 30.0  # from the first request for it, queueing included
     max_worker_rss_mb: int = 2048  # a compile that grows its worker past this is stopped
     workers: int = 2
@@ -140,7 +147,7 @@ def compile_text(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.Com
 
 def worker_main(conn: Connection) -> None:
     """A compile worker (see _WorkerSlot): the tokenizer info first, then (kind, text) in,
-    ("ok", serialized grammar) or ("error", message) out, until the pipe closes."""
+    ("ok", "") or ("error", message) out, until the pipe closes."""
     _die_with_parent()
     info = xgr.TokenizerInfo.deserialize_json(conn.recv())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -151,7 +158,8 @@ def worker_main(conn: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", compile_text(compiler, kind, text).serialize_json())
+            compile_text(compiler, kind, text)
+            reply = ("ok", "")
         except Exception as e:  # xgrammar's parse / schema errors: the client's grammar
             reply = ("error", str(e).strip() or type(e).__name__)
         conn.send(reply)
@@ -231,18 +239,21 @@ class GrammarBackend:
         self.limits = limits or GrammarLimits()
         self.stats = CompileStats()
         self._info_json = self.info.serialize_json()
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # after a trial
         self._jobs: OrderedDict[tuple[str, str], _Job] = OrderedDict()  # running, queued and compiled (LRU)
         self._queue: list[_Job] = []
         self._cv = threading.Condition()
         self._closed = False
+        self._in_process = 0  # trial-approved compiles running in this process (shutdown waits for them)
         self._ready_at: float | None = None  # when the first worker was ready: deadlines never count its start-up
         self._slots = [_WorkerSlot(self, i) for i in range(max(1, self.limits.workers))]
+        for slot in self._slots:  # only now: a slot's thread reads the others'
+            slot.start()
 
     # ---- any thread ----------------------------------------------------------------------
     def compile(self, kind: str, text: str) -> GrammarTicket:
-        """A ticket (future) for the CompiledGrammar; raises GrammarError for a text beyond the limits."""
-        if kind != "json_object":
-            check_limits(kind, text, self.limits)
+        """A ticket (future) for the CompiledGrammar. The client's text is checked by `check_limits`
+        before it is prepared (a prepared schema may be longer); deadline and memory bound the rest."""
         key = (kind, text)
         with self._cv:
             job = self._jobs.get(key)  # pending, compiled or known-bad: failures for other reasons are dropped
@@ -274,7 +285,8 @@ class GrammarBackend:
         return not bool(mask.any())
 
     def shutdown(self) -> None:
-        """Stop every compile now (workers killed); waiters get UNAVAILABLE. Never blocks on a compile."""
+        """Stop every compile now (workers killed); waiters get UNAVAILABLE. Only an in-process compile
+        that a trial already showed to be short is waited for (native code must not outlive the interpreter)."""
         with self._cv:
             self._closed = True
             queued, self._queue = self._queue, []
@@ -283,6 +295,8 @@ class GrammarBackend:
             self._fail(job, GrammarError("UNAVAILABLE", job.kind, "the server is shutting down"))
         for slot in self._slots:
             slot.kill()
+        with self._cv:
+            self._cv.wait_for(lambda: self._in_process == 0, timeout=self.limits.compile_timeout_s)
 
     # ---- internals -----------------------------------------------------------------------
     def _evict_locked(self) -> None:
@@ -380,9 +394,19 @@ class GrammarBackend:
         """Slot thread: turn a worker's reply into the job's result."""
         status, payload = reply
         if status != "ok":
-            self._fail(job, GrammarError("INVALID_ARGUMENT", job.kind, payload))
+            self._fail(job, GrammarError("INVALID_ARGUMENT", job.kind, clean_backend_message(payload)))
             return
-        compiled = xgr.CompiledGrammar.deserialize_json(payload, self.info)
+        with self._cv:
+            if self._closed:
+                self._fail(job, GrammarError("UNAVAILABLE", job.kind, "the server is shutting down"))
+                return
+            self._in_process += 1
+        try:
+            compiled = compile_text(self.compiler, job.kind, job.text)  # the trial showed it is bounded
+        finally:
+            with self._cv:
+                self._in_process -= 1
+                self._cv.notify_all()
         if self.accepts_nothing(compiled):
             self._fail(job, GrammarError("INVALID_ARGUMENT", job.kind, "the grammar accepts no output at all"))
             return
@@ -402,6 +426,8 @@ class _WorkerSlot:
         self.conn: Any = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"zerogap-grammar-{index}", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self) -> None:

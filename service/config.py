@@ -53,7 +53,7 @@ class ServerArgs:
     grammar_worker_max_rss_mb: int = 2048  # a compile growing its worker past this is stopped
     max_constraint_bytes: int = 64 << 10  # schema / regex / EBNF text
     max_constraint_depth: int = 64  # bracket / parenthesis nesting
-    max_constraint_properties: int = 128  # properties of one JSON-schema object
+    max_constraint_properties: int = 1024  # properties of one JSON-schema object
     constraint_mode: str = "strict"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
 
     @property
