@@ -24,7 +24,7 @@ import statistics
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,7 +33,7 @@ import xgrammar as xgr
 
 from features import json_schema as js
 from features.base import Feature, OverlapSupport
-from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits
+from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits, settle
 from features.json_schema import SchemaIssue
 from service.engine.request import FinishReason, RequestError
 
@@ -270,16 +270,16 @@ class ConstrainedDecoding(Feature):
 
         def on_prepared(f: Future) -> None:
             if f.exception() is not None:
-                _settle(compiled, f)
+                settle(compiled, f)
                 return
             p: Prepared = f.result()
             try:
                 inner = self.backend.compile(p.kind, p.backend_text)  # a ticket: cancelling it stops the compile
             except RequestError as e:
-                _settle(compiled, e)
+                settle(compiled, e)
                 return
             compiled.add_done_callback(lambda c: c.cancelled() and inner.cancel())
-            inner.add_done_callback(lambda g: _settle(compiled, g))
+            inner.add_done_callback(lambda g: settle(compiled, g))
 
         prepared.add_done_callback(on_prepared)
         if compiled.done() and compiled.exception() is not None:  # a known-bad constraint fails at once
@@ -425,18 +425,3 @@ class ConstrainedDecoding(Feature):
         mask = data["mask"].to(logits.device, non_blocking=True)  # filled on the host
         xgr.apply_token_bitmask_inplace(logits, mask, indices=data["rows"])
         return logits
-
-
-def _settle(dst: Future, src: Future | BaseException) -> None:
-    """Copy a finished future (or an exception) into dst, unless dst was cancelled meanwhile."""
-    try:
-        if isinstance(src, BaseException):
-            dst.set_exception(src)
-        elif src.cancelled():
-            dst.cancel()
-        elif src.exception() is not None:
-            dst.set_exception(src.exception())
-        else:
-            dst.set_result(src.result())
-    except InvalidStateError:
-        pass

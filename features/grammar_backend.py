@@ -177,6 +177,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def settle(dst: Future, src: Future | BaseException) -> None:
+    """Copy a finished future (or an exception) into dst, unless dst was cancelled meanwhile."""
+    try:
+        if isinstance(src, BaseException):
+            dst.set_exception(src)
+        elif src.cancelled():
+            dst.cancel()
+        elif src.exception() is not None:
+            dst.set_exception(src.exception())
+        else:
+            dst.set_result(src.result())
+    except InvalidStateError:  # cancelled by its waiter meanwhile
+        pass
+
+
 def _rss_mb(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/statm") as f:
@@ -211,19 +226,8 @@ class GrammarTicket(Future):
     def __init__(self, backend: "GrammarBackend", job: _Job):
         super().__init__()
         self._release = lambda: backend._release(job)
-        job.result.add_done_callback(self._copy)
+        job.result.add_done_callback(lambda src: settle(self, src))
         self.add_done_callback(lambda f: f.cancelled() and self._release())
-
-    def _copy(self, src: Future) -> None:
-        try:
-            if src.cancelled():
-                self.cancel()
-            elif src.exception() is not None:
-                self.set_exception(src.exception())
-            else:
-                self.set_result(src.result())
-        except InvalidStateError:  # cancelled by its waiter meanwhile
-            pass
 
     def release(self) -> None:
         self.cancel()  # no-op once done
