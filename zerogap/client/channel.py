@@ -51,13 +51,17 @@ class ChannelOptions:
     (detects dead peers behind NATs and load balancers; the server accepts pings
     every 10 s or more); None disables. retry: None disables retries.
     wait_for_ready: calls wait for a connection (up to their deadline) instead of
-    failing fast with UNAVAILABLE while the server is unreachable."""
+    failing fast with UNAVAILABLE while the server is unreachable.
+    reconnect_backoff_max_s: the longest wait between two connection attempts to an
+    unreachable server (gRPC's default grows to 120 s: a client started before its
+    server would stay UNAVAILABLE for minutes after the server came up)."""
 
     max_message_bytes: int = 64 << 20
     keepalive_time_s: float | None = 30.0
     keepalive_timeout_s: float = 10.0
     retry: RetryPolicy | None = field(default_factory=RetryPolicy)
     wait_for_ready: bool = False
+    reconnect_backoff_max_s: float = 5.0
     extra: Sequence[tuple[str, Any]] = ()  # raw gRPC channel arguments, appended last
 
     def grpc_options(self) -> list[tuple[str, Any]]:
@@ -65,6 +69,8 @@ class ChannelOptions:
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.enable_retries", int(self.retry is not None)),
+            ("grpc.initial_reconnect_backoff_ms", min(1000, int(self.reconnect_backoff_max_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", int(self.reconnect_backoff_max_s * 1000)),
         ]
         if self.keepalive_time_s is not None:
             opts += [
