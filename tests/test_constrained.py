@@ -14,8 +14,9 @@ from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
 from service.engine.request import FinishReason, SamplingParams
-from tests.helpers import grpc_stub
+from tests.helpers import grpc_client
 from tests.data.json_schemas import SCHEMAS
+from zerogap.client import Constraint, ZerogapError
 
 pb2, _ = protos.load()
 
@@ -154,26 +155,27 @@ def test_grammar_compiles_once_and_slow_compile_times_out(smol_dir):
 
 
 @pytest.fixture(scope="module")
-def stub(smol_dir):
-    with grpc_stub(smol_dir, kv_cache_tokens=4096, max_running_requests=8) as s:
-        yield s
+def grpc_api(smol_dir):
+    with grpc_client(smol_dir, kv_cache_tokens=4096, max_running_requests=8) as (c, _):
+        yield c
 
 
-def test_grpc_constraint_and_errors(stub):
-    r = stub.Generate(pb2.GenerateRequest(text="Pick:", sampling=pb2.SamplingParams(max_new_tokens=20, temperature=0),
-                                          constraint=pb2.Constraint(regex="(left|right)")))
-    assert r.text in ("left", "right") and r.finish_reason == pb2.FINISH_REASON_STOP
+def test_grpc_constraint_and_errors(grpc_api):
+    r = grpc_api.generate("Pick:", max_new_tokens=20, temperature=0, constraint=Constraint.regex("(left|right)"))
+    assert r.text in ("left", "right") and r.finish_reason == "stop"
     bad = [
-        (pb2.Constraint(json_schema="{not json"), "constraint.json_schema"),
-        (pb2.Constraint(json_schema='{"type": "nonsense"}'), "constraint.json_schema"),
-        (pb2.Constraint(regex="(unclosed"), "constraint.regex"),
-        (pb2.Constraint(ebnf="root ::= ("), "constraint.ebnf"),
-        (pb2.Constraint(), "constraint"),
+        (Constraint.json_schema("{not json"), "constraint.json_schema"),
+        (Constraint.json_schema({"type": "nonsense"}), "constraint.json_schema"),
+        (Constraint.regex("(unclosed"), "constraint.regex"),
+        (Constraint.ebnf("root ::= ("), "constraint.ebnf"),
     ]
     for constraint, field in bad:
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Generate(pb2.GenerateRequest(text="x", sampling=pb2.SamplingParams(max_new_tokens=4), constraint=constraint))
+        with pytest.raises(ZerogapError) as e:
+            grpc_api.generate("x", max_new_tokens=4, constraint=constraint)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # an empty Constraint message, which the client cannot build
+        grpc_api.stub.Generate(pb2.GenerateRequest(text="x", sampling=pb2.SamplingParams(max_new_tokens=4), constraint=pb2.Constraint()))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
 
 
 def test_model_vocab_larger_than_tokenizer(smol_dir, tmp_path):

@@ -96,15 +96,17 @@ GREEDY = Sampling(temperature=0.0)
 class Logprobs:
     """What logprobs to return (the model's raw next-token distribution).
 
-    top: the N most likely tokens per position (0-20); token_ids: also these ids
-    per position; input_from: also the prompt's logprobs from this position on."""
+    output: each output token's logprob; top: also the N most likely tokens per
+    position (0-20); token_ids: also these ids per position; input_from: the
+    prompt's logprobs from this position on (with output=False: only those)."""
 
     top: int = 0
     token_ids: Sequence[int] = ()
     input_from: int | None = None
+    output: bool = True
 
     def apply(self, req) -> None:
-        req.return_logprob = True
+        req.return_logprob = self.output
         req.top_logprobs_num = self.top
         req.token_ids_logprob.extend(self.token_ids)
         if self.input_from is not None:
