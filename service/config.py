@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class ServerArgs:
@@ -14,14 +16,15 @@ class ServerArgs:
     model: str | None = None  # a local Hugging Face directory; None = the default SmolLM2
     host: str = "127.0.0.1"
     port: int = 50051
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 where the CPU has native bf16 matmuls)
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     kv_cache_tokens: int | None = None  # None: derived from kv_mem_fraction
     kv_mem_fraction: float = 0.05  # of total host memory, when kv_cache_tokens is None
     context_length: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096  # tokens per prefill batch
-    disable_overlap: bool = False
+    loop: str = "auto"  # auto | overlap | normal (auto: see default_loop)
+    disable_overlap: bool = False  # = loop "normal"
     overlap_policy: str = "per-batch"  # per-batch | global | strict
     disabled_features: list[str] = field(default_factory=list)
     attention_backend: str = "torch"
@@ -34,7 +37,34 @@ class ServerArgs:
 
     @property
     def overlap(self) -> bool:
-        return not self.disable_overlap
+        if self.disable_overlap:
+            return False
+        loop = default_loop() if self.loop == "auto" else self.loop
+        if loop not in ("overlap", "normal"):
+            raise ValueError(f"unknown loop {self.loop!r} (auto, overlap, normal)")
+        return loop == "overlap"
+
+
+def default_loop() -> str:
+    """The loop `--loop auto` picks on this machine (see README: measured, not assumed)."""
+    return "overlap"
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX tiles or AVX-512 BF16: bf16 matmuls run natively (else they are emulated and ~5x slower than fp32)."""
+    cpu = torch.cpu
+    return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The torch dtype for --dtype; `auto` picks the fast one on this machine."""
+    if name == "auto":
+        if device != "cpu":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"unknown dtype {name!r} (auto, float32, bfloat16)")
+    return getattr(torch, name)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -44,14 +74,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="local HF model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
+                   help="auto: bfloat16 on CPUs with AMX or AVX-512 BF16 (native bf16 matmuls), else float32")
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, help="a full queue answers RESOURCE_EXHAUSTED")
     p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
     p.add_argument("--kv-mem-fraction", type=float, default=d.kv_mem_fraction, help="KV pool size as a fraction of host memory (when --kv-cache-tokens is not given)")
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    p.add_argument("--disable-overlap", action="store_true", help="use the normal (serial) scheduler loop")
+    p.add_argument("--loop", choices=["auto", "overlap", "normal"], default=d.loop,
+                   help="scheduler loop; auto picks the faster one on this machine (README: Scheduler loops)")
+    p.add_argument("--disable-overlap", action="store_true", help="the normal (serial) loop: same as --loop normal")
     p.add_argument(
         "--overlap-policy",
         choices=["per-batch", "global", "strict"],
@@ -61,7 +94,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disable-feature", dest="disabled_features", action="append", default=[], metavar="NAME",
                    help="switch a feature module off (repeatable); `python -m service matrix` lists them")
-    p.add_argument("--attention-backend", choices=["torch"], default=d.attention_backend)
+    p.add_argument("--attention-backend", choices=["torch", "torch-sdpa"], default=d.attention_backend,
+                   help="torch: native paged kernels where built (else SDPA); torch-sdpa: SDPA only")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
     p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")

@@ -235,7 +235,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             architecture=e.model.shape.architecture,
             vocab_size=e.vocab_size,
             context_length=e.context_length,
-            dtype=e.args.dtype,
+            dtype=str(e.dtype).removeprefix("torch."),
             eos_token_ids=sorted(e.eos_ids),
             has_chat_template=e.tokenizer.has_chat_template,
         )

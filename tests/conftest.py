@@ -93,7 +93,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def smol_client(request, smol_dir):
     """An in-process engine on SmolLM2 fp32, for each scheduler loop."""
     client = SyncClient(
-        ServerArgs(disable_overlap=request.param == "normal", kv_cache_tokens=16384, max_running_requests=32), smol_dir
+        ServerArgs(dtype="float32", loop=request.param, kv_cache_tokens=16384, max_running_requests=32), smol_dir
     )
     yield client
     client.close()

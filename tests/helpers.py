@@ -27,7 +27,7 @@ def grpc_stub(model_dir, **args) -> Iterator:
     from service.server import BackgroundServer
 
     _, pb2_grpc = protos.load()
-    srv = BackgroundServer(ServerArgs(model=str(model_dir), port=0, **args))
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(model_dir), port=0, **args))
     try:
         with grpc.insecure_channel(srv.address) as ch:
             yield pb2_grpc.GenerationStub(ch)

@@ -23,7 +23,7 @@ pb2, _ = protos.load()
 
 @pytest.fixture(scope="module")
 def client(smol_dir):
-    c = SyncClient(ServerArgs(kv_cache_tokens=20000, max_running_requests=32), smol_dir)
+    c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=20000, max_running_requests=32), smol_dir)
     yield c
     c.close()
 
@@ -133,7 +133,7 @@ def test_matcher_state_rebuilds_from_kept_tokens(client):
 
 
 def test_grammar_compiles_once_and_slow_compile_times_out(smol_dir):
-    c = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=4, grammar_compile_timeout_s=0.3), smol_dir)
+    c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=2000, max_running_requests=4, grammar_compile_timeout_s=0.3), smol_dir)
     try:
         backend = c.engine.features.features["constrained"].backend
         f1 = backend.compile("regex", "x+")
@@ -183,7 +183,7 @@ def test_model_vocab_larger_than_tokenizer(smol_dir, tmp_path):
     from tests.conftest import make_tiny_model
 
     model_dir = make_tiny_model(smol_dir, tmp_path / "padded", "llama", vocab_size=49152 + 64)
-    c = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=4), model_dir)
+    c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=2000, max_running_requests=4), model_dir)
     try:
         outs = c.generate([[5, 6, 7]] * 3, [SamplingParams(temperature=1.0, seed=s, max_new_tokens=60) for s in range(3)],
                           [{"constrained": dict(kind="regex", text=r"[0-9]{2,4}-[a-z]{2}")}] * 3)

@@ -63,7 +63,7 @@ def test_tiny_models_greedy_match_transformers(kind, mode, request):
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[5 + i * 7 + j for j in range(3 + 5 * i)] for i in range(6)]
     refs = [hf_greedy(hf, p, 16) for p in prompts]
-    client = SyncClient(ServerArgs(disable_overlap=mode == "normal", kv_cache_tokens=2048, max_running_requests=8), model_dir)
+    client = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=2048, max_running_requests=8), model_dir)
     try:
         outs = client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
         assert [collect(o)[0] for o in outs] == refs

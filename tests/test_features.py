@@ -56,7 +56,8 @@ def extras_of(outs):
 
 
 def run(model_dir, prompts, params, feats, **args):
-    client = SyncClient(ServerArgs(kv_cache_tokens=3000, max_running_requests=12, **args), model_dir, features=fake_features())
+    client = SyncClient(ServerArgs(**{"dtype": "float32", "loop": "overlap", "kv_cache_tokens": 3000, "max_running_requests": 12, **args}),
+                        model_dir, features=fake_features())
     try:
         outs = client.generate(prompts, params, feats)
         e = client.engine
@@ -88,7 +89,7 @@ def test_every_registered_feature_has_a_matrix_workload():
 def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references):
     f = next(x for x in ALL_FEATURES if x.name == feature)
     others = [x.name for x in fake_features() if x.name != feature]  # the cell's feature alone is enabled
-    args = dict(disable_overlap=loop == "normal", overlap_policy=policy, disabled_features=others)
+    args = dict(loop=loop, overlap_policy=policy, disabled_features=others)
     if loop == "overlap" and policy == "strict" and f.support is not OverlapSupport.FULL:
         with pytest.raises(ValueError, match=feature):
             run(tiny_llama_dir, *feature_workload(feature), **args)
@@ -135,7 +136,8 @@ class FailingLaunchHook(BanTokensFeature):
 
 def test_failing_feature_hook_fails_its_batch_and_frees_everything(tiny_llama_dir):
     """Regression: an exception right after a launch leaked the batch's future-map slots."""
-    client = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=4), tiny_llama_dir, features=[FailingLaunchHook()])
+    client = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=2000, max_running_requests=4), tiny_llama_dir,
+                        features=[FailingLaunchHook()])
     try:
         bad = client.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), [{"test_failing": [1]}])[0]
         assert bad[-1].finish_reason.value == "error" and "injected hook failure" in bad[-1].error
@@ -158,7 +160,7 @@ def test_fallback_is_visible_in_the_trace(tiny_llama_dir, tmp_path):
 
 
 def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
-    client = SyncClient(ServerArgs(kv_cache_tokens=1000, max_running_requests=4, disabled_features=["test_full"]),
+    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1000, max_running_requests=4, disabled_features=["test_full"]),
                         tiny_llama_dir, features=fake_features())
     try:
         with pytest.raises(RequestError) as e:
@@ -175,11 +177,11 @@ def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
     finally:
         client.close()
     with pytest.raises(ValueError, match="unknown feature"):
-        SyncClient(ServerArgs(disabled_features=["nope"]), tiny_llama_dir)
+        SyncClient(ServerArgs(dtype="float32", disabled_features=["nope"]), tiny_llama_dir)
 
 
 def test_get_feature_matrix_rpc(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=4,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=4,
                                       disabled_features=["test_sync"]), features=fake_features())
     try:
         with grpc.insecure_channel(srv.address) as ch:

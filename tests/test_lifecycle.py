@@ -66,7 +66,7 @@ def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):
 
 
 def test_full_queue_answers_resource_exhausted(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=1,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=1,
                                       max_queued_requests=2))
     try:
         with grpc.insecure_channel(srv.address) as ch:
@@ -97,7 +97,7 @@ def test_prometheus_metrics_endpoint(tiny_llama_dir):
     import urllib.request
 
     port = free_port()
-    srv = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
                                       metrics_port=port))
     try:
         with grpc.insecure_channel(srv.address) as ch:

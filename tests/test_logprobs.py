@@ -55,7 +55,7 @@ def check_against_reference(client, hf, prompt, n_new=12, start=0, top_n=3):
 
 @pytest.mark.parametrize("mode", ["normal", "overlap"])
 def test_smollm2_logprobs_match_transformers(mode, smol_dir, hf_smol, hf_tokenizer):
-    client = SyncClient(ServerArgs(disable_overlap=mode == "normal", kv_cache_tokens=2048, max_running_requests=4), smol_dir)
+    client = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=2048, max_running_requests=4), smol_dir)
     try:
         for text, start in (("The capital of France is", 0), ("def add(a, b):\n    return", 3)):
             check_against_reference(client, hf_smol, hf_tokenizer.encode(text), start=start)
@@ -67,7 +67,7 @@ def test_tiny_model_logprobs_match_transformers(tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
-    client = SyncClient(ServerArgs(kv_cache_tokens=1024, max_running_requests=4), tiny_qwen2_dir)
+    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=4), tiny_qwen2_dir)
     try:
         check_against_reference(client, hf, [5, 9, 200, 3000, 17, 42], start=0, top_n=5)
     finally:
@@ -76,7 +76,7 @@ def test_tiny_model_logprobs_match_transformers(tiny_qwen2_dir):
 
 def test_logprobs_are_raw_whatever_the_sampling(smol_dir, hf_smol):
     """Temperature and penalties change the sampling, not the reported logprobs."""
-    client = SyncClient(ServerArgs(kv_cache_tokens=1024, max_running_requests=4), smol_dir)
+    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=4), smol_dir)
     prompt = [1, 504, 3458, 282, 4649, 314]
     try:
         outs = client.generate([prompt], SamplingParams(temperature=1.5, repetition_penalty=1.5, seed=3, max_new_tokens=8,

@@ -103,7 +103,7 @@ def compare(normal: dict, overlap: dict, items) -> None:
 def tiny_clients(tiny_llama_dir):
     clients = {}
     for mode in ("normal", "overlap"):
-        clients[mode] = SyncClient(ServerArgs(disable_overlap=mode == "normal", kv_cache_tokens=3000, max_running_requests=12), tiny_llama_dir)
+        clients[mode] = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=3000, max_running_requests=12), tiny_llama_dir)
         forbid_placeholders(clients[mode])
     yield clients
     for c in clients.values():
@@ -124,7 +124,7 @@ def test_overlap_matches_normal_on_smollm2(smol_dir):
     items = [(p, sp, d, None) for p, sp, d, _ in workload(11, 10)]
     res = {}
     for mode in ("normal", "overlap"):
-        c = SyncClient(ServerArgs(disable_overlap=mode == "normal", kv_cache_tokens=4096, max_running_requests=8), smol_dir)
+        c = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=4096, max_running_requests=8), smol_dir)
         forbid_placeholders(c)
         try:
             res[mode] = run_workload(c, items, mode)
@@ -138,7 +138,7 @@ def test_tiny_future_map_is_still_correct(tiny_llama_dir, tiny_clients):
     """A map that holds just one batch forces sync points; results stay the same."""
     items = [(p, sp, d, None) for p, sp, d, _ in workload(5, 20)]
     ref = run_workload(tiny_clients["normal"], items, "ref")
-    c = SyncClient(ServerArgs(kv_cache_tokens=3000, max_running_requests=12, future_map_size=12), tiny_llama_dir)
+    c = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=3000, max_running_requests=12, future_map_size=12), tiny_llama_dir)
     forbid_placeholders(c)
     try:
         compare(ref, run_workload(c, items, "tiny"), items)
@@ -150,7 +150,7 @@ def test_tiny_future_map_is_still_correct(tiny_llama_dir, tiny_clients):
 
 def test_future_map_smaller_than_a_batch_fails_loudly(tiny_llama_dir):
     with pytest.raises(ValueError, match="future map size"):
-        SyncClient(ServerArgs(kv_cache_tokens=1000, max_running_requests=8, future_map_size=4), tiny_llama_dir)
+        SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=1000, max_running_requests=8, future_map_size=4), tiny_llama_dir)
 
 
 def test_finish_and_abort_in_the_same_step_frees_once(tiny_clients):
@@ -178,8 +178,8 @@ def test_overlap_matches_normal_through_grpc(smol_dir):
                                     stop=[" is"] if i % 3 == 0 else []) for i in range(10)]
     results = {}
     for mode in ("normal", "overlap"):
-        srv = BackgroundServer(ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8,
-                                          disable_overlap=mode == "normal"))
+        srv = BackgroundServer(ServerArgs(dtype="float32", model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8,
+                                          loop=mode))
         try:
             with grpc.insecure_channel(srv.address) as ch:
                 stub = pb2_grpc.GenerationStub(ch)
@@ -197,7 +197,7 @@ def test_overlap_matches_normal_through_grpc(smol_dir):
 
 def test_trace_file_and_busy_stats(tiny_llama_dir, tmp_path):
     trace = tmp_path / "trace.json"
-    c = SyncClient(ServerArgs(kv_cache_tokens=2000, max_running_requests=8, trace_file=str(trace)), tiny_llama_dir)
+    c = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=2000, max_running_requests=8, trace_file=str(trace)), tiny_llama_dir)
     try:
         c.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
         stats = c.engine.stats()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from features import Feature, FeatureRegistry, builtin_features
-from service.config import ServerArgs
+from service.config import ServerArgs, resolve_dtype
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.request import DEFAULT_MAX_NEW_TOKENS, OutputSink, Req, RequestError, RequestOutput, SamplingParams
@@ -31,9 +31,6 @@ from service.models.loader import load_config, load_model
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("zerogap.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 @dataclass
 class EngineStats:
@@ -66,7 +63,7 @@ class Engine:
             torch.set_num_threads(args.num_threads)
         self.config = load_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.dtype = DTYPES[args.dtype]
+        self.dtype = resolve_dtype(args.dtype)
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config)
@@ -104,7 +101,7 @@ class Engine:
         self._thread.start()
         log.info(
             "engine ready in %.1fs: %s, %s, kv=%d tokens, mode=%s",
-            time.perf_counter() - t0, shape.architecture, args.dtype, kv_tokens, self.mode,
+            time.perf_counter() - t0, shape.architecture, self.dtype, kv_tokens, self.mode,
         )
 
     @property

@@ -54,10 +54,12 @@ class ForwardBatch:
     q_positions: torch.Tensor  # [bs, Lq] int64: absolute position of each padded query (pad: 0)
     logits_index: torch.Tensor  # [bs] int64: packed row of each request's last token
     sampling: SamplingBatch
+    seq_lens: torch.Tensor  # [bs] int64: KV length of each request after this step
     # EXTEND only: packed <-> padded query layout, and the prompts of new requests.
     q_pad_index: torch.Tensor | None = None  # [bs*Lq] packed row per padded slot (T = zero row)
     q_unpad_index: torch.Tensor | None = None  # [T] padded slot per packed row
     extend_lens: list[int] | None = None  # tokens of each request in this batch (its chunk)
+    prefix_lens: torch.Tensor | None = None  # [bs] int64: KV tokens cached before this chunk
     new_slots: torch.Tensor | None = None  # [n] request slots whose sampling state is reset
     new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
     # Features this batch carries, with their active rows (forward-thread hooks).

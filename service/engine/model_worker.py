@@ -50,6 +50,8 @@ class ModelWorker:
             self.sampler.reset_slots(fb.new_slots, fb.new_prompts)
         logits = self.model(fb, input_ids, self.kv_pool, self.attention)
         bs = fb.batch_size
+        if fb.features:  # feature hooks see float32 logits; a plain batch samples from the model's dtype
+            logits = logits.float()
         raw = LogitsOutput(logits[:bs], logits[bs:] if fb.extra_logit_rows is not None else None)
         logits = raw.next_token
         for feature, _ in fb.features:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from service.engine.forward_batch import SamplingBatch
+from service.models.cpu_kernels import argmax_rows
 
 _M32 = 0xFFFFFFFF
 
@@ -62,14 +63,22 @@ class Sampler:
         return logits - sb.presence_penalties.unsqueeze(1) * seen
 
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-        """Next token ids [bs] int64 for float32 logits [bs, vocab]."""
+        """Next token ids [bs] int64 for logits [bs, vocab] (any float dtype).
+
+        Token counts (penalty state) are kept only for batches with a penalised
+        row: a request's own penalty flag never changes, so a batch without one
+        holds no row whose counts are ever read.
+        """
         logits = logits[:, : self.vocab_size]
+        if sb.all_greedy and not sb.need_penalties and sb.banned_rows is None:
+            return argmax_rows(logits)  # the greedy fast path: no float copy, no softmax
+        logits = logits.float()
         if sb.need_penalties:
             logits = self.apply_penalties(logits, sb)
         if sb.banned_rows is not None:
             logits = logits.clone() if not sb.need_penalties else logits
             logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
-        greedy = logits.argmax(dim=-1)
+        greedy = argmax_rows(logits)
         if sb.all_greedy:
             ids = greedy
         else:
@@ -85,7 +94,8 @@ class Sampler:
             # Tokens with zero probability (masked, filtered) can never win, whatever the noise.
             sampled = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
             ids = torch.where(sb.temperatures > 0, sampled, greedy)
-        self.counts.index_put_((sb.req_slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        if sb.need_penalties:
+            self.counts.index_put_((sb.req_slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
         return ids
 
     @staticmethod

@@ -101,7 +101,9 @@ def build_extend_batch(
         sampling=build_sampling_batch(reqs, vocab_size),
         q_pad_index=torch.where(valid, starts.unsqueeze(1) + j, total).reshape(-1),
         q_unpad_index=(torch.arange(bs).unsqueeze(1) * lq + j)[valid],
+        seq_lens=q_lens,
         extend_lens=lens,
+        prefix_lens=torch.zeros(bs, dtype=torch.int64),
         new_slots=slots,
         new_prompts=prompts,
     )
@@ -129,5 +131,6 @@ def build_decode_batch(
         q_positions=positions.unsqueeze(1),
         logits_index=torch.arange(bs),
         sampling=build_sampling_batch(reqs, vocab_size),
+        seq_lens=positions + 1,
     )
     return ScheduleBatch(reqs, fb)

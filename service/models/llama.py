@@ -15,6 +15,8 @@ from torch import nn
 
 from service.engine.forward_batch import ForwardBatch
 from service.models.attention import AttentionMeta, TorchAttention
+from service.models.linear import PackedLinear, pack_linear, packed_if_exact
+from service.models.ops import add_rms_norm, silu_mul, split_qkv_rope
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -87,20 +89,6 @@ def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tenso
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] (HF rotate_half convention)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -115,18 +103,15 @@ class DecoderLayer(nn.Module):
         self.split = (q, kv, kv)
         self.scale = s.head_dim**-0.5
 
-    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMeta, attn: TorchAttention):
+    def forward(self, h, delta, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMeta, attn: TorchAttention):
+        """(h, delta) -> the next layer's (h, delta): the residual add of each block is
+        deferred into the next norm (h + delta, then RMSNorm, in one pass)."""
         s = self.s
-        x = rms_norm(h, self.input_norm, s.rms_norm_eps)
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, s.num_q_heads, s.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        h, x = add_rms_norm(h, delta, self.input_norm, s.rms_norm_eps)
+        q, k, v = split_qkv_rope(self.qkv(x), s.num_q_heads, s.num_kv_heads, s.head_dim, positions, cos_table, sin_table)
         a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        h = h + self.o(a)
-        x = rms_norm(h, self.post_norm, s.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        h, x = add_rms_norm(h, self.o(a), self.post_norm, s.rms_norm_eps)
+        return h, self.down(silu_mul(self.gate_up(x)))
 
 
 class LlamaModel(nn.Module):
@@ -142,27 +127,37 @@ class LlamaModel(nn.Module):
         self.config = config
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)  # filled by init_rope() on the real device
+        self.packed_head: PackedLinear | None = None  # pack_weights(): the LM head laid out for oneDNN
 
     def init_rope(self) -> None:
         """cos/sin tables (float32), computed outside any meta-device context."""
         self.cos, self.sin = rope_cos_sin(self.config, self.shape.head_dim, self.max_positions)
 
+    def pack_weights(self) -> None:
+        """Lay the linear weights out once for oneDNN where that is exact (bf16 on CPU)."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                setattr(layer, name, pack_linear(getattr(layer, name)))
+        # A packed copy of the head (tied: the embedding keeps its own table for lookups).
+        self.packed_head = packed_if_exact(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention) -> torch.Tensor:
-        """Logits (float32) at each request's last token [bs, vocab], followed by
-        those of fb.extra_logit_rows when set."""
+        """Logits (in the model's dtype) at each request's last token [bs, vocab],
+        followed by those of fb.extra_logit_rows when set."""
         s = self.shape
         h = self.embed(input_ids)
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
-        cos, sin = self.cos[fb.positions], self.sin[fb.positions]
-        meta = AttentionMeta(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
+        meta = attn.prepare(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
+            h, delta = layer(h, delta, fb.positions, self.cos, self.sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
-        h = rms_norm(h[rows], self.norm, s.rms_norm_eps)
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        _, h = add_rms_norm(h[rows], delta[rows], self.norm, s.rms_norm_eps)
+        if self.packed_head is not None:
+            return self.packed_head(h)
+        return F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face checkpoint tensors in, fusing qkv and gate/up."""

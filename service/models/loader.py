@@ -28,7 +28,7 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int, config=None) -> LlamaModel:
+def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int, config=None, pack: bool = True) -> LlamaModel:
     """Build the model on the meta device, then fill it from safetensors."""
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
@@ -41,4 +41,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int, co
     model.load_hf_state_dict(tensors)
     model = model.to(dtype)
     model.init_rope()
+    if pack:
+        model.pack_weights()
     return model.eval()

@@ -1,0 +1,182 @@
+"""Native CPU kernels (plain C, built once with the system compiler, loaded with ctypes).
+
+`csrc/cpu_kernels.c`: paged attention that reads the KV pool in place, and a
+row argmax for greedy sampling. It is compiled on
+first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
+(keyed by the source, the flags and the CPU's feature flags, so a cache copied
+to another CPU is rebuilt) and linked against the libgomp torch already
+loaded, so both share one OpenMP thread pool. Without a C compiler the
+attention backend falls back to pure torch ops (`available()` is False).
+ctypes releases the GIL for the call, like a torch op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("zerogap.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ZEROGAP_CACHE", Path.home() / ".cache" / "zerogap")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) found")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True, text=True)
+            os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
+    lib = ctypes.CDLL(str(out))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        for suffix in ("bf16", "f32"):
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {  # each has a _bf16 and an _f32 variant
+    "paged_attention": (_INT, [_P] * 4 + [_I64] + [_P] * 2 + [_I64] * 4 + [_F32, _I64, _P, _INT]),
+    "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
+    "rms_norm": (None, [_P, _P, _P, _F32, _I64, _I64, _P, _P, _INT]),
+    "rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
+    "silu_mul": (None, [_P, _I64, _I64, _P, _INT]),
+}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first call; None when it cannot be built here."""
+    global _lib, _failed
+    with _lock:
+        if _lib is None and _failed is None:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or ""
+                _failed = f"{e!r} {detail}".strip()
+                log.warning("native CPU attention unavailable, using torch ops: %s", _failed)
+        return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers (MAX_G, MAX_D in the C source)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [n, Hq, D]
+    k_cache: torch.Tensor,  # [pool, Hkv, D]
+    v_cache: torch.Tensor,
+    table: torch.Tensor,  # [bs, L] int64 pool rows per kv position
+    req_of: torch.Tensor,  # [n] int64 request row of each query
+    pos_of: torch.Tensor,  # [n] int64 absolute position of each query
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    lib = load()
+    assert lib is not None
+    if q.dtype not in _SUFFIX or q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"paged_attention: no kernel for {q.dtype} with head_dim {q.shape[-1]}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    n, hq, d = q.shape
+    rc = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}")(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
+        req_of.data_ptr(), pos_of.data_ptr(), n, hq, k_cache.shape[1], d, scale, window or 0,
+        out.data_ptr(), torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) for a 2-D bf16/fp32 tensor (first index on ties), vectorized
+    and parallel over rows (aten's argmax runs one row at a time, scalar)."""
+    lib = load()
+    if lib is None or x.dtype not in _SUFFIX or x.dim() != 2 or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    getattr(lib, f"argmax_rows_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
+    return out
+
+
+def fused_ok(*tensors: torch.Tensor) -> bool:
+    """The fused elementwise kernels apply: CPU tensors of one supported dtype, library built."""
+    t0 = tensors[0]
+    return t0.device.type == "cpu" and t0.dtype in _SUFFIX and all(t.dtype == t0.dtype for t in tensors) and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """(h, normed): h = x + residual (x itself without one), normed = RMSNorm(h) * weight."""
+    lib = load()
+    assert lib is not None
+    x = x.contiguous()
+    rows, cols = x.shape
+    normed = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    res_ptr = residual.contiguous().data_ptr() if residual is not None else None
+    getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows))
+    return h, normed
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first `heads` heads of each row of x [T, >= heads * head_dim] in place."""
+    lib = load()
+    assert lib is not None and x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
+    getattr(lib, f"rope_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        _threads(x.shape[0]))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up]."""
+    lib = load()
+    assert lib is not None
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows))
+    return out
+
+
+def _threads(rows: int) -> int:
+    return max(1, min(torch.get_num_threads(), rows))

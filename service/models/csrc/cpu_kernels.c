@@ -1,0 +1,255 @@
+/* Paged attention on CPU, reading the KV pool in place (no gather).
+ *
+ * Layouts (all contiguous):
+ *   q        [n_q, hq, d]         query rows (one per token)
+ *   k, v     [pool, hkv, d]       the layer's KV pool
+ *   table    [bs, table_stride]   pool row of each request's kv position
+ *   out      [n_q, hq, d]
+ * Query row i belongs to request req_of[i] and sits at absolute position
+ * pos_of[i]; it attends to kv positions max(0, pos-window+1) .. pos (causal;
+ * window <= 0: no window). Decode is the case of one query row per request.
+ *
+ * Work items are (query row, kv head): the g = hq / hkv query heads of a
+ * group share each K/V row load. Scores are computed block by block with an
+ * online softmax in float32. Element type: bf16 (uint16 bits) or float32.
+ * OpenMP threads come from the runtime torch already loaded (libgomp).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 256
+#define MAX_D 256
+#define MAX_G 16
+#define PREFETCH 8 /* rows ahead: the pool rows of a request are scattered */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* NaN stays NaN */
+    x += 0x7fffu + ((x >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(x >> 16);
+}
+
+/* exp(x), vectorizable (no libm call): 2^(x log2 e) split into 2^n * 2^f,
+ * f in [-0.5, 0.5], with a degree-6 polynomial (relative error ~2e-7, a few
+ * float ulps). Below -87 it returns 0; above 88 it saturates at ~2^127. */
+static inline float exp_approx(float x) {
+    float t = x * 1.44269504088896341f;
+    t = t < -126.f ? -126.f : (t > 127.f ? 127.f : t);
+    const float n = (t + 12582912.f) - 12582912.f; /* round to nearest: 1.5 * 2^23 trick, vectorizes */
+    const float f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+/* One work item: query row i, kv head h; `d` is a compile-time constant in the
+ * specialised calls (64, 128), so the inner loops unroll into whole vectors. */
+#define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
+    static inline __attribute__((always_inline)) void NAME##_item(                                          \
+        const T *q, const T *k, const T *v, const int64_t *rows, int64_t start, int64_t pos, int64_t i,     \
+        int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, T *out) {              \
+        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                                      \
+        float s[MAX_G][BLOCK], kf[MAX_D];                                                                   \
+        for (int64_t a = 0; a < g; a++) {                                                                   \
+            const T *qa = q + (i * hq + h * g + a) * d;                                                     \
+            for (int64_t e = 0; e < d; e++) { qf[a][e] = LOAD(qa[e]) * scale; acc[a][e] = 0.f; }            \
+            m[a] = -INFINITY;                                                                               \
+            l[a] = 0.f;                                                                                     \
+        }                                                                                                   \
+        for (int64_t j0 = start; j0 <= pos; j0 += BLOCK) {                                                  \
+            const int64_t n = (pos + 1 - j0) < BLOCK ? (pos + 1 - j0) : BLOCK;                              \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                if (j + PREFETCH < n) {                                                                     \
+                    __builtin_prefetch(k + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
+                    __builtin_prefetch(v + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
+                }                                                                                           \
+                const T *kr = k + (rows[j0 + j] * hkv + h) * d;                                             \
+                for (int64_t e = 0; e < d; e++) kf[e] = LOAD(kr[e]);                                        \
+                for (int64_t a = 0; a < g; a++) {                                                           \
+                    float dot = 0.f;                                                                        \
+                    _Pragma("omp simd reduction(+ : dot)")                                                  \
+                    for (int64_t e = 0; e < d; e++) dot += qf[a][e] * kf[e];                                \
+                    s[a][j] = dot;                                                                          \
+                }                                                                                           \
+            }                                                                                               \
+            for (int64_t a = 0; a < g; a++) {                                                               \
+                float bm = m[a];                                                                            \
+                for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                           \
+                const float corr = exp_approx(m[a] - bm); /* 0 on the first block (m = -inf) */             \
+                l[a] *= corr;                                                                               \
+                for (int64_t e = 0; e < d; e++) acc[a][e] *= corr;                                          \
+                m[a] = bm;                                                                                  \
+                float sum = 0.f;                                                                            \
+                _Pragma("omp simd reduction(+ : sum)")                                                      \
+                for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }     \
+                l[a] += sum;                                                                                \
+            }                                                                                               \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                             \
+                for (int64_t e = 0; e < d; e++) kf[e] = LOAD(vr[e]);                                        \
+                for (int64_t a = 0; a < g; a++) {                                                           \
+                    const float p = s[a][j];                                                                \
+                    _Pragma("omp simd")                                                                     \
+                    for (int64_t e = 0; e < d; e++) acc[a][e] += p * kf[e];                                 \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int64_t a = 0; a < g; a++) {                                                                   \
+            T *o = out + (i * hq + h * g + a) * d;                                                          \
+            const float inv = 1.f / l[a];                                                                   \
+            for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a][e] * inv);                                  \
+        }                                                                                                   \
+    }                                                                                                       \
+    int NAME(const T *q, const T *k, const T *v, const int64_t *table, int64_t table_stride,                \
+             const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
+             float scale, int64_t window, T *out, int nthreads) {                                           \
+        if (d > MAX_D || hq % hkv != 0 || hq / hkv > MAX_G) return -1;                                      \
+        const int64_t g = hq / hkv;                                                                         \
+        const int64_t items = n_q * hkv;                                                                    \
+        _Pragma("omp parallel for schedule(dynamic, 4) num_threads(nthreads)")                             \
+        for (int64_t it = 0; it < items; it++) {                                                            \
+            const int64_t i = it / hkv, h = it % hkv;                                                       \
+            const int64_t pos = pos_of[i];                                                                  \
+            const int64_t *rows = table + req_of[i] * table_stride;                                         \
+            const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;              \
+            if (d == 64)                                                                                    \
+                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
+            else if (d == 128)                                                                              \
+                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
+            else                                                                                            \
+                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
+        }                                                                                                   \
+        return 0;                                                                                           \
+    }
+
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+
+DEFINE_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32)
+
+/* Greedy sampling: the index of each row's largest logit (the first on ties;
+ * NaN counts as largest, like torch.argmax). Rows in parallel; within a row a
+ * vectorized max per block finds the block, then a short scan the index. */
+#define ARGMAX_BLOCK 512
+#define DEFINE_ARGMAX(NAME, T, LOAD)                                                                  \
+    void NAME(const T *x, int64_t rows, int64_t cols, int64_t *out, int nthreads) {                   \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *row = x + r * cols;                                                              \
+            float best = -INFINITY;                                                                   \
+            int64_t best_block = 0, nan_block = -1;                                                   \
+            for (int64_t b0 = 0; b0 < cols; b0 += ARGMAX_BLOCK) {                                     \
+                const int64_t n = cols - b0 < ARGMAX_BLOCK ? cols - b0 : ARGMAX_BLOCK;                \
+                float bm = -INFINITY;                                                                 \
+                int nans = 0;                                                                         \
+                _Pragma("omp simd reduction(max : bm) reduction(+ : nans)")                           \
+                for (int64_t c = 0; c < n; c++) {                                                     \
+                    const float val = LOAD(row[b0 + c]);                                              \
+                    bm = val > bm ? val : bm;                                                         \
+                    nans += val != val;                                                               \
+                }                                                                                     \
+                if (nans) { nan_block = b0; break; }                                                  \
+                if (bm > best || b0 == 0) { best = bm; best_block = b0; }                             \
+            }                                                                                         \
+            const int64_t b0 = nan_block >= 0 ? nan_block : best_block;                               \
+            int64_t arg = b0;                                                                         \
+            for (int64_t c = b0; c < cols; c++) {                                                     \
+                const float val = LOAD(row[c]);                                                       \
+                if (nan_block >= 0 ? val != val : val == best) { arg = c; break; }                    \
+            }                                                                                         \
+            out[r] = arg;                                                                             \
+        }                                                                                             \
+    }
+
+DEFINE_ARGMAX(argmax_rows_bf16, uint16_t, bf16_to_f32)
+DEFINE_ARGMAX(argmax_rows_f32, float, LOAD_F32)
+
+/* ---- fused elementwise ops of a decoder layer (row-parallel) --------------------------------
+ * Each matches its eager torch form op by op (float math, one rounding to T per torch op), so
+ * the two paths agree to the last bit or ulp; -std=c11 keeps the compiler from fusing a*b+c. */
+
+/* h_out = x + residual (if residual), rounded to T; normed = w * T(h * rsqrt(mean(h^2) + eps)). */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                         \
+    void NAME(const T *x, const T *residual, const T *w, float eps, int64_t rows, int64_t cols,     \
+              T *h_out, T *normed, int nthreads) {                                                    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *xr = x + r * cols;                                                               \
+            T *hr = h_out + r * cols, *nr = normed + r * cols;                                        \
+            float ss = 0.f;                                                                           \
+            if (residual) {                                                                           \
+                const T *rr = residual + r * cols;                                                    \
+                for (int64_t c = 0; c < cols; c++) hr[c] = STORE(LOAD(xr[c]) + LOAD(rr[c]));        \
+                xr = hr;                                                                              \
+            }                                                                                         \
+            _Pragma("omp simd reduction(+ : ss)")                                                     \
+            for (int64_t c = 0; c < cols; c++) { const float v = LOAD(xr[c]); ss += v * v; }          \
+            const float inv = 1.f / sqrtf(ss / (float)cols + eps);                                    \
+            for (int64_t c = 0; c < cols; c++) nr[c] = STORE(LOAD(w[c]) * LOAD(STORE(LOAD(xr[c]) * inv))); \
+        }                                                                                             \
+    }
+
+/* In place on the first `heads` heads of each row (q then k in the fused qkv output):
+ * x = T(x * cos + rotate_half(x) * sin), cos/sin float32 tables [positions, d]. */
+#define DEFINE_ROPE(NAME, T, LOAD, STORE)                                                             \
+    void NAME(T *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t d, const int64_t *pos, \
+              const float *cos_t, const float *sin_t, int nthreads) {                                \
+        const int64_t half = d / 2;                                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const float *cs = cos_t + pos[r] * d, *sn = sin_t + pos[r] * d;                           \
+            for (int64_t h = 0; h < heads; h++) {                                                     \
+                T *xh = x + r * row_stride + h * d;                                                   \
+                float a[MAX_D];                                                                       \
+                for (int64_t e = 0; e < d; e++) a[e] = LOAD(xh[e]);                                   \
+                for (int64_t e = 0; e < half; e++) {                                                  \
+                    const float p = a[e] * cs[e], q = (-a[e + half]) * sn[e];                         \
+                    xh[e] = STORE(p + q);                                                             \
+                }                                                                                     \
+                for (int64_t e = half; e < d; e++) {                                                  \
+                    const float p = a[e] * cs[e], q = a[e - half] * sn[e];                            \
+                    xh[e] = STORE(p + q);                                                             \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+/* out = T(T(silu(gate)) * up) for gate_up rows [gate | up] of width 2 * inter. */
+#define DEFINE_SILU_MUL(NAME, T, LOAD, STORE)                                                         \
+    void NAME(const T *gate_up, int64_t rows, int64_t inter, T *out, int nthreads) {                 \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *g = gate_up + r * 2 * inter, *u = g + inter;                                     \
+            T *o = out + r * inter;                                                                   \
+            for (int64_t c = 0; c < inter; c++) {                                                     \
+                const float x = LOAD(g[c]);                                                           \
+                o[c] = STORE(LOAD(STORE(x / (1.f + exp_approx(-x)))) * LOAD(u[c]));                        \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROPE(rope_f32, float, LOAD_F32, STORE_F32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)

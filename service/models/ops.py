@@ -1,0 +1,59 @@
+"""The elementwise parts of a decoder layer, fused where the native library is built.
+
+Each function has one meaning and two implementations: the native kernels of
+`cpu_kernels.py` (one pass over the rows, no temporaries) and the eager torch
+form (any device; the reference, HF's op order). Both give the same values up
+to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from service.models import cpu_kernels
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, RMSNorm(h + delta) * weight); delta None: h itself."""
+    if cpu_kernels.fused_ok(h, weight):
+        return cpu_kernels.rms_norm(h, weight, eps, delta)
+    if delta is not None:
+        h = h + delta
+    return h, rms_norm_eager(h, weight, eps)
+
+
+def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D] (HF rotate_half convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
+
+
+def split_qkv_rope(
+    qkv: torch.Tensor, hq: int, hkv: int, d: int, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, hq, d] and k [T, hkv, d] rotated to their positions, v [T, hkv, d], from the fused projection."""
+    t = qkv.shape[0]
+    if cpu_kernels.fused_ok(qkv) and cos_table.dtype == torch.float32:  # q and k heads are adjacent: rotate both in place, in one pass
+        qkv = qkv.contiguous()
+        cpu_kernels.rope_(qkv, hq + hkv, d, positions, cos_table, sin_table)
+        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        return q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    cos, sin = cos_table[positions], sin_table[positions]
+    return rope_eager(q.reshape(t, hq, d), cos, sin), rope_eager(k.reshape(t, hkv, d), cos, sin), v.reshape(t, hkv, d)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if cpu_kernels.fused_ok(gate_up):
+        return cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
