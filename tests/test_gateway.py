@@ -4,6 +4,7 @@ in front of a real gRPC server on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,6 +22,7 @@ import pydantic
 import pytest
 
 from service.config import ServerArgs
+from service.gateway import protocol
 from service.gateway.errors import APIError
 from service.server import BackgroundServer
 from tests.helpers import kv_idle, wait_until
@@ -57,12 +60,13 @@ def server(smol_dir):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def gateway(server):
+@contextlib.contextmanager
+def run_gateway(grpc_address: str) -> Iterator[str]:
+    """`python -m service gateway` in a subprocess on a free port; yields its base URL once healthy."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "gateway", "--grpc", server.address, "--port", str(port), "--log-level", "warning"],
+        [sys.executable, "-m", "service", "gateway", "--grpc", grpc_address, "--port", str(port), "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -74,6 +78,12 @@ def gateway(server):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    with run_gateway(server.address) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +277,76 @@ def test_async_sdk_task_cancel_aborts_the_request(gateway, server, zg, model):
 
     asyncio.run(main())
     _aborted_and_freed(server, zg, before)
+
+
+def test_cancel_through_the_lb_aborts_the_request(server, zg, model, tmp_path):
+    """As deployed: SDK -> gateway -> nginx (deploy/nginx.conf) -> server; closing the stream aborts it."""
+    from tests.test_stack import _Nginx, _nginx_binary, render_nginx_conf
+
+    binary = _nginx_binary()
+    if binary is None:
+        pytest.skip("nginx binary not installed (Debian/Ubuntu: apt-get install -y nginx; .ci/run installs it)")
+    port = free_port()
+    lb = _Nginx(binary, render_nginx_conf([server.port], port, tmp_path), tmp_path, port)
+    try:
+        assert lb.wait_ready(), lb.log()
+        with run_gateway(f"127.0.0.1:{port}") as base, openai.OpenAI(base_url=base + "/v1", api_key="unused",
+                                                                       max_retries=0) as c:
+            before = _aborts(server)
+            stream = c.completions.create(model=model, prompt="Count:", max_tokens=2000, stream=True, extra_body=ENDLESS)
+            next(iter(stream))
+            next(iter(stream))
+            assert server.engine.num_live() == 1
+            stream.close()
+            _aborted_and_freed(server, zg, before)
+    finally:
+        lb.stop()
+
+
+# ---- request parsing, without a server -------------------------------------------------------
+
+
+def test_parse_chat_and_completion_variants():
+    call = protocol.parse_chat({"model": "m", "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+    ], "max_completion_tokens": 9, "stop": "x", "seed": 3, "response_format": {"type": "json_object"}})
+    assert [(m[0], m[1]) for m in call.prompt.messages] == [("system", "Be brief."), ("user", "Hi there")]
+    assert (call.sampling.max_new_tokens, call.sampling.stop, call.sampling.seed) == (9, ["x"], 3)
+    assert call.constraint.kind == "json_schema" and json.loads(call.constraint.value) == {"type": "object"}
+    assert protocol.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]}).sampling.max_new_tokens is None
+    comp = protocol.parse_completion({"model": "m", "prompt": [[1, 2, 3]], "logprobs": 0})
+    assert comp.prompt == [1, 2, 3] and comp.logprobs.top == 0 and comp.sampling.max_new_tokens == 16
+    assert protocol.parse_completion({"model": "m", "prompt": ["one"], "stream": True,
+                                      "stream_options": {"include_usage": True}}).include_usage
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
+    ({"model": "m", "prompt": "a", "seed": -1}, "seed"),
+    ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a"}, "model"),
+    ({"model": "m", "prompt": "a", "response_format": {"type": "yaml"}}, "response_format.type"),
+])
+def test_parse_completion_refusals(body, param):
+    with pytest.raises(APIError) as e:
+        protocol.parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_parse_chat_refusals():
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    for body, param in [
+        ({"model": "m", "messages": [{"role": "user", "content": [image]}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ]:
+        with pytest.raises(APIError) as e:
+            protocol.parse_chat(body)
+        assert e.value.status == 400 and e.value.param == param
+    assert protocol.openai_param("sampling.min_new_tokens", "chat") == "min_tokens"
+    assert protocol.openai_param("input.token_ids", "completion") == "prompt"
