@@ -30,7 +30,10 @@ from zerogap.client import (
 pb2, pb2_grpc = protos.load()
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -56,12 +59,23 @@ def server(served):
 
 def test_generate_chat_and_stream_agree_with_raw_stub(client, server):
     msgs = [{"role": "user", "content": "Name three colors."}]
-    raw = client.stub.Generate(pb2.GenerateRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(**m) for m in msgs]),
-                                                   sampling=pb2.SamplingParams(max_new_tokens=24, temperature=0)))
+    raw = client.stub.Generate(
+        pb2.GenerateRequest(
+            chat=pb2.ChatInput(messages=[pb2.ChatMessage(**m) for m in msgs]),
+            sampling=pb2.SamplingParams(max_new_tokens=24, temperature=0),
+        )
+    )
     r = client.chat(msgs, GREEDY, max_new_tokens=24)
     assert r.token_ids == list(raw.token_ids) and r.text == raw.text
-    assert r.finish_reason in ("stop", "length") and r.completion_tokens == len(r.token_ids) and r.prompt_tokens > 0
-    assert client.generate(Chat([("user", "Name three colors.")]), max_new_tokens=24, temperature=0).text == raw.text
+    assert (
+        r.finish_reason in ("stop", "length")
+        and r.completion_tokens == len(r.token_ids)
+        and r.prompt_tokens > 0
+    )
+    assert (
+        client.generate(Chat([("user", "Name three colors.")]), max_new_tokens=24, temperature=0).text
+        == raw.text
+    )
     with client.stream(msgs, max_new_tokens=24, temperature=0) as s:
         deltas = list(s)
     assert len(deltas) > 1, "tokens must arrive as a stream"
@@ -86,9 +100,11 @@ def test_json_helper_validates_against_schema(client, server):
 
 
 def test_logprobs_fields(client, server):
-    r = client.generate("The capital of France is", GREEDY, max_new_tokens=4, logprobs=Logprobs(top=3, input_from=1))
+    r = client.generate(
+        "The capital of France is", GREEDY, max_new_tokens=4, logprobs=Logprobs(top=3, input_from=1)
+    )
     assert len(r.logprobs) == len(r.token_ids) == 4
-    for tok, lp in zip(r.token_ids, r.logprobs):
+    for tok, lp in zip(r.token_ids, r.logprobs, strict=True):
         assert lp.token_id == tok and len(lp.top) == 3 and lp.top[0].token_id == tok and lp.top[0].text
     assert r.input_logprobs_start == 1 and len(r.input_logprobs) == r.prompt_tokens - 1
     with client.stream("The capital of France is", GREEDY, max_new_tokens=4, logprobs=True) as s:
@@ -128,8 +144,9 @@ def test_break_and_with_exit_cancel_the_stream(client, server):
 def test_async_client_generate_stream_and_cancellation(server):
     async def main() -> None:
         async with AsyncClient(server.address) as c:
-            r, info = await asyncio.gather(c.generate("The capital of France is", GREEDY, max_new_tokens=6),
-                                           c.model_info())
+            r, info = await asyncio.gather(
+                c.generate("The capital of France is", GREEDY, max_new_tokens=6), c.model_info()
+            )
             assert "Paris" in r.text and info.vocab_size > 0
             async with c.stream("The capital of France is", GREEDY, max_new_tokens=6) as s:
                 joined = await s.collect()
@@ -156,7 +173,10 @@ def test_async_client_generate_stream_and_cancellation(server):
 async def _until_idle(c: AsyncClient) -> None:
     for _ in range(400):
         info = await c.server_info()
-        if info.kv_pool_free_tokens == info.kv_pool_total_tokens and info.running_requests == info.queued_requests == 0:
+        if (
+            info.kv_pool_free_tokens == info.kv_pool_total_tokens
+            and info.running_requests == info.queued_requests == 0
+        ):
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the request kept its KV cache")

@@ -31,7 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT / "clients"
 PERSON = {  # the schema the examples send
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -66,26 +69,35 @@ def build_node() -> list[str]:
 
 
 def build_go() -> list[str]:
-    need(["go", "protoc", "protoc-gen-go", "protoc-gen-go-grpc"],
-         "apt-get install golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev protoc-gen-go "
-         "protoc-gen-go-grpc protobuf-compiler")
+    need(
+        ["go", "protoc", "protoc-gen-go", "protoc-gen-go-grpc"],
+        "apt-get install golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev "
+        "protoc-gen-go protoc-gen-go-grpc protobuf-compiler",
+    )
     out = build_dir("go")
     run(["sh", str(CLIENTS / "go" / "build.sh"), str(out)], CLIENTS / "go")
     return [str(out / "bin" / "zerogap-example")]
 
 
 def build_cpp() -> list[str]:
-    need(["cmake", "g++", "pkg-config", "protoc", "grpc_cpp_plugin"],
-         "apt-get install cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev")
+    need(
+        ["cmake", "g++", "pkg-config", "protoc", "grpc_cpp_plugin"],
+        "apt-get install cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev",
+    )
     out = build_dir("cpp")
-    run(["cmake", "-S", str(CLIENTS / "cpp"), "-B", str(out), "-DCMAKE_BUILD_TYPE=", "-DCMAKE_CXX_FLAGS=-O0"], CLIENTS)
+    run(
+        ["cmake", "-S", str(CLIENTS / "cpp"), "-B", str(out), "-DCMAKE_BUILD_TYPE=", "-DCMAKE_CXX_FLAGS=-O0"],
+        CLIENTS,
+    )
     run(["cmake", "--build", str(out), "-j2"], CLIENTS)
     return [str(out / "zerogap-example")]
 
 
 @pytest.fixture(scope="module")
 def server(smol_dir):
-    srv = BackgroundServer(ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8))
+    srv = BackgroundServer(
+        ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8)
+    )
     yield srv
     srv.stop()
 

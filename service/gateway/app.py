@@ -117,8 +117,12 @@ class Gateway:
     async def _check_model(self, name: str) -> None:
         served = await self.model_name()
         if name != served:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{served}'",
+                param="model",
+                code="model_not_found",
+            )
 
     async def health(self, request: Request) -> Response:
         try:
@@ -129,7 +133,9 @@ class Gateway:
 
     # ---- generation ------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, p.parse_chat(await _json(request), self.config.default_max_tokens), "chatcmpl")
+        return await self._generate(
+            request, p.parse_chat(await _json(request), self.config.default_max_tokens), "chatcmpl"
+        )
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, p.parse_completion(await _json(request)), "cmpl")
@@ -140,7 +146,9 @@ class Gateway:
         kw = dict(logprobs=call.logprobs, constraint=call.constraint, request_id=rid)
         try:
             if call.stream:
-                return await self._stream(request, call, rid, self.grpc.stream(call.prompt, call.sampling, **kw))
+                return await self._stream(
+                    request, call, rid, self.grpc.stream(call.prompt, call.sampling, **kw)
+                )
             done = await until_disconnected(request, self.grpc.generate(call.prompt, call.sampling, **kw))
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_CLOSED)
@@ -149,7 +157,9 @@ class Gateway:
             err.param = p.openai_param(err.param, call.kind)
             raise err from None
         body = p.envelope(call, rid, p.now(), chunk=False)
-        body["choices"] = [p.choice(call, done.text, done.finish_reason, await self._logprobs(call, [done]), False)]
+        body["choices"] = [
+            p.choice(call, done.text, done.finish_reason, await self._logprobs(call, [done]), False)
+        ]
         body["usage"] = p.usage(done.prompt_tokens, done.completion_tokens)
         return JSONResponse(body)
 
@@ -161,10 +171,15 @@ class Gateway:
         except BaseException:
             stream.cancel()
             raise
-        return StreamingResponse(self._events(call, rid, stream, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self._events(call, rid, stream, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
-    async def _events(self, call: p.Call, rid: str, stream: AsyncStream, first: Delta) -> AsyncIterator[bytes]:
+    async def _events(
+        self, call: p.Call, rid: str, stream: AsyncStream, first: Delta
+    ) -> AsyncIterator[bytes]:
         created, offset, delta = p.now(), 0, first
         head = p.envelope(call, rid, created, chunk=True)
         if call.include_usage:
@@ -173,20 +188,26 @@ class Gateway:
             while True:
                 lp = await self._logprobs(call, [delta], offset)
                 offset += len(delta.text)
-                chunk = dict(head, choices=[p.choice(call, delta.text, delta.finish_reason, lp, True, delta is first)])
+                chunk = dict(
+                    head, choices=[p.choice(call, delta.text, delta.finish_reason, lp, True, delta is first)]
+                )
                 yield p.sse(chunk)
                 if delta.finish_reason is not None:
                     break
                 delta = await anext(stream)
             if call.include_usage:
-                yield p.sse(dict(head, choices=[], usage=p.usage(delta.prompt_tokens, delta.completion_tokens)))
+                yield p.sse(
+                    dict(head, choices=[], usage=p.usage(delta.prompt_tokens, delta.completion_tokens))
+                )
             yield p.sse("[DONE]")
         except ZerogapError as e:  # after the 200 went out: an error event, as OpenAI's servers send
             yield p.sse(APIError.from_grpc(e).body())
         finally:
             stream.cancel()  # the HTTP client went away (or the stream ended): no-op once done
 
-    async def _logprobs(self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0) -> dict | None:
+    async def _logprobs(
+        self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0
+    ) -> dict | None:
         if call.logprobs is None:
             return None
         entries = []
@@ -194,8 +215,10 @@ class Gateway:
             entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
         missing = sorted(p.missing_texts(entries) - self._texts.keys())
         if missing:
-            found = await asyncio.gather(*(self.grpc.detokenize([t], skip_special_tokens=False) for t in missing))
-            self._texts.update(zip(missing, found))
+            found = await asyncio.gather(
+                *(self.grpc.detokenize([t], skip_special_tokens=False) for t in missing)
+            )
+            self._texts.update(zip(missing, found, strict=True))
         if call.kind == "chat":
             return p.chat_logprobs(entries, self._texts)
         return p.completion_logprobs(entries, self._texts, offset)

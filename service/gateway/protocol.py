@@ -18,7 +18,13 @@ from typing import Any
 from service.gateway.errors import invalid, unsupported
 from zerogap.client import Chat, Constraint, Logprobs, Sampling, TokenLogprob
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: None}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
@@ -153,7 +159,11 @@ def _content(i: int, content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise unsupported(f"messages[{i}].content", "only text parts are supported")
             parts.append(part["text"])
         return "".join(parts)
@@ -176,8 +186,16 @@ def parse_chat(body: Any, default_max_tokens: int | None = None) -> Call:
     if top and not want:
         raise invalid("top_logprobs", "needs logprobs: true")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default_max_tokens)
-    return Call("chat", model, Chat(chat), _sampling(body, max_tokens), Logprobs(top=top or 0) if want else None,
-                _response_format(body), stream, include_usage)
+    return Call(
+        "chat",
+        model,
+        Chat(chat),
+        _sampling(body, max_tokens),
+        Logprobs(top=top or 0) if want else None,
+        _response_format(body),
+        stream,
+        include_usage,
+    )
 
 
 def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Call:
@@ -188,7 +206,11 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         pass
     elif isinstance(prompt, list):
         raise unsupported("prompt", "must be one string or one list of token ids (no batches)")
@@ -196,8 +218,16 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
         raise invalid("prompt", "must be a non-empty string or a list of token ids")
     top = _number(body, "logprobs", 0, 20, integer=True)
     max_tokens = _max_tokens(body, ("max_tokens",), default_max_tokens)
-    return Call("completion", model, prompt, _sampling(body, max_tokens), None if top is None else Logprobs(top=top),
-                _response_format(body), stream, include_usage)
+    return Call(
+        "completion",
+        model,
+        prompt,
+        _sampling(body, max_tokens),
+        None if top is None else Logprobs(top=top),
+        _response_format(body),
+        stream,
+        include_usage,
+    )
 
 
 def openai_param(grpc_field: str | None, kind: str) -> str | None:
@@ -218,12 +248,16 @@ def openai_param(grpc_field: str | None, kind: str) -> str | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def content_logprobs(entries: Sequence[TokenLogprob], finish_reason: str | None,
-                     matched_stop: str | int | None) -> list[TokenLogprob]:
+def content_logprobs(
+    entries: Sequence[TokenLogprob], finish_reason: str | None, matched_stop: str | int | None
+) -> list[TokenLogprob]:
     """The entries of the tokens that are part of the text: a stop token that ended generation is not."""
     if finish_reason == "stop" and isinstance(matched_stop, int) and entries:
         return list(entries[:-1])
@@ -255,7 +289,9 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str]) -> 
     return {"content": content}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int
+) -> dict[str, Any]:
     tokens = [token_text(e, texts) for e in entries]
     offsets = []
     for t in tokens:
@@ -276,8 +312,14 @@ def envelope(call: Call, rid: str, created: int, chunk: bool) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": created, "model": call.model}
 
 
-def choice(call: Call, text: str | None, finish_reason: str | None, logprobs: dict | None,
-           chunk: bool, first: bool = False) -> dict[str, Any]:
+def choice(
+    call: Call,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None,
+    chunk: bool,
+    first: bool = False,
+) -> dict[str, Any]:
     if call.kind == "completion":
         return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
     if not chunk:

@@ -30,6 +30,21 @@ from zerogap.client.types import (
 )
 
 __all__ = [
-    "GREEDY", "AsyncClient", "AsyncStream", "ChannelOptions", "Chat", "Client", "Completion", "Constraint", "Delta",
-    "Logprobs", "Message", "RetryPolicy", "Sampling", "Stream", "TokenLogprob", "TopLogprob", "ZerogapError",
+    "GREEDY",
+    "AsyncClient",
+    "AsyncStream",
+    "ChannelOptions",
+    "Chat",
+    "Client",
+    "Completion",
+    "Constraint",
+    "Delta",
+    "Logprobs",
+    "Message",
+    "RetryPolicy",
+    "Sampling",
+    "Stream",
+    "TokenLogprob",
+    "TopLogprob",
+    "ZerogapError",
 ]

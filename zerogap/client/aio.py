@@ -1,10 +1,10 @@
 """The asyncio client (grpc.aio), with the same helpers as the blocking one.
 
-    async with AsyncClient("localhost:50051") as c:
-        r = await c.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=32, temperature=0)
-        async with c.stream("Once upon a time", max_new_tokens=64) as s:
-            async for d in s:
-                print(d.text, end="", flush=True)
+async with AsyncClient("localhost:50051") as c:
+    r = await c.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=32, temperature=0)
+    async with c.stream("Once upon a time", max_new_tokens=64) as s:
+        async for d in s:
+            print(d.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -87,8 +87,13 @@ class AsyncClient:
 
     `timeout` is the default deadline in seconds of every call (None: none)."""
 
-    def __init__(self, target: str, options: ChannelOptions | None = None, timeout: float | None = 60.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        target: str,
+        options: ChannelOptions | None = None,
+        timeout: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.options = options or ChannelOptions()
         self.timeout = timeout
         opts = self.options.grpc_options()
@@ -102,7 +107,9 @@ class AsyncClient:
     # ---- plumbing ------------------------------------------------------------------------------
     async def _call(self, method, request, timeout: float | None):
         try:
-            return await method(request, timeout=self._timeout(timeout), wait_for_ready=self.options.wait_for_ready)
+            return await method(
+                request, timeout=self._timeout(timeout), wait_for_ready=self.options.wait_for_ready
+            )
         except grpc.RpcError as e:
             raise ZerogapError.from_rpc(e) from None
 
@@ -119,27 +126,58 @@ class AsyncClient:
         await self.close()
 
     # ---- generation ----------------------------------------------------------------------------
-    async def generate(self, prompt: Input, sampling: Sampling | None = None, *,
-                       logprobs: Logprobs | bool | None = None, constraint: Constraint | None = None,
-                       request_id: str = "", timeout: float | None = None, **overrides: Any) -> Completion:
+    async def generate(
+        self,
+        prompt: Input,
+        sampling: Sampling | None = None,
+        *,
+        logprobs: Logprobs | bool | None = None,
+        constraint: Constraint | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+        **overrides: Any,
+    ) -> Completion:
         """One request to completion; cancelling the awaiting task cancels the call."""
-        req = build_request(prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id)
+        req = build_request(
+            prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id
+        )
         return Completion.from_proto(await self._call(self.stub.Generate, req, timeout))
 
-    async def chat(self, messages: Sequence[Message | Mapping[str, str] | tuple[str, str]],
-                   sampling: Sampling | None = None, **kw: Any) -> Completion:
+    async def chat(
+        self,
+        messages: Sequence[Message | Mapping[str, str] | tuple[str, str]],
+        sampling: Sampling | None = None,
+        **kw: Any,
+    ) -> Completion:
         return await self.generate(Chat(messages), sampling, **kw)
 
-    def stream(self, prompt: Input, sampling: Sampling | None = None, *, logprobs: Logprobs | bool | None = None,
-               constraint: Constraint | None = None, request_id: str = "", timeout: float | None = None,
-               **overrides: Any) -> AsyncStream:
+    def stream(
+        self,
+        prompt: Input,
+        sampling: Sampling | None = None,
+        *,
+        logprobs: Logprobs | bool | None = None,
+        constraint: Constraint | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+        **overrides: Any,
+    ) -> AsyncStream:
         """Streams deltas as the tokens are generated (see AsyncStream)."""
-        req = build_request(prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id)
-        call = self.stub.GenerateStream(req, timeout=self._timeout(timeout), wait_for_ready=self.options.wait_for_ready)
+        req = build_request(
+            prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id
+        )
+        call = self.stub.GenerateStream(
+            req, timeout=self._timeout(timeout), wait_for_ready=self.options.wait_for_ready
+        )
         return AsyncStream(call)
 
-    async def json(self, prompt: Input, schema: Mapping[str, Any] | str | None = None,
-                   sampling: Sampling | None = None, **kw: Any) -> Any:
+    async def json(
+        self,
+        prompt: Input,
+        schema: Mapping[str, Any] | str | None = None,
+        sampling: Sampling | None = None,
+        **kw: Any,
+    ) -> Any:
         """Generates JSON that validates against `schema` (any JSON object when None) and parses it."""
         return (await self.generate(prompt, sampling, constraint=json_constraint(schema), **kw)).json()
 
@@ -151,12 +189,15 @@ class AsyncClient:
         r = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = False, timeout: float | None = None) -> list[int]:
+    async def tokenize(
+        self, text: str, add_special_tokens: bool = False, timeout: float | None = None
+    ) -> list[int]:
         req = pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list((await self._call(self.stub.Tokenize, req, timeout)).token_ids)
 
-    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True,
-                         timeout: float | None = None) -> str:
+    async def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = True, timeout: float | None = None
+    ) -> str:
         req = pb2.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
         return (await self._call(self.stub.Detokenize, req, timeout)).text
 

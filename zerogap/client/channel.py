@@ -40,7 +40,9 @@ class RetryPolicy:
             "backoffMultiplier": self.backoff_multiplier,
             "retryableStatusCodes": list(self.codes),
         }
-        return json.dumps({"methodConfig": [{"name": [{"service": s} for s in SERVICES], "retryPolicy": policy}]})
+        return json.dumps(
+            {"methodConfig": [{"name": [{"service": s} for s in SERVICES], "retryPolicy": policy}]}
+        )
 
 
 @dataclass(frozen=True)

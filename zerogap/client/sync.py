@@ -1,10 +1,10 @@
 """The blocking client.
 
-    with Client("localhost:50051") as c:
-        print(c.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=32, temperature=0).text)
-        with c.stream("Once upon a time", max_new_tokens=64) as s:
-            for d in s:
-                print(d.text, end="", flush=True)
+with Client("localhost:50051") as c:
+    print(c.chat([{"role": "user", "content": "Hi!"}], max_new_tokens=32, temperature=0).text)
+    with c.stream("Once upon a time", max_new_tokens=64) as s:
+        for d in s:
+            print(d.text, end="", flush=True)
 """
 
 from __future__ import annotations
@@ -79,8 +79,13 @@ class Client:
     `timeout` is the default deadline in seconds of every call (None: none);
     each helper also takes its own `timeout=`."""
 
-    def __init__(self, target: str, options: ChannelOptions | None = None, timeout: float | None = 60.0,
-                 credentials: grpc.ChannelCredentials | None = None):
+    def __init__(
+        self,
+        target: str,
+        options: ChannelOptions | None = None,
+        timeout: float | None = 60.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.options = options or ChannelOptions()
         self.timeout = timeout
         opts = self.options.grpc_options()
@@ -111,29 +116,60 @@ class Client:
         self.close()
 
     # ---- generation ----------------------------------------------------------------------------
-    def generate(self, prompt: Input, sampling: Sampling | None = None, *, logprobs: Logprobs | bool | None = None,
-                 constraint: Constraint | None = None, request_id: str = "", timeout: float | None = None,
-                 **overrides: Any) -> Completion:
+    def generate(
+        self,
+        prompt: Input,
+        sampling: Sampling | None = None,
+        *,
+        logprobs: Logprobs | bool | None = None,
+        constraint: Constraint | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+        **overrides: Any,
+    ) -> Completion:
         """One request to completion. `prompt`: text, token ids, chat messages or a Chat;
         keyword arguments named like Sampling's fields override `sampling`."""
-        req = build_request(prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id)
+        req = build_request(
+            prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id
+        )
         return Completion.from_proto(self._call(self.stub.Generate, req, timeout))
 
-    def chat(self, messages: Sequence[Message | Mapping[str, str] | tuple[str, str]], sampling: Sampling | None = None,
-             **kw: Any) -> Completion:
+    def chat(
+        self,
+        messages: Sequence[Message | Mapping[str, str] | tuple[str, str]],
+        sampling: Sampling | None = None,
+        **kw: Any,
+    ) -> Completion:
         """generate() on chat messages (dicts, (role, content) tuples or Messages)."""
         return self.generate(Chat(messages), sampling, **kw)
 
-    def stream(self, prompt: Input, sampling: Sampling | None = None, *, logprobs: Logprobs | bool | None = None,
-               constraint: Constraint | None = None, request_id: str = "", timeout: float | None = None,
-               **overrides: Any) -> Stream:
+    def stream(
+        self,
+        prompt: Input,
+        sampling: Sampling | None = None,
+        *,
+        logprobs: Logprobs | bool | None = None,
+        constraint: Constraint | None = None,
+        request_id: str = "",
+        timeout: float | None = None,
+        **overrides: Any,
+    ) -> Stream:
         """Streams deltas as the tokens are generated (see Stream)."""
-        req = build_request(prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id)
-        call = self.stub.GenerateStream(req, timeout=self._timeout(timeout), wait_for_ready=self.options.wait_for_ready)
+        req = build_request(
+            prompt, sampling, overrides, logprobs=logprobs, constraint=constraint, request_id=request_id
+        )
+        call = self.stub.GenerateStream(
+            req, timeout=self._timeout(timeout), wait_for_ready=self.options.wait_for_ready
+        )
         return Stream(call)
 
-    def json(self, prompt: Input, schema: Mapping[str, Any] | str | None = None, sampling: Sampling | None = None,
-             **kw: Any) -> Any:
+    def json(
+        self,
+        prompt: Input,
+        schema: Mapping[str, Any] | str | None = None,
+        sampling: Sampling | None = None,
+        **kw: Any,
+    ) -> Any:
         """Generates JSON that validates against `schema` (any JSON object when None) and parses it.
         ValueError if the output was cut short (raise max_new_tokens)."""
         return self.generate(prompt, sampling, constraint=json_constraint(schema), **kw).json()
@@ -148,11 +184,15 @@ class Client:
         r = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
-    def tokenize(self, text: str, add_special_tokens: bool = False, timeout: float | None = None) -> list[int]:
+    def tokenize(
+        self, text: str, add_special_tokens: bool = False, timeout: float | None = None
+    ) -> list[int]:
         req = pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return list(self._call(self.stub.Tokenize, req, timeout).token_ids)
 
-    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = True, timeout: float | None = None) -> str:
+    def detokenize(
+        self, token_ids: Sequence[int], skip_special_tokens: bool = True, timeout: float | None = None
+    ) -> str:
         req = pb2.DetokenizeRequest(token_ids=list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._call(self.stub.Detokenize, req, timeout).text
 

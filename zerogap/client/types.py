@@ -246,9 +246,15 @@ class Delta:
     @staticmethod
     def from_proto(r) -> Delta:
         return Delta(
-            r.request_id, r.text, list(r.token_ids), FINISH_REASONS[r.finish_reason], _matched_stop(r),
-            r.usage.prompt_tokens, r.usage.completion_tokens,
-            [TokenLogprob.from_proto(x) for x in r.output_logprobs], [TokenLogprob.from_proto(x) for x in r.input_logprobs],
+            r.request_id,
+            r.text,
+            list(r.token_ids),
+            FINISH_REASONS[r.finish_reason],
+            _matched_stop(r),
+            r.usage.prompt_tokens,
+            r.usage.completion_tokens,
+            [TokenLogprob.from_proto(x) for x in r.output_logprobs],
+            [TokenLogprob.from_proto(x) for x in r.input_logprobs],
             r,
         )
 
@@ -274,8 +280,18 @@ class Completion:
     def from_proto(r) -> Completion:
         d = Delta.from_proto(r)
         return Completion(
-            d.request_id, d.text, d.token_ids, d.finish_reason, d.matched_stop, d.prompt_tokens, d.completion_tokens,
-            d.logprobs, d.input_logprobs, r.input_logprobs_start, r.normalized_prompt_logprob, r,
+            d.request_id,
+            d.text,
+            d.token_ids,
+            d.finish_reason,
+            d.matched_stop,
+            d.prompt_tokens,
+            d.completion_tokens,
+            d.logprobs,
+            d.input_logprobs,
+            r.input_logprobs_start,
+            r.normalized_prompt_logprob,
+            r,
         )
 
     @staticmethod
@@ -284,10 +300,17 @@ class Completion:
             raise ValueError("no deltas")
         first, last = deltas[0], deltas[-1]
         return Completion(
-            last.request_id, "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
-            last.finish_reason, last.matched_stop, last.prompt_tokens, last.completion_tokens,
-            [x for d in deltas for x in d.logprobs], first.input_logprobs,
-            first.raw.input_logprobs_start, first.raw.normalized_prompt_logprob,
+            last.request_id,
+            "".join(d.text for d in deltas),
+            [t for d in deltas for t in d.token_ids],
+            last.finish_reason,
+            last.matched_stop,
+            last.prompt_tokens,
+            last.completion_tokens,
+            [x for d in deltas for x in d.logprobs],
+            first.input_logprobs,
+            first.raw.input_logprobs_start,
+            first.raw.normalized_prompt_logprob,
         )
 
     def json(self) -> Any:
@@ -295,7 +318,9 @@ class Completion:
         try:
             return json.loads(self.text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"output is not complete JSON (finish_reason={self.finish_reason}): {e}") from None
+            raise ValueError(
+                f"output is not complete JSON (finish_reason={self.finish_reason}): {e}"
+            ) from None
 
 
 def json_constraint(schema: Mapping[str, Any] | str | None) -> Constraint:
