@@ -227,15 +227,13 @@ def test_chat_logprobs_match_the_grpc_service(oai, zg, model):
     )
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)
     assert bytes(content[0].bytes).decode() == content[0].token
+    # without top_logprobs the token texts come from Detokenize
     chunks = list(
-        oai.chat.completions.create(
-            model=model, messages=HI, max_tokens=8, temperature=0, stream=True, logprobs=True, top_logprobs=1
-        )
+        oai.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0, stream=True, logprobs=True)
     )
-    streamed = [
-        t.logprob for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])
-    ]
-    assert streamed == pytest.approx([t.logprob for t in content], abs=1e-5)
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert [t.token for t in streamed] == [t.token for t in content] and not streamed[0].top_logprobs
     c = oai.completions.create(
         model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
     )
