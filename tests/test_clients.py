@@ -5,13 +5,14 @@ the test reads them as they come and checks that tokens arrived as a stream (the
 generating when the first delta was printed), that the constrained result parses and validates, and
 that the error and the deadline report the right status (and the deadline's request was freed).
 
-Builds are cached under $ZEROGAP_CACHE/clients (default ~/.cache/zerogap/clients), Node's packages in
+Builds are cached under $ZEROGAP_CACHE/clients/LANG-<checkout> (default ~/.cache/zerogap/clients/...), Node's packages in
 clients/node/node_modules (gitignored), so reruns only run the examples. A missing toolchain fails
 the test under CI (.ci/run installs them) and skips it, naming the install command, elsewhere.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -42,7 +43,9 @@ BUILD_TIMEOUT_S = 1200  # a first C++ build on 2 busy cores
 
 
 def build_dir(lang: str) -> Path:
-    return cache_root() / "clients" / lang
+    """A build folder per checkout (CMake ties a build folder to one source folder)."""
+    key = hashlib.sha1(str(CLIENTS).encode()).hexdigest()[:10]
+    return cache_root() / "clients" / f"{lang}-{key}"
 
 
 def need(tools: list[str], install: str) -> None:
