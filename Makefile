@@ -9,7 +9,7 @@ STAMP := $(VENV)/.zerogap-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test model bench matrix clean
+.PHONY: serve test model bench peers matrix clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: model
 
 bench: model
 	$(PY) bench/bench_serving.py $(ARGS)
+
+peers: model
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
+	$(PY) bench/peers.py $(ARGS)
 
 matrix: $(STAMP)
 	$(PY) -m service matrix

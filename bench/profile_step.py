@@ -28,7 +28,7 @@ from service.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatc
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from service.engine.sampler import Sampler  # noqa: E402
 from service.model_prep import prepare_default_model  # noqa: E402
-from service.models.attention import get_attention_backend  # noqa: E402
+from service.models.backends import get_attention_backend  # noqa: E402
 from service.models.loader import load_model  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def extend_batch(bs: int, n: int, table: torch.Tensor, kv: TokenToKVPool, vocab:
         q_unpad_index=torch.arange(bs * n),
         extend_lens=[n] * bs,
         seq_lens=torch.full((bs,), n),
-        prefix_lens=torch.zeros(bs, dtype=torch.int64),
+        extend_prefix_lens=torch.zeros(bs, dtype=torch.int64),
     )
 
 

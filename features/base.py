@@ -14,7 +14,7 @@ points. Hooks run on the thread named in their docstring — never both.
                                                results of all earlier batches were processed
                       on_result                the batch's result is on the host, per row
                       on_retract               the request was retracted; rebuild state from its kept tokens
-                      on_finish                the request ended (any reason)
+                      on_finish                the request ended (any reason); may add fields to its last message
     forward thread    before_forward           right before the model runs
                       modify_embeddings        input embeddings, before the first layer (e.g. images)
                       process_logits           at sampling: mask / bias the logits
@@ -98,8 +98,9 @@ class Feature:
     def on_retract(self, req: "Req") -> None:
         """The request lost its KV and will be re-run from prompt + kept output tokens."""
 
-    def on_finish(self, req: "Req") -> None:
-        pass
+    def on_finish(self, req: "Req") -> dict[str, Any] | None:
+        """The request ended (`req.finished` says how); returns output fields for its final message."""
+        return None
 
     # ---- forward thread ----------------------------------------------------------------
     def before_forward(self, fb: "ForwardBatch") -> None:

@@ -1,4 +1,4 @@
-"""Constrained decoding with xgrammar: JSON Schema, any JSON, regex, EBNF — overlapped.
+"""Constrained decoding with xgrammar: JSON Schema, any JSON, regex, EBNF, structural tags — overlapped.
 
 Per step, for the batch's constrained rows: the scheduler thread fills a token
 bitmask from each matcher's state — once the previous batch's tokens were
@@ -8,6 +8,13 @@ on the host each matcher accepts its token; a terminated grammar stops the
 request (STOP). EOS is allowed only where the grammar allows it. Grammars
 compile off the scheduling thread (features/grammar_backend.py); a request
 waits for its grammar without holding up others.
+
+Before compiling, a constraint is *prepared* off the caller thread
+(features/json_schema.py): a JSON schema is checked against its metaschema,
+normalised (exact rewrites only) and walked for what the grammar cannot enforce —
+refused in strict mode, relaxed and reported in lenient mode. When the request
+ends, its output is checked (jsonschema, full regex match, or the grammar itself)
+and the result goes out on the final message (`constraint_result`).
 """
 
 from __future__ import annotations
@@ -16,31 +23,163 @@ import json
 import statistics
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
-from concurrent.futures import Future
-from typing import Any
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import xgrammar as xgr
 
+from features import json_schema as js
 from features.base import Feature, OverlapSupport
 from features.grammar_backend import KINDS, GrammarBackend
-from service.engine.request import RequestError
+from features.json_schema import SchemaIssue
+from service.engine.request import FinishReason, RequestError
 
 MASK_WAIT_S = 120.0  # a forward never waits forever for a mask
+MODES = ("strict", "lenient")
+MAX_PREPARED = 256  # prepared constraints kept (LRU)
+MAX_LISTED_ISSUES = 5  # in a strict-mode refusal
 
 
 @dataclass(frozen=True)
 class ConstraintSpec:
     kind: str  # one of KINDS
-    text: str = ""  # the schema / regex / grammar ("" for json_object)
+    text: str = ""  # the schema / regex / grammar / structural tag ("" for json_object)
+    mode: str = ""  # strict | lenient | "" (the server's default)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A constraint ready to compile, and how its outputs are checked."""
+
+    kind: str
+    backend_text: str  # what the grammar backend compiles (e.g. the normalised schema)
+    normalized: tuple[SchemaIssue, ...] = ()
+    relaxed: tuple[SchemaIssue, ...] = ()
+    # (output text, compiled grammar) -> violations; runs on the scheduler thread at finish
+    check: Callable[[str, Any], list[SchemaIssue]] = field(default=lambda text, compiled: [])
 
 
 @dataclass(frozen=True)
 class CompilingConstraint:
     spec: ConstraintSpec
+    prepared: Future  # of Prepared
     compiled: Future  # of xgr.CompiledGrammar
+
+
+def _grammar_check(text: str, compiled: Any) -> list[SchemaIssue]:
+    """Whether the whole text is a complete sentence of the compiled grammar."""
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    if not matcher.accept_string(text):
+        return [SchemaIssue("", "grammar", "the output is not in the grammar's language")]
+    if not matcher.is_completed():
+        return [SchemaIssue("", "grammar", "the output is an incomplete sentence of the grammar")]
+    return []
+
+
+def _refusal(kind: str, issues: list[js.Unenforced]) -> RequestError:
+    listed = "; ".join(str(i) for i in issues[:MAX_LISTED_ISSUES])
+    more = f" (and {len(issues) - MAX_LISTED_ISSUES} more)" if len(issues) > MAX_LISTED_ISSUES else ""
+    return RequestError("INVALID_ARGUMENT", f"constraint.{kind}: strict mode: the grammar cannot enforce {listed}{more}; "
+                                            "set constraint.mode to LENIENT to relax these and check the output instead")
+
+
+def prepare_schema(kind: str, schema: js.Schema, mode: str) -> tuple[js.Schema, list[SchemaIssue], list[js.Unenforced]]:
+    """(schema for the backend, rewrites, relaxed issues); strict mode raises when anything is unenforced."""
+    normalised, rewrites, problems = js.normalise(schema)
+    issues = js.unenforced(normalised, problems)
+    if issues and mode == "strict":
+        raise _refusal(kind, issues)
+    return js.relax(normalised, issues), rewrites, issues
+
+
+def prepare(spec: ConstraintSpec, mode: str) -> Prepared:
+    """Check, normalise and plan the output check of one constraint (any thread)."""
+    if spec.kind == "json_schema":
+        try:
+            schema = js.load(spec.text)
+        except js.SchemaError as e:
+            raise RequestError("INVALID_ARGUMENT", f"constraint.json_schema: {e}") from None
+        backend_schema, rewrites, relaxed = prepare_schema("json_schema", schema, mode)
+        validator = js.OutputValidator(schema)
+        return Prepared(spec.kind, json.dumps(backend_schema), tuple(rewrites), tuple(relaxed),
+                        lambda text, compiled: validator.violations(text))
+    if spec.kind == "structural_tag":
+        return _prepare_structural_tag(spec.text, mode)
+    if spec.kind == "json_object":
+        return Prepared(spec.kind, "", check=lambda text, compiled: js.OutputValidator(True).violations(text))
+    if spec.kind == "regex":
+        full = js.text_checker("regex", spec.text)
+        if full is not None:
+            return Prepared(spec.kind, spec.text, check=lambda text, compiled: [] if full(text) else [
+                SchemaIssue("", "regex", "the output does not fully match the regex")])
+    return Prepared(spec.kind, spec.text, check=_grammar_check)
+
+
+def _prepare_structural_tag(text: str, mode: str) -> Prepared:
+    """Normalise every JSON schema inside a structural tag; check each tagged part at the end."""
+    try:
+        tag = json.loads(text)
+        xgr.StructuralTag.from_json(tag)  # the format's own checks (pydantic), for a clean message
+    except Exception as e:  # noqa: BLE001 (ValueError / pydantic ValidationError)
+        first = str(e).strip().splitlines()
+        raise RequestError("INVALID_ARGUMENT", f"constraint.structural_tag: {'; '.join(first[:3])[:400]}") from None
+    rewrites: list[SchemaIssue] = []
+    relaxed: list[SchemaIssue] = []
+    parts: list[tuple[str, list[str], js.OutputValidator]] = []
+
+    def visit(node: Any, at: str) -> Any:
+        if isinstance(node, list):
+            return [visit(v, js.ptr(at, i)) for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            where = js.ptr(at, "json_schema")
+            schema = node["json_schema"]
+            try:
+                js.load(json.dumps(schema))
+            except js.SchemaError as e:
+                raise RequestError("INVALID_ARGUMENT", f"constraint.structural_tag: {where}: {e}") from None
+            try:
+                backend_schema, rw, rel = prepare_schema("structural_tag", schema, mode)
+            except RequestError as e:
+                raise RequestError(e.code, e.message.replace("enforce /", f"enforce {where}/", 1)) from None
+            rewrites.extend(SchemaIssue(where + i.pointer, i.keyword, i.message) for i in rw)
+            relaxed.extend(SchemaIssue(where + i.pointer, i.keyword, i.message) for i in rel)
+            return {**node, "json_schema": backend_schema}
+        out = {k: visit(v, js.ptr(at, k)) for k, v in node.items()}
+        content = node.get("content")
+        if node.get("type") == "tag" and isinstance(node.get("begin"), str) and isinstance(content, dict) \
+                and content.get("type") == "json_schema" and content.get("style", "json") == "json":
+            ends = [node["end"]] if isinstance(node.get("end"), str) else list(node.get("end") or [])
+            parts.append((node["begin"], [e for e in ends if isinstance(e, str) and e], js.OutputValidator(content["json_schema"])))
+        return out
+
+    backend = visit(tag, "")
+
+    def check(output: str, compiled: Any) -> list[SchemaIssue]:
+        return _grammar_check(output, compiled) + _check_tagged_parts(output, parts)
+
+    return Prepared("structural_tag", json.dumps(backend), tuple(rewrites), tuple(relaxed), check)
+
+
+def _check_tagged_parts(text: str, parts: list[tuple[str, list[str], js.OutputValidator]]) -> list[SchemaIssue]:
+    """Each `begin ... end` span of the output validated by its tag's schema."""
+    out: list[SchemaIssue] = []
+    for begin, ends, validator in parts:
+        pos = 0
+        while (i := text.find(begin, pos)) >= 0:
+            start = i + len(begin)
+            hits = [(j, e) for e in ends if (j := text.find(e, start)) >= 0]
+            if not hits:
+                out.append(SchemaIssue(f"@{i}", "tag", f"{begin!r} is never closed"))
+                break
+            j, e = min(hits)
+            out.extend(SchemaIssue(f"@{i}{v.pointer}", v.keyword, v.message) for v in validator.violations(text[start:j]))
+            pos = j + len(e)
+    return out
 
 
 class ConstrainedDecoding(Feature):
@@ -50,6 +189,11 @@ class ConstrainedDecoding(Feature):
               "accepted; the forward waits for it only at sampling")
 
     def __init__(self) -> None:
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogap-constraint")
+        self._prepared: OrderedDict[tuple[str, str, str], Future] = OrderedDict()  # LRU of Prepared
+        self._prepared_lock = threading.Lock()
+        self.prepare_s: deque[float] = deque(maxlen=10_000)  # preparation (normalisation) times
+        self.check_us: deque[float] = deque(maxlen=100_000)  # output check times at finish
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._engine: Any = None
@@ -82,7 +226,18 @@ class ConstrainedDecoding(Feature):
             return None
         kind = request.constraint.WhichOneof("kind") or ""
         text = "" if kind in ("", "json_object") else getattr(request.constraint, kind)
-        return ConstraintSpec(kind, text)
+        mode = {1: "strict", 2: "lenient"}.get(request.constraint.mode, "")
+        return ConstraintSpec(kind, text, mode)
+
+    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
+        for f in fields:
+            if "satisfied" not in f:
+                continue
+            r = response.constraint_result
+            r.satisfied = f["satisfied"]
+            for name in ("relaxed", "violations", "normalized"):
+                for i in f[name]:
+                    getattr(r, name).add(pointer=i.pointer, keyword=i.keyword, message=i.message)
 
     def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> CompilingConstraint:
         spec = ConstraintSpec(**payload) if isinstance(payload, dict) else payload
@@ -90,15 +245,52 @@ class ConstrainedDecoding(Feature):
             raise RequestError("INVALID_ARGUMENT", f"constraint: set one of {', '.join(KINDS)}")
         if spec.kind != "json_object" and not spec.text:
             raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: empty")
-        if spec.kind == "json_schema":
-            try:
-                json.loads(spec.text)
-            except ValueError as e:
-                raise RequestError("INVALID_ARGUMENT", f"constraint.json_schema: not valid JSON: {e}") from None
-        fut = self.backend.compile(spec.kind, spec.text)
-        if fut.done() and fut.exception() is not None:  # a known-bad grammar fails at once
-            raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: {fut.exception()}")
-        return CompilingConstraint(spec, fut)
+        mode = spec.mode or getattr(engine.args, "constraint_mode", "strict")
+        if mode not in MODES:
+            raise RequestError("INVALID_ARGUMENT", f"constraint.mode: {mode!r} is not one of {', '.join(MODES)}")
+        prepared = self._prepare(spec, mode)
+        compiled: Future = Future()
+
+        def on_prepared(f: Future) -> None:
+            if f.exception() is not None:
+                compiled.set_exception(f.exception())
+                return
+            p: Prepared = f.result()
+            inner = self.backend.compile(p.kind, p.backend_text)
+            inner.add_done_callback(lambda g: compiled.set_exception(g.exception()) if g.exception() is not None
+                                    else compiled.set_result(g.result()))
+
+        prepared.add_done_callback(on_prepared)
+        if compiled.done() and compiled.exception() is not None:  # a known-bad constraint fails at once
+            raise self._compile_error(spec, compiled.exception())
+        return CompilingConstraint(spec, prepared, compiled)
+
+    def _prepare(self, spec: ConstraintSpec, mode: str) -> Future:
+        """The Prepared constraint, shared by identical (kind, text, mode); built off the caller thread."""
+        key = (spec.kind, spec.text, mode)
+        with self._prepared_lock:
+            fut = self._prepared.get(key)
+            if fut is None:
+                fut = self._prepare_pool.submit(self._timed_prepare, spec, mode)
+                self._prepared[key] = fut
+                while len(self._prepared) > MAX_PREPARED:
+                    self._prepared.popitem(last=False)
+            else:
+                self._prepared.move_to_end(key)
+            return fut
+
+    def _timed_prepare(self, spec: ConstraintSpec, mode: str) -> Prepared:
+        start = time.perf_counter()
+        try:
+            return prepare(spec, mode)
+        finally:
+            self.prepare_s.append(time.perf_counter() - start)
+
+    @staticmethod
+    def _compile_error(spec: ConstraintSpec, e: BaseException) -> RequestError:
+        if isinstance(e, RequestError):
+            return e
+        return RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: {js.clean_backend_message(str(e))}")
 
     # ---- scheduler thread ----------------------------------------------------------------
     def on_admit(self, req: Any) -> None:
@@ -112,7 +304,7 @@ class ConstrainedDecoding(Feature):
                 raise RequestError("DEADLINE_EXCEEDED", f"constraint.{c.spec.kind}: grammar compilation took longer than {timeout:g}s")
             return False
         if c.compiled.exception() is not None:
-            raise RequestError("INVALID_ARGUMENT", f"constraint.{c.spec.kind}: {c.compiled.exception()}")
+            raise self._compile_error(c.spec, c.compiled.exception())
         if self.name not in req.feature_state:
             req.feature_state[self.name] = self.backend.matcher(c.compiled.result())
         return True
@@ -147,8 +339,32 @@ class ConstrainedDecoding(Feature):
             req.feature_stop = True
         return None
 
-    def on_finish(self, req: Any) -> None:
-        req.feature_state.pop(self.name, None)
+    def on_finish(self, req: Any) -> dict[str, Any] | None:
+        """The check of the finished output, for the final message (STOP / LENGTH only)."""
+        matcher = req.feature_state.pop(self.name, None)
+        c: CompilingConstraint | None = req.features.get(self.name)
+        if matcher is None or c is None or req.finished not in (FinishReason.STOP, FinishReason.LENGTH):
+            return None
+        start = time.perf_counter()
+        p: Prepared = c.prepared.result()
+        text = self.output_text(req)
+        try:
+            violations = p.check(text, c.compiled.result())
+        except Exception as e:  # noqa: BLE001 (a check must never fail the request)
+            violations = [SchemaIssue("", "check", f"could not check the output: {type(e).__name__}: {e}")]
+        self.check_us.append((time.perf_counter() - start) * 1e6)
+        return {"satisfied": not violations, "relaxed": list(p.relaxed), "violations": violations,
+                "normalized": list(p.normalized)}
+
+    def output_text(self, req: Any) -> str:
+        """The client's text without the end-of-sequence token that completed the grammar, cut at a
+        matched stop string."""
+        ids = list(req.output_ids)
+        if ids and ids[-1] in self._engine.eos_ids:
+            ids.pop()
+        text = self._engine.tokenizer.decode(ids, req.params.skip_special_tokens)
+        cuts = [i for s in req.params.stop if s and (i := text.find(s)) >= 0]
+        return text[: min(cuts)] if cuts else text
 
     def on_retract(self, req: Any) -> None:
         self.rebuild_state(req)
@@ -167,5 +383,6 @@ class ConstrainedDecoding(Feature):
         if not data["ready"].wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
         logits = logits.clone()  # keep the raw logits intact (logprobs)
-        xgr.apply_token_bitmask_inplace(logits, data["mask"], indices=data["rows"])
+        mask = data["mask"].to(logits.device, non_blocking=True)  # filled on the host
+        xgr.apply_token_bitmask_inplace(logits, mask, indices=data["rows"])
         return logits

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
-KINDS = ("json_schema", "json_object", "regex", "ebnf")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 MAX_CACHED_GRAMMARS = 1024
 
 
@@ -64,6 +64,8 @@ class GrammarBackend:
             out = self.compiler.compile_regex(text)
         elif kind == "ebnf":
             out = self.compiler.compile_grammar(text)
+        elif kind == "structural_tag":
+            out = self.compiler.compile_structural_tag(text)
         else:
             raise ValueError(f"unknown constraint kind {kind!r}")
         self.stats.compiles += 1

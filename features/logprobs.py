@@ -48,9 +48,11 @@ class LogprobsFeature(Feature):
     def __init__(self) -> None:
         self._text_cache: dict[int, str] = {}
         self._tokenizer: Any = None
+        self._device: Any = None  # the engine's Device: batch tensors are sent there
 
     def bind(self, engine: Any) -> None:
         self._tokenizer = engine.tokenizer
+        self._device = getattr(engine, "device", None)
 
     # ---- caller thread -------------------------------------------------------------------
     def from_proto(self, request: Any) -> LogprobParams | None:
@@ -105,7 +107,19 @@ class LogprobsFeature(Feature):
         }
         if fb.mode is ForwardMode.EXTEND:
             self._plan_input_logprobs(batch, rows, params, data)
+        self._send(data, fb)
         fb.feature_data[self.name] = data
+
+    def _send(self, data: dict[str, Any], fb: Any) -> None:
+        """The forward reads these on the device: one transfer (scheduler stream)."""
+        if self._device is None:
+            return
+        keys = [k for k, v in data.items() if isinstance(v, torch.Tensor)]
+        tensors = [data[k] for k in keys] + ([fb.extra_logit_rows] if fb.extra_logit_rows is not None else [])
+        sent = self._device.to_device(*tensors)
+        data.update(zip(keys, sent))
+        if fb.extra_logit_rows is not None:
+            fb.extra_logit_rows = sent[-1]
 
     @staticmethod
     def _token_id_matrix(params: list[LogprobParams]) -> torch.Tensor | None:
@@ -125,9 +139,9 @@ class LogprobsFeature(Feature):
             if p.logprob_start_len < 0:
                 continue
             req = batch.reqs[r]
-            chunk_start = int(fb.q_positions[r, 0])
+            chunk_start = fb.extend_prefix_lens_cpu[r]  # host copies: no device read
             chunk_len = fb.extend_lens[r]
-            packed_start = int(fb.logits_index[r]) - chunk_len + 1
+            packed_start = fb.extend_start_loc_cpu[r]
             first = max(p.logprob_start_len, chunk_start + 1)
             positions = range(first, chunk_start + chunk_len)
             spans[r] = (first, len(targets), len(positions))

@@ -7,6 +7,7 @@ policy, and tells the scheduler which features a batch carries.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,11 +21,18 @@ POLICIES = ("per-batch", "global", "strict")
 
 
 def builtin_features() -> list[Feature]:
-    """The feature modules shipped with zerogap, in matrix order."""
-    from features.constrained import ConstrainedDecoding
+    """The feature modules shipped with zerogap, in matrix order. A module whose
+    library is not installed (e.g. xgrammar on a bare GPU box) is left out, with a warning."""
     from features.logprobs import LogprobsFeature
 
-    return [LogprobsFeature(), ConstrainedDecoding()]
+    features: list[Feature] = [LogprobsFeature()]
+    try:
+        from features.constrained import ConstrainedDecoding
+    except ImportError as e:
+        logging.getLogger("zerogap.features").warning("constrained decoding unavailable: %s", e)
+    else:
+        features.append(ConstrainedDecoding())
+    return features
 
 
 @dataclass
@@ -68,8 +76,9 @@ class FeatureRegistry:
         self.model: Any = None  # set by the engine: what unavailable_reason() is asked about
 
     def bind(self, engine: Any) -> None:
+        """Bind the enabled modules (a disabled one starts nothing, e.g. no grammar-init thread)."""
         self.model = engine
-        for f in self.features.values():
+        for f in self.enabled_features():
             f.bind(engine)
 
     def enabled_features(self) -> list[Feature]:
@@ -116,10 +125,15 @@ class FeatureRegistry:
             self.counters[f.name].live_requests += 1
             f.on_admit(req)
 
-    def on_finish(self, req: "Req") -> None:
+    def on_finish(self, req: "Req") -> dict[str, Any]:
+        """Final output fields by feature name (e.g. the check of a constrained output)."""
+        final = {}
         for f in self.features_of(req):
             self.counters[f.name].live_requests -= 1
-            f.on_finish(req)
+            fields = f.on_finish(req)
+            if fields:
+                final[f.name] = fields
+        return final
 
     # ---- batches -----------------------------------------------------------------------
     def plan(self, reqs: list["Req"]) -> list[tuple[Feature, list[int]]]:

@@ -16,24 +16,29 @@ class ServerArgs:
     model: str | None = None  # a local Hugging Face directory; None = the default SmolLM2
     host: str = "127.0.0.1"
     port: int = 50051
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 where the CPU has native bf16 matmuls)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA and on CPUs with native bf16 matmuls)
+    device: str = "auto"  # cpu | cuda | cuda:N | auto (CUDA when available)
+    load_format: str = "auto"  # auto: safetensors weights; dummy: random weights (benchmarks)
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     kv_cache_tokens: int | None = None  # None: derived from kv_mem_fraction
-    kv_mem_fraction: float = 0.05  # of total host memory, when kv_cache_tokens is None
+    kv_mem_fraction: float = 0.05  # of total host memory (CUDA: of free GPU memory), when kv_cache_tokens is None
     context_length: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096  # tokens per prefill batch
     loop: str = "auto"  # auto | overlap | normal (auto: see default_loop)
     disable_overlap: bool = False  # = loop "normal"
     overlap_policy: str = "per-batch"  # per-batch | global | strict
     disabled_features: list[str] = field(default_factory=list)
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # torch | triton | auto (triton on CUDA, torch on CPU)
+    disable_cuda_graph: bool = False  # CUDA + triton: decode runs as captured CUDA graphs unless set
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests
     num_threads: int | None = None  # torch intra-op threads for the forward; None = all cores
     trace_file: str | None = None
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     grammar_compile_timeout_s: float = 30.0
+    constraint_mode: str = "strict"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
 
     @property
     def overlap(self) -> bool:
@@ -62,8 +67,8 @@ def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
         if device != "cpu":
             return torch.bfloat16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"unknown dtype {name!r} (auto, float32, bfloat16)")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unknown dtype {name!r} (auto, float32, bfloat16, float16)")
     return getattr(torch, name)
 
 
@@ -74,12 +79,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="local HF model directory (default: SmolLM2-135M-Instruct, prepared on first use)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype,
-                   help="auto: bfloat16 on CPUs with AMX or AVX-512 BF16 (native bf16 matmuls), else float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype,
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16 (native bf16 matmuls), else float32")
+    p.add_argument("--device", default=d.device, help="cpu, cuda[:N] or auto (CUDA when available)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
+                   help="dummy: random weights from the model's config (benchmarks; no weight files needed)")
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, help="a full queue answers RESOURCE_EXHAUSTED")
     p.add_argument("--kv-cache-tokens", type=int, default=d.kv_cache_tokens, help="KV pool size in tokens")
-    p.add_argument("--kv-mem-fraction", type=float, default=d.kv_mem_fraction, help="KV pool size as a fraction of host memory (when --kv-cache-tokens is not given)")
+    p.add_argument("--kv-mem-fraction", type=float, default=d.kv_mem_fraction, help="KV pool size as a fraction of host memory, or of free GPU memory on CUDA (when --kv-cache-tokens is not given)")
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--loop", choices=["auto", "overlap", "normal"], default=d.loop,
@@ -94,8 +102,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--disable-feature", dest="disabled_features", action="append", default=[], metavar="NAME",
                    help="switch a feature module off (repeatable); `python -m service matrix` lists them")
-    p.add_argument("--attention-backend", choices=["torch", "torch-sdpa"], default=d.attention_backend,
-                   help="torch: native paged kernels where built (else SDPA); torch-sdpa: SDPA only")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "torch-sdpa", "triton"], default=d.attention_backend,
+                   help="auto: triton on CUDA, torch on CPU; torch: native paged CPU kernels where built (else SDPA); "
+                   "torch-sdpa: SDPA over gathered KV only; triton: Triton paged kernels")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="CUDA: run decode eagerly instead of as captured CUDA graphs (graphs need --attention-backend triton)")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
     p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
     p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
@@ -103,6 +116,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--future-map-size", type=int, default=d.future_map_size)
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a constrained request whose grammar compiles longer fails with DEADLINE_EXCEEDED")
+    p.add_argument("--constraint-mode", choices=["strict", "lenient"], default=d.constraint_mode,
+                   help="default for requests that leave constraint.mode unset: strict refuses a JSON schema with "
+                        "keywords the grammar cannot enforce (naming them); lenient relaxes them and reports them")
     return p
 
 

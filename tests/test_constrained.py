@@ -13,10 +13,10 @@ import pytest
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import FinishReason, SamplingParams
-from tests.helpers import grpc_client
+from service.engine.request import FinishReason, RequestError, SamplingParams
+from tests.helpers import grpc_stub
 from tests.data.json_schemas import SCHEMAS
-from zerogap.client import Constraint, ZerogapError
+from tests.data.make_schema_corpus import corpus
 
 pb2, _ = protos.load()
 
@@ -45,6 +45,7 @@ def test_json_schema_suite_outputs_validate(client, hf_tokenizer, temperature):
         assert last.finish_reason is FinishReason.STOP, (prompt, last.finish_reason, last.error, text)
         value = json.loads(text)
         jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()).validate(value)
+        assert last.extras["constrained"]["satisfied"], last.extras["constrained"]
 
 
 @pytest.mark.parametrize("kind, text, check", [
@@ -155,27 +156,29 @@ def test_grammar_compiles_once_and_slow_compile_times_out(smol_dir):
 
 
 @pytest.fixture(scope="module")
-def grpc_api(smol_dir):
-    with grpc_client(smol_dir, kv_cache_tokens=4096, max_running_requests=8) as (c, _):
-        yield c
+def stub(smol_dir):
+    with grpc_stub(smol_dir, kv_cache_tokens=4096, max_running_requests=8) as s:
+        yield s
 
 
-def test_grpc_constraint_and_errors(grpc_api):
-    r = grpc_api.generate("Pick:", max_new_tokens=20, temperature=0, constraint=Constraint.regex("(left|right)"))
-    assert r.text in ("left", "right") and r.finish_reason == "stop"
+def test_grpc_constraint_and_errors(stub):
+    r = stub.Generate(pb2.GenerateRequest(text="Pick:", sampling=pb2.SamplingParams(max_new_tokens=20, temperature=0),
+                                          constraint=pb2.Constraint(regex="(left|right)")))
+    assert r.text in ("left", "right") and r.finish_reason == pb2.FINISH_REASON_STOP
     bad = [
-        (Constraint.json_schema("{not json"), "constraint.json_schema"),
-        (Constraint.json_schema({"type": "nonsense"}), "constraint.json_schema"),
-        (Constraint.regex("(unclosed"), "constraint.regex"),
-        (Constraint.ebnf("root ::= ("), "constraint.ebnf"),
+        (pb2.Constraint(json_schema="{not json"), "constraint.json_schema"),
+        (pb2.Constraint(json_schema='{"type": "nonsense"}'), "constraint.json_schema"),
+        (pb2.Constraint(regex="(unclosed"), "constraint.regex"),
+        (pb2.Constraint(ebnf="root ::= ("), "constraint.ebnf"),
+        (pb2.Constraint(regex="(?=a)a"), "constraint.regex"),
+        (pb2.Constraint(structural_tag='{"type": "structural_tag"}'), "constraint.structural_tag"),
+        (pb2.Constraint(), "constraint"),
     ]
     for constraint, field in bad:
-        with pytest.raises(ZerogapError) as e:
-            grpc_api.generate("x", max_new_tokens=4, constraint=constraint)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(pb2.GenerateRequest(text="x", sampling=pb2.SamplingParams(max_new_tokens=4), constraint=constraint))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value.details()
-    with pytest.raises(grpc.RpcError) as e:  # an empty Constraint message, which the client cannot build
-        grpc_api.stub.Generate(pb2.GenerateRequest(text="x", sampling=pb2.SamplingParams(max_new_tokens=4), constraint=pb2.Constraint()))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.value.details()
+        assert ".cc:" not in e.value.details() and "/project/" not in e.value.details(), e.value.details()
 
 
 def test_model_vocab_larger_than_tokenizer(smol_dir, tmp_path):
@@ -192,3 +195,102 @@ def test_model_vocab_larger_than_tokenizer(smol_dir, tmp_path):
             assert re.fullmatch(r"[0-9]{2,4}-[a-z]{2}", text) and all(t < 49152 for t in ids)
     finally:
         c.close()
+
+
+# Real-world schemas (tests/data/make_schema_corpus.py): the issue's travis case (all constraints
+# under a top-level allOf), OpenAPI allOf / discriminated oneOf, small SchemaStore ones.
+CORPUS_SAMPLE = ["schemastore/travis", "schemastore/github-issue-config", "schemastore/codecov",
+                 "openapi/petstore-expanded#Pet", "openapi/openapi-3.1#Pet-oneOf-discriminator"]
+
+
+def test_corpus_sample_stop_and_satisfied_means_valid(client, hf_tokenizer):
+    """Whatever finishes with STOP and satisfied validates; `satisfied` agrees with jsonschema."""
+    texts = corpus()
+    prompt = chat(hf_tokenizer, "Write a short example configuration as JSON.")
+    cases = [(name, temp) for name in CORPUS_SAMPLE for temp in (0.0, 0.9)]
+    feats = [{"constrained": dict(kind="json_schema", text=texts[name], mode="lenient")} for name, _ in cases]
+    params = [SamplingParams(temperature=t, seed=i, max_new_tokens=64) for i, (_, t) in enumerate(cases)]
+    outs = client.generate([prompt] * len(cases), params, feats)
+    finished = 0
+    for (name, _), o in zip(cases, outs):
+        _, text, last = collect(o)
+        result = last.extras["constrained"]
+        schema = json.loads(texts[name])
+        cls = jsonschema.validators.validator_for(schema)
+        try:
+            valid = cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(json.loads(text))
+        except ValueError:
+            valid = False
+        assert result["satisfied"] == valid, (name, text, result)
+        if last.finish_reason is FinishReason.STOP:
+            finished += 1
+            assert result["satisfied"] or result["relaxed"], (name, text, result)  # exact grammars never miss
+    assert finished >= 2
+    travis = [o for (name, _), o in zip(cases, outs) if name == "schemastore/travis"]
+    assert all(collect(o)[2].extras["constrained"]["normalized"] for o in travis)
+
+
+def test_strict_mode_default_refuses_and_lenient_reports(client, hf_tokenizer):
+    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3, "uniqueItems": True})
+    try:  # refused at once when the preparation is already done, else when the request is admitted
+        last = collect(client.generate([[5, 6]], SamplingParams(max_new_tokens=4),
+                                       [{"constrained": dict(kind="json_schema", text=schema)}])[0])[2]
+        code, message = last.error_code, last.error
+        assert last.finish_reason is FinishReason.ERROR
+    except RequestError as e:
+        code, message = e.code, e.message
+    assert code == "INVALID_ARGUMENT" and "/uniqueItems: uniqueItems" in message, message
+    outs = client.generate([chat(hf_tokenizer, "Three digits.")], SamplingParams(temperature=0, max_new_tokens=24),
+                           [{"constrained": dict(kind="json_schema", text=schema, mode="lenient")}])
+    _, text, last = collect(outs[0])
+    result = last.extras["constrained"]
+    assert [i.keyword for i in result["relaxed"]] == ["uniqueItems"]
+    value = json.loads(text)
+    assert result["satisfied"] == (len(set(value)) == len(value)), (text, result)
+
+
+TOOL_CALL = {"type": "object", "properties": {
+    "name": {"const": "get_weather"},
+    "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}},
+    "required": ["name", "arguments"], "additionalProperties": False}
+TOOL_TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
+    "tags": [{"type": "tag", "begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": TOOL_CALL},
+              "end": "</tool_call>"}]}}
+
+
+def test_structural_tag_tool_call_parts_validate(client, hf_tokenizer):
+    ids = hf_tokenizer.apply_chat_template([
+        {"role": "system", "content": 'You can call get_weather(city, unit): answer <tool_call>{"name": "get_weather", "arguments": {...}}</tool_call>.'},
+        {"role": "user", "content": "What is the weather in Paris?"}], add_generation_prompt=True, tokenize=True)
+    prompt = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    params = [SamplingParams(temperature=0, max_new_tokens=80), SamplingParams(temperature=0.8, seed=1, max_new_tokens=80)]
+    outs = client.generate([prompt] * 2, params, [{"constrained": dict(kind="structural_tag", text=json.dumps(TOOL_TAG))}] * 2)
+    for o in outs:
+        _, text, last = collect(o)
+        assert last.finish_reason is FinishReason.STOP and last.extras["constrained"]["satisfied"], (text, last.extras)
+        calls = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S)
+        assert len(calls) == 1
+        jsonschema.validate(json.loads(calls[0]), TOOL_CALL)
+
+
+def test_grpc_constraint_result_and_modes(stub):
+    schema = json.dumps({"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                                    "maxItems": 2, "uniqueItems": True}}, "required": ["tags"]})
+    req = dict(text="Tags:", sampling=pb2.SamplingParams(max_new_tokens=24, temperature=0))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb2.GenerateRequest(**req, constraint=pb2.Constraint(json_schema=schema)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "/properties/tags/uniqueItems: uniqueItems" in e.value.details() and ".cc" not in e.value.details()
+    lenient = pb2.Constraint(json_schema=schema, mode=pb2.CONSTRAINT_MODE_LENIENT)
+    r = stub.Generate(pb2.GenerateRequest(**req, constraint=lenient))
+    assert [i.keyword for i in r.constraint_result.relaxed] == ["uniqueItems"]
+    assert r.constraint_result.satisfied == (r.finish_reason == pb2.FINISH_REASON_STOP
+                                             and len(set(json.loads(r.text)["tags"])) == len(json.loads(r.text)["tags"]))
+    stream = list(stub.GenerateStream(pb2.GenerateRequest(**req, constraint=lenient)))
+    assert all(not m.HasField("constraint_result") for m in stream[:-1])
+    assert stream[-1].constraint_result == r.constraint_result
+    regex = stub.Generate(pb2.GenerateRequest(**req, constraint=pb2.Constraint(regex="(left|right)")))
+    assert regex.constraint_result.satisfied and not regex.constraint_result.violations

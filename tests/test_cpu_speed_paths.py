@@ -135,11 +135,11 @@ def test_extend_attention_costs_what_its_tokens_cost():
         mode=ForwardMode.EXTEND, input_ids=torch.zeros(t, dtype=torch.int64),
         positions=torch.cat([torch.arange(n) for n in lens]), out_cache_loc=table[table > 0],
         kv_indices=table, q_positions=torch.zeros(1), logits_index=torch.zeros(1), sampling=None,  # type: ignore[arg-type]
-        seq_lens=torch.tensor(lens), extend_lens=lens, prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
+        seq_lens=torch.tensor(lens), extend_lens=lens, extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
     )
     backend = TorchAttention(use_kernel=False)
     meta = backend.prepare(fb, hq, hkv, None)
-    assert meta.seq_lens == lens  # the per-request path, not a padded [bs, 120] block
+    assert [length for length, _, _ in meta.extend_rows] == lens  # per request, not a padded [bs, 120] block
     out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     row = 0
     for r, n in enumerate(lens):

@@ -20,13 +20,15 @@ import torch
 
 from features import Feature, FeatureRegistry, builtin_features
 from service.config import ServerArgs, resolve_dtype
+from service.engine.cuda_graph import build_decode_graphs
+from service.engine.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.request import DEFAULT_MAX_NEW_TOKENS, OutputSink, Req, RequestError, RequestOutput, SamplingParams
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.timeline import Timeline
-from service.models.attention import get_attention_backend
+from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.loader import load_config, load_model
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -63,25 +65,33 @@ class Engine:
             torch.set_num_threads(args.num_threads)
         self.config = load_config(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.dtype = resolve_dtype(args.dtype)
+        self.device = Device.of(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device.device.type)
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config)
+        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config, self.device.device, args.load_format)
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
         self.features.bind(self)
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
-        self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype)
-        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length)
+        dev = self.device.device
+        self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev)
+        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, dev)
         self.timeline = Timeline(keep_trace=bool(args.trace_file))
+        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
         self.worker = ModelWorker(
             self.model,
             self.kv_pool,
-            Sampler(args.max_running_requests, self.vocab_size),
-            get_attention_backend(args.attention_backend),
+            Sampler(args.max_running_requests, self.vocab_size, dev),
+            get_attention_backend(self.attention_backend),
             self.timeline,
+            self.device,
         )
+        if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
+            max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+            self.worker.graphs = build_decode_graphs(self.model, self.kv_pool, self.worker.attention, dev, max_bs,
+                                                     self.context_length)
         self.scheduler = Scheduler(
             self.worker,
             self.req_pool,
@@ -97,11 +107,14 @@ class Engine:
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
+        if self.device.is_cuda:  # weights and pools were filled on the default stream
+            torch.cuda.synchronize(self.device.device)
         self._thread = threading.Thread(target=self.scheduler.run, name="zerogap-scheduler", daemon=True)
         self._thread.start()
         log.info(
-            "engine ready in %.1fs: %s, %s, kv=%d tokens, mode=%s",
-            time.perf_counter() - t0, shape.architecture, self.dtype, kv_tokens, self.mode,
+            "engine ready in %.1fs: %s, %s on %s, attention=%s, cuda graphs=%s, kv=%d tokens, mode=%s",
+            time.perf_counter() - t0, shape.architecture, str(self.dtype).removeprefix('torch.'), dev, self.attention_backend,
+            self.worker.graphs is not None, kv_tokens, self.mode,
         )
 
     @property
@@ -111,7 +124,11 @@ class Engine:
     def _kv_tokens_from_memory(self) -> int:
         s = self.model.shape
         per_token = TokenToKVPool.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
-        tokens = int(_host_memory_bytes() * self.args.kv_mem_fraction) // per_token
+        if self.device.is_cuda:
+            memory = torch.cuda.mem_get_info(self.device.device)[0]
+        else:
+            memory = _host_memory_bytes()
+        tokens = int(memory * self.args.kv_mem_fraction) // per_token
         return max(1, min(tokens, self.args.max_running_requests * self.context_length))
 
     # ---- requests ------------------------------------------------------------------
@@ -152,14 +169,22 @@ class Engine:
 
     def submit(self, req: Req) -> None:
         """Queue a validated request; raises RequestError when the queue is full or the id is live."""
+        self.submit_all([req])
+
+    def submit_all(self, reqs: list[Req]) -> None:
+        """Queue validated requests so that the scheduler sees them together (all or none)."""
         with self._live_lock:
-            if req.rid in self._live:
-                raise RequestError("ALREADY_EXISTS", f"request_id {req.rid!r} is already running")
+            rids = [r.rid for r in reqs]
+            seen: set[str] = set()
+            for rid in rids:
+                if rid in self._live or rid in seen:
+                    raise RequestError("ALREADY_EXISTS", f"request_id {rid!r} is already running")
+                seen.add(rid)
             queued = len(self.scheduler.waiting) + self.scheduler.inbox.qsize()
-            if queued >= self.args.max_queued_requests:
+            if queued + len(reqs) > self.args.max_queued_requests:
                 raise RequestError("RESOURCE_EXHAUSTED", f"the request queue is full ({self.args.max_queued_requests})")
-            self._live.add(req.rid)
-        self.scheduler.add_request(req)
+            self._live.update(rids)
+        self.scheduler.add_requests(reqs)
 
     def on_finished(self, rid: str) -> None:
         """Called by the output router when a request's last output was delivered."""

@@ -2,7 +2,9 @@
 
 A ForwardBatch is a snapshot: the scheduler builds fresh tensors for every
 batch and never mutates them afterwards, so the forward thread can read them
-while the scheduler already forms the next batch.
+while the scheduler already forms the next batch. Tensors live on the engine's
+device (sent from pinned host buffers on CUDA); fields named `*_cpu`, the
+SamplingBatch flags and `extend_lens` are host values.
 """
 
 from __future__ import annotations
@@ -54,12 +56,10 @@ class ForwardBatch:
     q_positions: torch.Tensor  # [bs, Lq] int64: absolute position of each padded query (pad: 0)
     logits_index: torch.Tensor  # [bs] int64: packed row of each request's last token
     sampling: SamplingBatch
-    seq_lens: torch.Tensor  # [bs] int64: KV length of each request after this step
     # EXTEND only: packed <-> padded query layout, and the prompts of new requests.
     q_pad_index: torch.Tensor | None = None  # [bs*Lq] packed row per padded slot (T = zero row)
     q_unpad_index: torch.Tensor | None = None  # [T] padded slot per packed row
     extend_lens: list[int] | None = None  # tokens of each request in this batch (its chunk)
-    prefix_lens: torch.Tensor | None = None  # [bs] int64: KV tokens cached before this chunk
     new_slots: torch.Tensor | None = None  # [n] request slots whose sampling state is reset
     new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
     # Features this batch carries, with their active rows (forward-thread hooks).
@@ -68,6 +68,20 @@ class ForwardBatch:
     feature_data: dict[str, Any] = field(default_factory=dict)
     # Packed rows whose logits are wanted besides each request's last one (input logprobs).
     extra_logit_rows: torch.Tensor | None = None
+    # Paged-kernel metadata (device): KV length of each request including this step's tokens,
+    # cached-prefix length, and first packed row of each request's new tokens.
+    seq_lens: torch.Tensor | None = None  # [bs] int64
+    extend_prefix_lens: torch.Tensor | None = None  # [bs] int64
+    extend_start_loc: torch.Tensor | None = None  # [bs] int64
+    max_extend_len: int = 1  # host: longest new-token run (grid size of extend kernels)
+    # Host copies the scheduler thread may read without touching the device.
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_start_loc_cpu: list[int] | None = None
+    # EXTEND: (slot, token) pairs of the new requests' prompts (sampler penalty state, device).
+    new_prompt_slots: torch.Tensor | None = None
+    new_prompt_tokens: torch.Tensor | None = None
+    # Set at launch: the scheduler stream's work for this batch is done (the forward waits on it).
+    ready: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -78,8 +92,14 @@ class ForwardBatch:
 class BatchResult:
     """What a step returns to the scheduler: sampled ids, and feature outputs by name."""
 
-    ids: torch.Tensor  # [bs] int64 (host)
-    extras: dict[str, Any] = field(default_factory=dict)
+    ids: torch.Tensor  # [bs] int64 (host; pinned on CUDA)
+    extras: dict[str, Any] = field(default_factory=dict)  # host tensors
+    # Recorded on the forward stream after the copies to host: the scheduler's only wait.
+    copy_done: Any = None
+
+    def synchronize(self) -> None:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
 
     @property
     def tokens(self) -> list[int]:

@@ -1,10 +1,13 @@
 """The paged KV cache: a request-to-token table and a token-to-KV pool.
 
-ReqToTokenPool maps (request slot, position) to a row of the KV pool;
-TokenToKVPool holds the K/V tensors per layer plus the free list of rows.
-Row 0 of the pool is never handed out: padded gathers point at it.
-Both live on the scheduler thread; the forward thread only reads snapshots
-(ForwardBatch.kv_indices) and writes K/V rows it was given.
+ReqToTokenPool maps (request slot, position) to a row of the KV pool. Its
+table lives on the device (batch formation gathers each batch's KV indices
+from it there); a host mirror holds the same rows for the scheduler's
+bookkeeping (freeing a finished request's rows needs no device read).
+TokenToKVPool holds the K/V tensors per layer on the device, and the free
+list of rows on the host. Row 0 of the pool is never handed out: padded
+gathers point at it. Both are edited on the scheduler thread only; the forward
+reads snapshots (ForwardBatch.kv_indices) and writes K/V rows it was given.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import torch
 class ReqToTokenPool:
     """Slots for running requests; each row lists its tokens' KV rows."""
 
-    def __init__(self, num_slots: int, max_context: int):
-        self.table = torch.zeros(num_slots, max_context, dtype=torch.int64)
+    def __init__(self, num_slots: int, max_context: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.table = torch.zeros(num_slots, max_context, dtype=torch.int64, device=self.device)
+        # The scheduler's copy (the same tensor on CPU).
+        self.host = self.table if self.device.type == "cpu" else torch.zeros(num_slots, max_context, dtype=torch.int64)
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -32,16 +38,37 @@ class ReqToTokenPool:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def rows(self, slot: int, length: int) -> torch.Tensor:
+        """The KV rows of a slot's first `length` tokens (host copy)."""
+        return self.host[slot, :length].clone()
+
+    def write_host(self, slots: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> None:
+        """Host mirror: table[slots[i], positions[i]] = locs[i] (host tensors)."""
+        if self.host is not self.table:
+            self.host[slots, positions] = locs
+
+    def write_device(self, slots: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> None:
+        """Device table, same write (device tensors; ordered on the current stream)."""
+        self.table[slots, positions] = locs
+
+    def gather(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """[bs, length] KV rows of each slot (device, a fresh tensor: a snapshot)."""
+        return self.table[slots.unsqueeze(1), torch.arange(length, device=self.device).unsqueeze(0)]
+
 
 class TokenToKVPool:
     """K and V rows for `size` tokens in every layer, and their free list."""
 
-    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(
+        self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.size = size
+        self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)  # host
         self._free_len = size
 
     @property
@@ -49,6 +76,7 @@ class TokenToKVPool:
         return self._free_len
 
     def alloc(self, n: int) -> torch.Tensor:
+        """n free rows (a host tensor)."""
         if n > self._free_len:
             raise RuntimeError(f"KV pool exhausted: need {n}, free {self._free_len}")
         self._free_len -= n

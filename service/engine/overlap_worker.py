@@ -5,9 +5,11 @@ sample: -(slot + 1) for a slot of the FutureMap. The scheduler puts them into
 the next batch's inputs; the forward thread resolves them right before that
 batch's forward and writes each batch's sampled tokens into its own slots.
 On CPU the thread is what makes overlap real: torch releases the GIL inside
-ops, so the scheduler's Python runs meanwhile. (On CUDA the thread would also
-own a stream and copy results to host with an event; the handle below is the
-place for that event.)
+ops, so the scheduler's Python runs meanwhile. On CUDA the forward runs on its
+own stream (ModelWorker.step): it waits on the batch's `ready` event recorded
+on the scheduler's stream, resolves placeholders on the device, and copies the
+sampled ids to pinned host memory behind a `copy_done` event; the handle keeps
+the batch's tensors referenced until its result has been processed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import deque
 
 import torch
 
+from service.engine.device import CPU, Device
 from service.engine.forward_batch import BatchResult, ForwardBatch
 from service.engine.model_worker import ModelWorker
 
@@ -36,11 +39,12 @@ class FutureMap:
     before its readers resolved it.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, device: Device = CPU):
         if size < 1:
             raise ValueError("future map size must be >= 1")
         self.size = size
-        self.values = torch.zeros(size, dtype=torch.int64)
+        self.device = device
+        self.values = torch.zeros(size, dtype=torch.int64, device=device.device)
         self._free: deque[int] = deque(range(size))
 
     @property
@@ -48,7 +52,7 @@ class FutureMap:
         return len(self._free)
 
     def alloc(self, n: int) -> torch.Tensor:
-        """n free slots (scheduler thread); raises FutureMapFull when short."""
+        """n free slots (scheduler thread, a host tensor); raises FutureMapFull when short."""
         if n > len(self._free):
             raise FutureMapFull(f"need {n} future slots, {len(self._free)} free of {self.size}")
         return torch.tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
@@ -61,11 +65,12 @@ class FutureMap:
         return -(slots + 1)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Forward thread: placeholders -> the tokens their batch sampled."""
+        """Forward stream: placeholders -> the tokens their batch sampled (on the device)."""
         future = input_ids < 0
         return torch.where(future, self.values[(-input_ids - 1).clamp(min=0)], input_ids)
 
     def store(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Forward stream: `slots` is the device copy of the batch's slots."""
         self.values[slots] = tokens
 
 
@@ -73,9 +78,10 @@ class LaunchedBatch:
     """Handle of a batch in flight. It holds the ForwardBatch, so every tensor the
     forward thread reads stays alive until the result has been processed."""
 
-    def __init__(self, fb: ForwardBatch, slots: torch.Tensor, label: str):
+    def __init__(self, fb: ForwardBatch, slots: torch.Tensor, slots_device: torch.Tensor, label: str):
         self.fb = fb
-        self.slots = slots
+        self.slots = slots  # host: released by the scheduler
+        self.slots_device = slots_device  # read by the forward stream (kept alive here)
         self.label = label
         self.placeholders: list[int] = FutureMap.placeholders(slots).tolist()
         self._done = threading.Event()
@@ -91,11 +97,13 @@ class LaunchedBatch:
         self._done.set()
 
     def wait(self) -> BatchResult:
-        """Block until the forward thread is done; re-raise its exception."""
+        """Block until the forward thread enqueued the step and its copy to host is
+        done (copy_done); re-raise its exception."""
         self._done.wait()
         if self._error is not None:
             raise self._error
         assert self._result is not None
+        self._result.synchronize()
         return self._result
 
 
@@ -110,20 +118,25 @@ class OverlapWorker:
         self._thread.start()
 
     def launch(self, fb: ForwardBatch, label: str = "forward") -> LaunchedBatch:
+        """Scheduler thread: allocate the batch's future slots, record its `ready`
+        event on the scheduler stream, and queue it for the forward thread."""
+        device = self.worker.device
         slots = self.future_map.alloc(fb.batch_size)
-        handle = LaunchedBatch(fb, slots, label)
+        (slots_device,) = device.to_device(slots)
+        fb.ready = device.record_event()
+        handle = LaunchedBatch(fb, slots, slots_device, label)
         self._queue.put(handle)
         return handle
 
     def _forward_thread(self) -> None:
+        if self.worker.device.is_cuda:
+            torch.cuda.set_device(self.worker.device.device)
         while True:
             handle = self._queue.get()
             if handle is None:
                 return
             try:
-                input_ids = self.future_map.resolve(handle.fb.input_ids)
-                result = self.worker.forward(handle.fb, input_ids, handle.label)
-                self.future_map.store(handle.slots, result.ids)
+                result = self.worker.step(handle.fb, handle.label, self.future_map, handle.slots_device)
                 handle.set_result(result)
             except BaseException as e:  # the scheduler fails the batch's requests
                 handle.set_error(e)

@@ -31,7 +31,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[bs, vocab] float32 uniforms in (0, 1), a pure function of (seed, step, token)."""
     key = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) & _M32) ^ _mix32(steps & _M32)))
-    tok = (torch.arange(vocab, dtype=torch.int64) * 0x9E3779B9) & _M32
+    tok = (torch.arange(vocab, dtype=torch.int64, device=seeds.device) * 0x9E3779B9) & _M32
     h = _mix32(key.unsqueeze(1) ^ tok.unsqueeze(0))
     # 23 bits + 0.5 is exact in float32, so u < 1 strictly (24 bits would round to 1.0).
     return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
@@ -40,17 +40,21 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tor
 class Sampler:
     """Turns logits into next tokens; owns the per-slot penalty state."""
 
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size
-        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32)
-        self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool)
+        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        # Values for index_put_ already on the device: `t[index] = scalar` copies the scalar
+        # from the host, a synchronizing copy on CUDA.
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self._neg_inf = torch.full((), float("-inf"), device=device)
 
-    def reset_slots(self, slots: torch.Tensor, prompts: list[torch.Tensor]) -> None:
-        """A new request took these slots: forget the previous owner's tokens."""
-        self.counts[slots] = 0
-        self.prompt_mask[slots] = False
-        for slot, prompt in zip(slots.tolist(), prompts):
-            self.prompt_mask[slot, prompt] = True
+    def reset_slots(self, slots: torch.Tensor, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """New requests took `slots`: forget the previous owners' tokens and mark each
+        (token_slots[i], tokens[i]) prompt token. Device tensors; no host sync."""
+        self.counts.index_fill_(0, slots, 0)
+        self.prompt_mask.index_fill_(0, slots, False)
+        self.prompt_mask.index_put_((token_slots, tokens), self._true)
 
     def apply_penalties(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         counts = self.counts[sb.req_slots]
@@ -77,7 +81,7 @@ class Sampler:
             logits = self.apply_penalties(logits, sb)
         if sb.banned_rows is not None:
             logits = logits.clone() if not sb.need_penalties else logits
-            logits[sb.banned_rows, sb.banned_tokens] = float("-inf")
+            logits.index_put_((sb.banned_rows, sb.banned_tokens), self._neg_inf)
         greedy = argmax_rows(logits)
         if sb.all_greedy:
             ids = greedy
@@ -101,7 +105,7 @@ class Sampler:
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1]).unsqueeze(0)
+        rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
         drop = rank >= top_ks.unsqueeze(1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         # (rows with top_p = 1 keep everything: float rounding of the cumsum must not cut their tail)

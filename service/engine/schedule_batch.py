@@ -3,6 +3,9 @@
 The functions here allocate KV rows, update the request-to-token table and the
 requests' counters, and build fresh tensors (never views of shared state), so
 the forward thread can read a batch while the scheduler edits its tables.
+Metadata is built on the host and sent to the device in one non-blocking
+transfer per dtype; the table write and the KV-index gather then run on the
+device, on the scheduler's stream (the forward waits for it with an event).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from features.base import Feature, OverlapSupport
+from service.engine.device import CPU, Device
 from service.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.request import Req
@@ -37,7 +41,7 @@ class ScheduleBatch:
 
 
 def build_sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
-    """Per-row sampling tensors. Call after the requests' `launched` counters moved."""
+    """Per-row sampling tensors (host). Call after the requests' `launched` counters moved."""
     rows = torch.tensor([r.sampling_row for r in reqs], dtype=torch.float32)
     temps, top_k, top_p, min_p = rows[:, 0], rows[:, 1].to(torch.int64), rows[:, 2], rows[:, 3]
     top_k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size))
@@ -68,12 +72,28 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
     )
 
 
-def _kv_indices(table: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
-    return table[slots.unsqueeze(1), torch.arange(length).unsqueeze(0)]
+_SAMPLING_TENSORS = (
+    "temperatures", "top_ks", "top_ps", "min_ps", "repetition_penalties", "frequency_penalties",
+    "presence_penalties", "seeds", "steps", "req_slots", "banned_rows", "banned_tokens",
+)
+
+
+def _send(device: Device, host: dict[str, torch.Tensor | None], sb: SamplingBatch) -> dict[str, torch.Tensor | None]:
+    """The batch's host tensors and the sampling tensors -> the device, in one transfer
+    per dtype (sampling tensors are replaced on `sb` in place)."""
+    named = {k: v for k, v in host.items() if v is not None}
+    for k in _SAMPLING_TENSORS:
+        if getattr(sb, k) is not None:
+            named["sb." + k] = getattr(sb, k)
+    sent = dict(zip(named, device.to_device(*named.values())))
+    for k in _SAMPLING_TENSORS:
+        if "sb." + k in sent:
+            setattr(sb, k, sent["sb." + k])
+    return {k: sent.get(k) for k in host}
 
 
 def build_extend_batch(
-    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int
+    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device = CPU
 ) -> ScheduleBatch:
     """Prefill the whole prompt of each (newly admitted, slotted) request."""
     lens = [len(r.prompt_ids) for r in reqs]
@@ -83,54 +103,83 @@ def build_extend_batch(
     starts = torch.cumsum(q_lens, 0) - q_lens
     slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
     prompts = [torch.tensor(r.prompt_ids, dtype=torch.int64) for r in reqs]
-    for r, start, n in zip(reqs, starts.tolist(), lens):
-        req_pool.table[r.slot, :n] = locs[start : start + n]
+    token_slots = torch.repeat_interleave(slots, q_lens)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    req_pool.write_host(token_slots, positions, locs)
+    for r, n in zip(reqs, lens):
         r.kv_len = n
         r.launched = 1
     bs, lq = len(reqs), max(lens)
     j = torch.arange(lq).unsqueeze(0)
     valid = j < q_lens.unsqueeze(1)
+    sampling = build_sampling_batch(reqs, vocab_size)
+    input_ids = torch.cat(prompts)
+    d = _send(device, {
+        "input_ids": input_ids, "positions": positions, "locs": locs, "slots": slots, "token_slots": token_slots,
+        "q_positions": torch.where(valid, j, 0), "logits_index": starts + q_lens - 1,
+        "q_pad_index": torch.where(valid, starts.unsqueeze(1) + j, total).reshape(-1),
+        "q_unpad_index": (torch.arange(bs).unsqueeze(1) * lq + j)[valid],
+        "seq_lens": q_lens, "prefix_lens": torch.zeros(bs, dtype=torch.int64), "starts": starts,
+    }, sampling)
+    req_pool.write_device(d["token_slots"], d["positions"], d["locs"])
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
-        input_ids=torch.cat(prompts),
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        out_cache_loc=locs,
-        kv_indices=_kv_indices(req_pool.table, slots, lq),
-        q_positions=torch.where(valid, j, 0),
-        logits_index=starts + q_lens - 1,
-        sampling=build_sampling_batch(reqs, vocab_size),
-        q_pad_index=torch.where(valid, starts.unsqueeze(1) + j, total).reshape(-1),
-        q_unpad_index=(torch.arange(bs).unsqueeze(1) * lq + j)[valid],
-        seq_lens=q_lens,
+        input_ids=d["input_ids"],
+        positions=d["positions"],
+        out_cache_loc=d["locs"],
+        kv_indices=req_pool.gather(d["slots"], lq),
+        q_positions=d["q_positions"],
+        logits_index=d["logits_index"],
+        sampling=sampling,
+        q_pad_index=d["q_pad_index"],
+        q_unpad_index=d["q_unpad_index"],
         extend_lens=lens,
-        prefix_lens=torch.zeros(bs, dtype=torch.int64),
-        new_slots=slots,
+        new_slots=d["slots"],
         new_prompts=prompts,
+        seq_lens=d["seq_lens"],
+        extend_prefix_lens=d["prefix_lens"],
+        extend_start_loc=d["starts"],
+        max_extend_len=lq,
+        extend_prefix_lens_cpu=[0] * bs,
+        extend_start_loc_cpu=starts.tolist(),
+        new_prompt_slots=d["token_slots"],
+        new_prompt_tokens=d["input_ids"],
     )
     return ScheduleBatch(reqs, fb)
 
 
 def build_decode_batch(
-    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int
+    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device = CPU
 ) -> ScheduleBatch:
     """One new token per request; inputs may be future placeholders."""
     bs = len(reqs)
     slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
-    positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    kv_lens = [r.kv_len for r in reqs]
+    positions = torch.tensor(kv_lens, dtype=torch.int64)
     locs = kv_pool.alloc(bs)
-    req_pool.table[slots, positions] = locs
+    req_pool.write_host(slots, positions, locs)
     for r in reqs:
         r.kv_len += 1
         r.launched += 1
+    sampling = build_sampling_batch(reqs, vocab_size)
+    d = _send(device, {
+        "input_ids": torch.tensor([r.next_input for r in reqs], dtype=torch.int64),
+        "positions": positions, "locs": locs, "slots": slots, "seq_lens": positions + 1,
+        "logits_index": torch.arange(bs),
+    }, sampling)
+    req_pool.write_device(d["slots"], d["positions"], d["locs"])
     fb = ForwardBatch(
         mode=ForwardMode.DECODE,
-        input_ids=torch.tensor([r.next_input for r in reqs], dtype=torch.int64),
-        positions=positions,
-        out_cache_loc=locs,
-        kv_indices=_kv_indices(req_pool.table, slots, int(positions.max()) + 1),
-        q_positions=positions.unsqueeze(1),
-        logits_index=torch.arange(bs),
-        sampling=build_sampling_batch(reqs, vocab_size),
-        seq_lens=positions + 1,
+        input_ids=d["input_ids"],
+        positions=d["positions"],
+        out_cache_loc=d["locs"],
+        kv_indices=req_pool.gather(d["slots"], max(kv_lens) + 1),
+        q_positions=d["positions"].unsqueeze(1),
+        logits_index=d["logits_index"],
+        sampling=sampling,
+        seq_lens=d["seq_lens"],
+        extend_prefix_lens=d["positions"],
+        extend_start_loc=d["logits_index"],
+        max_extend_len=1,
     )
     return ScheduleBatch(reqs, fb)

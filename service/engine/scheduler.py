@@ -14,6 +14,8 @@ import queue
 import time
 from collections import deque
 
+import torch
+
 from features.base import OverlapSupport
 from features.registry import FeatureRegistry, support_of
 from service.engine.forward_batch import BatchResult
@@ -59,7 +61,11 @@ class Scheduler:
             size = future_map_size or 3 * max_running_requests + 1
             if size < max_running_requests:
                 raise ValueError(f"future map size {size} < max_running_requests {max_running_requests}: a batch could never launch")
-            self.overlap_worker = OverlapWorker(worker, FutureMap(size))
+            self.overlap_worker = OverlapWorker(worker, FutureMap(size, worker.device))
+        self.device = worker.device
+        # The scheduler thread's device work (metadata copies, table writes, KV-index
+        # gathers) runs on this stream; each batch's `ready` event marks its end.
+        self.schedule_stream = self.device.new_stream()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -77,6 +83,10 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.inbox.put(("add", req))
 
+    def add_requests(self, reqs: list[Req]) -> None:
+        """Several requests in one command: admitted in the same scheduler step."""
+        self.inbox.put(("add_all", reqs))
+
     def abort_request(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
 
@@ -86,6 +96,12 @@ class Scheduler:
 
     # ---- the loops -----------------------------------------------------------------
     def run(self) -> None:
+        if self.device.is_cuda:
+            torch.cuda.set_device(self.device.device)
+        with self.device.use_stream(self.schedule_stream):
+            self._run()
+
+    def _run(self) -> None:
         loop = self.event_loop_overlap if self.overlap else self.event_loop_normal
         while not self._stop:
             try:
@@ -174,11 +190,12 @@ class Scheduler:
 
     def process_input_requests(self, cmds: list[tuple[str, object]]) -> None:
         for kind, arg in cmds:
-            if kind == "add":
-                assert isinstance(arg, Req)
-                self.reqs[arg.rid] = arg
-                self.waiting.append(arg)
-                self.features.on_admit(arg)
+            if kind in ("add", "add_all"):
+                for req in arg if kind == "add_all" else [arg]:  # type: ignore[union-attr]
+                    assert isinstance(req, Req)
+                    self.reqs[req.rid] = req
+                    self.waiting.append(req)
+                    self.features.on_admit(req)
             elif kind == "abort":
                 req = self.reqs.get(arg)  # type: ignore[arg-type]
                 if req is not None:
@@ -223,20 +240,23 @@ class Scheduler:
         if not admitted:
             return None
         self.running.extend(admitted)
-        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size)
+        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device)
 
     def form_decode_batch(self) -> ScheduleBatch | None:
         reqs = [r for r in self.running if r.launched < r.max_new_tokens]
         if not reqs:
             return None
-        return build_decode_batch(reqs, self.req_pool, self.kv_pool, self.vocab_size)
+        return build_decode_batch(reqs, self.req_pool, self.kv_pool, self.vocab_size, self.device)
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult | BaseException:
-        """Normal loop: forward on this thread and wait for the tokens."""
+        """Normal loop: forward on this thread (on the forward stream) and wait for the tokens."""
         self.features.count(batch.plan, "normal_loop")
         try:
+            batch.fb.ready = self.device.record_event()
             self.run_after_launch(batch)
-            return self.worker.forward(batch.fb, batch.fb.input_ids)
+            result = self.worker.step(batch.fb)
+            result.synchronize()
+            return result
         except Exception as e:
             return e
 
@@ -351,14 +371,17 @@ class Scheduler:
                 text += req.stops.flush()
         req.finished = reason
         self.release(req)
+        final: dict = {}
         try:
-            self.features.on_finish(req)
+            final = self.features.on_finish(req)
         finally:
+            if final:
+                extras = {**(extras or {}), **final}
             self.emit(req, token_ids or [], text, reason, matched, error, extras, error_code)
 
     def release(self, req: Req) -> None:
         if req.slot >= 0:
-            self.kv_pool.free(self.req_pool.table[req.slot, : req.kv_len].clone())
+            self.kv_pool.free(self.req_pool.rows(req.slot, req.kv_len))
             self.req_pool.free(req.slot)
             self.reserved_tokens -= req.budget_tokens
             req.slot = -1

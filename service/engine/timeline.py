@@ -3,6 +3,9 @@
 Both threads append spans here. From them come the forward-busy fraction and
 the gap between consecutive forwards (GetServerInfo, Prometheus), and a
 Chrome trace JSON of the two threads' timelines (`--trace-file`, Perfetto).
+With `device_timing`, each step also records a pair of timing events on the
+forward stream (CUDA events; the host clock on CPU): `device_forward_stats`
+reads them for what the accelerator saw — busy time and idle gaps.
 """
 
 from __future__ import annotations
@@ -13,9 +16,20 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 SCHEDULER_TID = 1
 FORWARD_TID = 2
+
+
+@dataclass
+class DeviceStats:
+    """What the forward stream saw over consecutive steps (milliseconds)."""
+
+    pairs: int
+    median_gap_ms: float
+    median_forward_ms: float
+    busy_fraction: float
 
 
 @dataclass
@@ -30,7 +44,7 @@ class Span:
 class Timeline:
     """Recent forward spans and (optionally) every span for the trace file."""
 
-    def __init__(self, keep_trace: bool, window: int = 2048, max_trace_spans: int = 500_000):
+    def __init__(self, keep_trace: bool, window: int = 2048, max_trace_spans: int = 500_000, device_timing: bool = False):
         self._lock = threading.Lock()
         self.keep_trace = keep_trace
         self.trace: list[Span] = []
@@ -40,6 +54,9 @@ class Timeline:
         self.forward_steps = 0
         self._epoch = 0
         self.t0 = time.perf_counter()
+        self.device_timing = device_timing
+        # (mode, start event, end event, busy_epoch) recorded on the forward stream.
+        self.device_spans: deque[tuple[str, Any, Any, int]] = deque(maxlen=window)
 
     def mark_idle(self) -> None:
         """The scheduler had no work: the next gap is idleness, not overhead."""
@@ -52,6 +69,33 @@ class Timeline:
                 self.forward_steps += 1
             if self.keep_trace and len(self.trace) < self.max_trace_spans:
                 self.trace.append(Span(tid, name, start, end, args))
+
+    def add_device_span(self, mode: str, start: Any, end: Any) -> None:
+        """Forward stream: timing events around one step (read later, never here)."""
+        with self._lock:
+            self.device_spans.append((mode, start, end, self._epoch))
+
+    def clear_device_spans(self) -> None:
+        with self._lock:
+            self.device_spans.clear()
+
+    def device_forward_stats(self, mode: str | None = None) -> DeviceStats:
+        """Busy time and gaps between consecutive recorded steps (optionally only
+        pairs of `mode` steps) as the forward stream saw them. Waits for the events."""
+        with self._lock:
+            spans = list(self.device_spans)
+        durations: list[float] = []
+        gaps: list[float] = []
+        for (m0, s0, e0, ep0), (m1, s1, e1, ep1) in zip(spans, spans[1:]):
+            if ep0 != ep1 or (mode is not None and (m0 != mode or m1 != mode)):
+                continue
+            e1.synchronize()
+            gaps.append(max(0.0, e0.elapsed_time(s1)))
+            durations.append(s1.elapsed_time(e1))
+        if not gaps:
+            return DeviceStats(0, 0.0, 0.0, 0.0)
+        busy, idle = sum(durations), sum(gaps)
+        return DeviceStats(len(gaps), statistics.median(gaps), statistics.median(durations), busy / (busy + idle))
 
     def forward_stats(self) -> tuple[float, float]:
         """(busy fraction, median gap s) over recent back-to-back forwards."""

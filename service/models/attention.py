@@ -18,6 +18,7 @@ attends over each request's rows of the pool (`fb.kv_indices`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -32,27 +33,34 @@ KERNEL_MAX_EXTEND = 64
 
 @dataclass
 class AttentionMeta:
-    """Per-batch tensors every layer reuses."""
+    """Per-batch metadata every layer reuses (the fallback's, built on first use)."""
 
     fb: ForwardBatch
-    num_q_heads: int
-    num_kv_heads: int
+    group: int
     sliding_window: int | None
-    use_kernel: bool
+    use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
     req_of: torch.Tensor | None = None  # [T] request row of each query token (kernel)
-    decode_mask: torch.Tensor | None = None  # [bs, 1, g, L] (decode without the kernel)
-    seq_lens: list[int] | None = None  # per request (per-request SDPA)
-    extend_lens: list[int] | None = None
-    q_starts: list[int] | None = None
 
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[bs, 1, g, L]: decode without the kernel."""
+        fb = self.fb
+        kv_pos = torch.arange(fb.kv_indices.shape[1], device=fb.kv_indices.device).view(1, -1)
+        q_pos = fb.positions.view(-1, 1)
+        mask = kv_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= kv_pos > q_pos - self.sliding_window
+        return mask.view(mask.shape[0], 1, 1, -1).expand(-1, 1, self.group, -1)
 
-def _decode_mask(fb: ForwardBatch, group: int, sliding_window: int | None) -> torch.Tensor:
-    kv_pos = torch.arange(fb.kv_indices.shape[1]).view(1, -1)
-    q_pos = fb.positions.view(-1, 1)
-    mask = kv_pos <= q_pos
-    if sliding_window is not None:
-        mask &= kv_pos > q_pos - sliding_window
-    return mask.view(mask.shape[0], 1, 1, -1).expand(-1, 1, group, -1)
+    @cached_property
+    def extend_rows(self) -> list[tuple[int, int, int]]:
+        """(kv length, new tokens, first packed row) per request: per-request SDPA, from host copies."""
+        lens = list(self.fb.extend_lens or [])
+        prefixes = self.fb.extend_prefix_lens_cpu or [0] * len(lens)
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        return [(p + n, n, s) for p, n, s in zip(prefixes, lens, starts)]
 
 
 class TorchAttention:
@@ -67,20 +75,13 @@ class TorchAttention:
         group = num_q_heads // num_kv_heads
         decode = fb.mode is ForwardMode.DECODE
         short = decode or max(fb.extend_lens or [0]) <= KERNEL_MAX_EXTEND
-        use_kernel = self.use_kernel and short and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available()
-        meta = AttentionMeta(fb, num_q_heads, num_kv_heads, sliding_window, use_kernel)
+        on_cpu = fb.kv_indices.device.type == "cpu"
+        use_kernel = self.use_kernel and on_cpu and short and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available()
+        meta = AttentionMeta(fb, group, sliding_window, use_kernel)
         if use_kernel:
-            bs = fb.batch_size
-            meta.req_of = torch.arange(bs) if decode else torch.repeat_interleave(torch.arange(bs), torch.tensor(fb.extend_lens))
-        elif decode:
-            meta.decode_mask = _decode_mask(fb, group, sliding_window)
-        else:
-            assert fb.extend_lens is not None
-            meta.seq_lens = fb.seq_lens.tolist()
-            meta.extend_lens = list(fb.extend_lens)
-            meta.q_starts = [0]
-            for n in meta.extend_lens[:-1]:
-                meta.q_starts.append(meta.q_starts[-1] + n)
+            rows = torch.arange(fb.batch_size)
+            lens = fb.extend_lens or []
+            meta.req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
         return meta
 
     def forward(
@@ -94,12 +95,13 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
+        if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+            assert meta.req_of is not None
+            out = cpu_kernels.paged_attention(q, k_cache, v_cache, fb.kv_indices, meta.req_of, fb.positions, scale,
+                                              meta.sliding_window, k, v, fb.out_cache_loc)
+            return out.view(q.shape[0], -1)
         k_cache[fb.out_cache_loc] = k
         v_cache[fb.out_cache_loc] = v
-        if meta.use_kernel:
-            assert meta.req_of is not None
-            out = cpu_kernels.paged_attention(q, k_cache, v_cache, fb.kv_indices, meta.req_of, fb.positions, scale, meta.sliding_window)
-            return out.view(q.shape[0], -1)
         if fb.mode is ForwardMode.DECODE:
             return self._decode_gathered(q, k_cache, v_cache, meta, scale)
         return self._extend_per_request(q, k_cache, v_cache, meta, scale)
@@ -120,11 +122,10 @@ class TorchAttention:
     def _extend_per_request(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
         """One SDPA per request over its own rows: the cost of a prefill is that of its tokens."""
         fb = meta.fb
-        assert meta.seq_lens is not None and meta.extend_lens is not None and meta.q_starts is not None
         hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
         group = hq // hkv
-        out = torch.empty(q.shape[0], hq * d, dtype=q.dtype)
-        for r, (length, n, start) in enumerate(zip(meta.seq_lens, meta.extend_lens, meta.q_starts)):
+        out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
+        for r, (length, n, start) in enumerate(meta.extend_rows):
             rows = fb.kv_indices[r, :length]
             kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]
             vr = v_cache.index_select(0, rows).transpose(0, 1)
@@ -136,19 +137,11 @@ class TorchAttention:
             if prefix == 0 and meta.sliding_window is None:
                 o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
             else:
-                q_pos = torch.arange(prefix, length).view(-1, 1)
-                kv_pos = torch.arange(length).view(1, -1)
+                q_pos = torch.arange(prefix, length, device=q.device).view(-1, 1)
+                kv_pos = torch.arange(length, device=q.device).view(1, -1)
                 mask = kv_pos <= q_pos
                 if meta.sliding_window is not None:
                     mask &= kv_pos > q_pos - meta.sliding_window
                 o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale)
             out[start : start + n] = o.transpose(0, 1).reshape(n, hq * d)
         return out
-
-
-def get_attention_backend(name: str) -> TorchAttention:
-    if name == "torch":
-        return TorchAttention()
-    if name == "torch-sdpa":  # the pure-torch path alone (tests, comparisons)
-        return TorchAttention(use_kernel=False)
-    raise ValueError(f"unknown attention backend {name!r} (available: torch, torch-sdpa)")

@@ -69,7 +69,8 @@ def _build() -> ctypes.CDLL:
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # each has a _bf16 and an _f32 variant
-    "paged_attention": (_INT, [_P] * 4 + [_I64] + [_P] * 2 + [_I64] * 4 + [_F32, _I64, _P, _INT]),
+    "paged_attention": (_INT, [_P, _I64] + [_P] * 3 + [_I64] + [_P] * 2 + [_I64] * 4 + [_F32, _I64, _P, _INT]
+                        + [_P, _P, _I64, _P, _I64]),
     "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
     "rms_norm": (None, [_P, _P, _P, _F32, _I64, _I64, _P, _P, _INT]),
     "rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
@@ -99,8 +100,12 @@ def available() -> bool:
 MAX_GROUP, MAX_HEAD_DIM = 16, 256  # the kernel's stack buffers (MAX_G, MAX_D in the C source)
 
 
+def has_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in _SUFFIX and head_dim <= MAX_HEAD_DIM
+
+
 def paged_attention(
-    q: torch.Tensor,  # [n, Hq, D]
+    q: torch.Tensor,  # [n, Hq, D], rows may be strided (a view of the fused qkv output)
     k_cache: torch.Tensor,  # [pool, Hkv, D]
     v_cache: torch.Tensor,
     table: torch.Tensor,  # [bs, L] int64 pool rows per kv position
@@ -108,18 +113,30 @@ def paged_attention(
     pos_of: torch.Tensor,  # [n] int64 absolute position of each query
     scale: float,
     window: int | None,
+    k_new: torch.Tensor | None = None,  # [m, Hkv, D]: rows stored at new_loc first (same row stride as v_new)
+    v_new: torch.Tensor | None = None,
+    new_loc: torch.Tensor | None = None,  # [m] int64
 ) -> torch.Tensor:
+    """Attention of each query row over its request's pool rows up to its position
+    (causal, optional sliding window), after storing this step's K/V rows."""
     lib = load()
     assert lib is not None
-    if q.dtype not in _SUFFIX or q.shape[-1] > MAX_HEAD_DIM:
+    if not has_kernel(q.dtype, q.shape[-1]):
         raise ValueError(f"paged_attention: no kernel for {q.dtype} with head_dim {q.shape[-1]}")
-    q = q.contiguous()
-    out = torch.empty_like(q)
     n, hq, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    out = torch.empty(n, hq, d, dtype=q.dtype)
+    m = 0 if new_loc is None else new_loc.shape[0]
+    if m:
+        assert k_new is not None and v_new is not None and k_new.stride(0) == v_new.stride(0)
+        assert k_new.stride(2) == 1 and k_new.stride(1) == d and v_new.stride(2) == 1 and v_new.stride(1) == d
     rc = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}")(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
         req_of.data_ptr(), pos_of.data_ptr(), n, hq, k_cache.shape[1], d, scale, window or 0,
         out.data_ptr(), torch.get_num_threads(),
+        k_new.data_ptr() if m else None, v_new.data_ptr() if m else None, k_new.stride(0) if m else 0,
+        new_loc.data_ptr() if m else None, m,
     )
     if rc != 0:
         raise ValueError(f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
@@ -154,7 +171,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     h = torch.empty_like(x) if residual is not None else x
     res_ptr = residual.contiguous().data_ptr() if residual is not None else None
     getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
-        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows))
+        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows, cols))
     return h, normed
 
 
@@ -164,7 +181,7 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, c
     assert lib is not None and x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
     getattr(lib, f"rope_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        _threads(x.shape[0]))
+        _threads(x.shape[0], heads * head_dim))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -174,9 +191,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows))
+    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows, 2 * inter))
     return out
 
 
-def _threads(rows: int) -> int:
+# Below this many elements an elementwise kernel runs on one thread: a parallel region's
+# barrier costs more than the work, and a preempted team member stalls the whole team.
+PARALLEL_MIN_ELEMENTS = 1 << 17
+
+
+def _threads(rows: int, cols: int) -> int:
+    if rows * cols < PARALLEL_MIN_ELEMENTS:
+        return 1
     return max(1, min(torch.get_num_threads(), rows))

@@ -28,19 +28,50 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int, config=None, pack: bool = True) -> LlamaModel:
-    """Build the model on the meta device, then fill it from safetensors."""
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    max_positions: int,
+    config=None,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    pack: bool = True,
+) -> LlamaModel:
+    """Build the model on the meta device, then fill it from safetensors (or with
+    seeded random weights: load_format="dummy") and move it to `device`; on CPU, lay bf16 linears out for oneDNN (`pack`)."""
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
-    model = model.to_empty(device="cpu")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in _checkpoint_files(model_dir):
-        tensors.update(load_file(str(f)))
-    model.load_hf_state_dict(tensors)
-    model = model.to(dtype)
+    if load_format == "dummy":
+        model = model.to_empty(device=device)
+        init_dummy_weights(model, getattr(config, "initializer_range", 0.02))
+        model = model.to(dtype)
+    elif load_format == "auto":
+        model = model.to_empty(device="cpu")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in _checkpoint_files(model_dir):
+            tensors.update(load_file(str(f)))
+        model.load_hf_state_dict(tensors)
+        model = model.to(dtype).to(device)
+    else:
+        raise ValueError(f"unknown load format {load_format!r} (auto or dummy)")
     model.init_rope()
-    if pack:
+    model.cos, model.sin = model.cos.to(device), model.sin.to(device)
+    if pack and torch.device(device).type == "cpu":
         model.pack_weights()
     return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: LlamaModel, std: float, seed: int = 0) -> None:
+    """Random weights, the same for a given seed and device: matrices ~ N(0, std),
+    norms 1, biases 0 (what a benchmark needs, without weight files)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.zero_()

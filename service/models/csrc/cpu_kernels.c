@@ -60,16 +60,137 @@ static inline float exp_approx(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512 item functions for the common shapes (head_dim 64/128, group 1-4 or 8): the group's
+ * query heads and accumulators live in registers; a K/V row is converted to float once per
+ * token and used by every head of the group. Same math as the generic item function. */
+#define LOADV_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOADV_F32(p) _mm512_loadu_ps(p)
+
+#define DEFINE_AVX512_ITEM(NAME, T, LOADV, STORE, G, DV)                                                    \
+    static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows,            \
+                     int64_t start, int64_t pos, int64_t i, int64_t h, int64_t hq, int64_t hkv, float scale, \
+                     T *out) {                                                                              \
+        const int64_t d = DV * 16;                                                                          \
+        __m512 qv[G][DV], acc[G][DV];                                                                       \
+        float m[G], l[G], s[G][BLOCK];                                                                      \
+        for (int a = 0; a < G; a++) {                                                                       \
+            const T *qa = q + i * q_stride + (h * G + a) * d;                                               \
+            for (int x = 0; x < DV; x++) {                                                                  \
+                qv[a][x] = _mm512_mul_ps(LOADV(qa + 16 * x), _mm512_set1_ps(scale));                        \
+                acc[a][x] = _mm512_setzero_ps();                                                            \
+            }                                                                                               \
+            m[a] = -INFINITY;                                                                               \
+            l[a] = 0.f;                                                                                     \
+        }                                                                                                   \
+        for (int64_t j0 = start; j0 <= pos; j0 += BLOCK) {                                                  \
+            const int64_t n = (pos + 1 - j0) < BLOCK ? (pos + 1 - j0) : BLOCK;                              \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                if (j + PREFETCH < n) {                                                                     \
+                    __builtin_prefetch(k + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
+                    __builtin_prefetch(v + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
+                }                                                                                           \
+                const T *kr = k + (rows[j0 + j] * hkv + h) * d;                                             \
+                __m512 kv[DV];                                                                              \
+                for (int x = 0; x < DV; x++) kv[x] = LOADV(kr + 16 * x);                                    \
+                for (int a = 0; a < G; a++) {                                                               \
+                    __m512 t = _mm512_mul_ps(qv[a][0], kv[0]);                                              \
+                    for (int x = 1; x < DV; x++) t = _mm512_fmadd_ps(qv[a][x], kv[x], t);                   \
+                    s[a][j] = _mm512_reduce_add_ps(t);                                                      \
+                }                                                                                           \
+            }                                                                                               \
+            for (int a = 0; a < G; a++) {                                                                   \
+                float bm = m[a];                                                                            \
+                for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                           \
+                const __m512 corr = _mm512_set1_ps(exp_approx(m[a] - bm));                                  \
+                l[a] *= exp_approx(m[a] - bm);                                                              \
+                for (int x = 0; x < DV; x++) acc[a][x] = _mm512_mul_ps(acc[a][x], corr);                    \
+                m[a] = bm;                                                                                  \
+                float sum = 0.f;                                                                            \
+                _Pragma("omp simd reduction(+ : sum)")                                                      \
+                for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }     \
+                l[a] += sum;                                                                                \
+            }                                                                                               \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                             \
+                __m512 vv[DV];                                                                              \
+                for (int x = 0; x < DV; x++) vv[x] = LOADV(vr + 16 * x);                                    \
+                for (int a = 0; a < G; a++) {                                                               \
+                    const __m512 p = _mm512_set1_ps(s[a][j]);                                               \
+                    for (int x = 0; x < DV; x++) acc[a][x] = _mm512_fmadd_ps(p, vv[x], acc[a][x]);          \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int a = 0; a < G; a++) {                                                                       \
+            T *o = out + (i * hq + h * G + a) * d;                                                          \
+            const __m512 inv = _mm512_set1_ps(1.f / l[a]);                                                  \
+            float tmp[16];                                                                                  \
+            for (int x = 0; x < DV; x++) {                                                                  \
+                _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[a][x], inv));                                       \
+                for (int e = 0; e < 16; e++) o[16 * x + e] = STORE(tmp[e]);                                 \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+
+#define DEFINE_AVX512_ITEMS(PREFIX, T, LOADV, STORE)                                                        \
+    DEFINE_AVX512_ITEM(PREFIX##_g1_d64, T, LOADV, STORE, 1, 4)                                              \
+    DEFINE_AVX512_ITEM(PREFIX##_g2_d64, T, LOADV, STORE, 2, 4)                                              \
+    DEFINE_AVX512_ITEM(PREFIX##_g3_d64, T, LOADV, STORE, 3, 4)                                              \
+    DEFINE_AVX512_ITEM(PREFIX##_g4_d64, T, LOADV, STORE, 4, 4)                                              \
+    DEFINE_AVX512_ITEM(PREFIX##_g8_d64, T, LOADV, STORE, 8, 4)                                              \
+    DEFINE_AVX512_ITEM(PREFIX##_g1_d128, T, LOADV, STORE, 1, 8)                                             \
+    DEFINE_AVX512_ITEM(PREFIX##_g2_d128, T, LOADV, STORE, 2, 8)                                             \
+    DEFINE_AVX512_ITEM(PREFIX##_g3_d128, T, LOADV, STORE, 3, 8)                                             \
+    DEFINE_AVX512_ITEM(PREFIX##_g4_d128, T, LOADV, STORE, 4, 8)                                             \
+    DEFINE_AVX512_ITEM(PREFIX##_g8_d128, T, LOADV, STORE, 8, 8)
+
+/* 1 if a specialised item function ran. */
+#define AVX512_DISPATCH(PREFIX)                                                                             \
+    static int PREFIX##_dispatch(const void *q, int64_t q_stride, const void *k, const void *v,            \
+                                 const int64_t *rows, int64_t start, int64_t pos, int64_t i, int64_t h,     \
+                                 int64_t hq, int64_t hkv, int64_t g, int64_t d, float scale, void *out) {   \
+        _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wincompatible-pointer-types\"")   \
+        switch (d * 16 + g) {                                                                               \
+            case 64 * 16 + 1: PREFIX##_g1_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 64 * 16 + 2: PREFIX##_g2_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 64 * 16 + 3: PREFIX##_g3_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 64 * 16 + 4: PREFIX##_g4_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 64 * 16 + 8: PREFIX##_g8_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 128 * 16 + 1: PREFIX##_g1_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 128 * 16 + 2: PREFIX##_g2_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 128 * 16 + 3: PREFIX##_g3_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 128 * 16 + 4: PREFIX##_g4_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 128 * 16 + 8: PREFIX##_g8_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+        }                                                                                                   \
+        _Pragma("GCC diagnostic pop")                                                                       \
+        return 0;                                                                                           \
+    }
+
+DEFINE_AVX512_ITEMS(avx512_bf16, uint16_t, LOADV_BF16, f32_to_bf16)
+DEFINE_AVX512_ITEMS(avx512_f32, float, LOADV_F32, LOAD_F32)
+AVX512_DISPATCH(avx512_bf16)
+AVX512_DISPATCH(avx512_f32)
+#define AVX512_ITEM(PREFIX, ...) PREFIX##_dispatch(__VA_ARGS__)
+#else
+#define AVX512_ITEM(PREFIX, ...) 0
+#endif
+
 /* One work item: query row i, kv head h; `d` is a compile-time constant in the
  * specialised calls (64, 128), so the inner loops unroll into whole vectors. */
-#define DEFINE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
+#define DEFINE_ATTENTION(NAME, T, LOAD, STORE, AVX)                                                              \
     static inline __attribute__((always_inline)) void NAME##_item(                                          \
-        const T *q, const T *k, const T *v, const int64_t *rows, int64_t start, int64_t pos, int64_t i,     \
-        int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, T *out) {              \
+        const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
+        int64_t pos, int64_t i, int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, \
+        T *out) {                                                                                           \
         float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                                      \
         float s[MAX_G][BLOCK], kf[MAX_D];                                                                   \
         for (int64_t a = 0; a < g; a++) {                                                                   \
-            const T *qa = q + (i * hq + h * g + a) * d;                                                     \
+            const T *qa = q + i * q_stride + (h * g + a) * d;                                               \
             for (int64_t e = 0; e < d; e++) { qf[a][e] = LOAD(qa[e]) * scale; acc[a][e] = 0.f; }            \
             m[a] = -INFINITY;                                                                               \
             l[a] = 0.f;                                                                                     \
@@ -118,10 +239,17 @@ static inline float exp_approx(float x) {
             for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a][e] * inv);                                  \
         }                                                                                                   \
     }                                                                                                       \
-    int NAME(const T *q, const T *k, const T *v, const int64_t *table, int64_t table_stride,                \
+    int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *table, int64_t table_stride,         \
              const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
-             float scale, int64_t window, T *out, int nthreads) {                                           \
+             float scale, int64_t window, T *out, int nthreads, const T *k_new, const T *v_new,             \
+             int64_t new_stride, const int64_t *new_loc, int64_t n_new) {                                   \
         if (d > MAX_D || hq % hkv != 0 || hq / hkv > MAX_G) return -1;                                      \
+        /* Store this step's K/V rows first (the barrier at the loop's end orders it before reads). */      \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                 \
+        for (int64_t r = 0; r < n_new; r++) {                                                               \
+            memcpy(k + new_loc[r] * hkv * d, k_new + r * new_stride, hkv * d * sizeof(T));                  \
+            memcpy(v + new_loc[r] * hkv * d, v_new + r * new_stride, hkv * d * sizeof(T));                  \
+        }                                                                                                   \
         const int64_t g = hq / hkv;                                                                         \
         const int64_t items = n_q * hkv;                                                                    \
         _Pragma("omp parallel for schedule(dynamic, 4) num_threads(nthreads)")                             \
@@ -130,21 +258,21 @@ static inline float exp_approx(float x) {
             const int64_t pos = pos_of[i];                                                                  \
             const int64_t *rows = table + req_of[i] * table_stride;                                         \
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;              \
+            if (AVX512_ITEM(AVX, q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out))    \
+                continue;                                                                                   \
             if (d == 64)                                                                                    \
-                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
+                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
             else if (d == 128)                                                                              \
-                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
+                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
             else                                                                                            \
-                NAME##_item(q, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
+                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
         }                                                                                                   \
         return 0;                                                                                           \
     }
 
-#define LOAD_F32(x) (x)
-#define STORE_F32(x) (x)
 
-DEFINE_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32)
+DEFINE_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, avx512_bf16)
+DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, avx512_f32)
 
 /* Greedy sampling: the index of each row's largest logit (the first on ties;
  * NaN counts as largest, like torch.argmax). Rows in parallel; within a row a
