@@ -96,7 +96,18 @@ def test_json_helper_validates_against_schema(client, server):
     person = client.json("A person as JSON:", PERSON, max_new_tokens=48, temperature=0)
     jsonschema.validate(person, PERSON)
     r = client.generate("Pick:", constraint=Constraint.regex("(left|right)"), max_new_tokens=8, temperature=0)
-    assert r.text in ("left", "right")
+    assert r.text in ("left", "right") and r.constraint_result.satisfied
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3,
+              "uniqueItems": True}
+    with pytest.raises(ZerogapError) as e:
+        client.generate("Digits:", constraint=Constraint.json_schema(digits, mode="strict"), max_new_tokens=16)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in e.value.details()
+    with client.stream("Digits:", constraint=Constraint.json_schema(digits, mode="lenient"), max_new_tokens=16,
+                       temperature=0) as s:
+        lenient = s.collect()
+    assert [x.keyword for x in lenient.constraint_result.relaxed] == ["uniqueItems"]
+    with pytest.raises(ValueError):
+        Constraint.json_schema(digits, mode="sloppy")
 
 
 def test_logprobs_fields(client, server):

@@ -203,6 +203,13 @@ def test_json_schema_and_json_object_response_formats(oai, model):
         response_format=Person,
     )
     assert isinstance(parsed.choices[0].message.parsed, Person)
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3,
+              "uniqueItems": True}  # the grammar cannot enforce uniqueItems: strict false relaxes it
+    r = oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Three digits."}], max_tokens=16, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": digits, "strict": False}},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), list)
     r = oai.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": 'Reply {"ok": true} as JSON.'}],
@@ -265,6 +272,12 @@ def test_chat_logprobs_match_the_grpc_service(oai, zg, model):
                     "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
                 }
             ),
+            openai.BadRequestError,
+            "response_format",
+        ),
+        (
+            dict(response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}),
             openai.BadRequestError,
             "response_format",
         ),

@@ -130,7 +130,10 @@ def _response_format(body: Mapping[str, Any]) -> Constraint | None:
         schema = js.get("schema") if isinstance(js, Mapping) else None
         if not isinstance(schema, Mapping):
             raise invalid("response_format.json_schema.schema", "must be a JSON Schema object")
-        return Constraint.json_schema(schema)
+        # strict: true refuses keywords the grammar cannot enforce; false relaxes them (lenient);
+        # absent: the server's --constraint-mode
+        strict = js.get("strict")
+        return Constraint.json_schema(schema, None if strict is None else "strict" if strict else "lenient")
     raise invalid("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
 
 

@@ -115,14 +115,23 @@ class Logprobs:
 
 @dataclass(frozen=True)
 class Constraint:
-    """Constrained decoding: build with Constraint.json_schema / json_object / regex / ebnf."""
+    """Constrained decoding: build with Constraint.json_schema / json_object / regex / ebnf /
+    structural_tag. `mode` ("strict" or "lenient"; None: the server's --constraint-mode) says what
+    happens to JSON-schema keywords the grammar cannot enforce: strict refuses the request
+    (INVALID_ARGUMENT naming them), lenient relaxes them and lists them in the result's
+    constraint_result.relaxed."""
 
     kind: str
     value: str | bool
+    mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(m for m in MODES if m)}, got {self.mode!r}")
 
     @staticmethod
-    def json_schema(schema: Mapping[str, Any] | str) -> Constraint:
-        return Constraint("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+    def json_schema(schema: Mapping[str, Any] | str, mode: str | None = None) -> Constraint:
+        return Constraint("json_schema", schema if isinstance(schema, str) else json.dumps(schema), mode)
 
     @staticmethod
     def json_object() -> Constraint:
@@ -136,8 +145,18 @@ class Constraint:
     def ebnf(grammar: str) -> Constraint:
         return Constraint("ebnf", grammar)
 
+    @staticmethod
+    def structural_tag(tag: Mapping[str, Any] | str, mode: str | None = None) -> Constraint:
+        """xgrammar's structural tag, e.g. free text with `<tool_call>{...}</tool_call>` parts
+        whose JSON follows a schema (README "Tool calls")."""
+        return Constraint("structural_tag", tag if isinstance(tag, str) else json.dumps(tag), mode)
+
     def to_proto(self):
-        return pb2.Constraint(**{self.kind: self.value})
+        return pb2.Constraint(**{self.kind: self.value}, mode=MODES[self.mode])
+
+
+MODES = {None: pb2.CONSTRAINT_MODE_UNSPECIFIED, "strict": pb2.CONSTRAINT_MODE_STRICT,
+         "lenient": pb2.CONSTRAINT_MODE_LENIENT}
 
 
 @dataclass(frozen=True)
@@ -223,6 +242,34 @@ class TokenLogprob:
         return TokenLogprob(p.token_id, p.logprob, tops(p.top_logprobs), tops(p.token_ids_logprobs))
 
 
+@dataclass(frozen=True)
+class ConstraintIssue:
+    pointer: str  # a JSON pointer into the schema (relaxed, normalized) or the output (violations)
+    keyword: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ConstraintResult:
+    """The server's check of a finished constrained output: STOP with satisfied=True means valid."""
+
+    satisfied: bool
+    relaxed: list[ConstraintIssue]  # keywords the grammar did not enforce (lenient mode)
+    violations: list[ConstraintIssue]
+    normalized: list[ConstraintIssue]  # exact rewrites applied to the schema
+
+    @staticmethod
+    def from_response(r) -> ConstraintResult | None:
+        if not r.HasField("constraint_result"):
+            return None
+        c = r.constraint_result
+
+        def issues(xs) -> list[ConstraintIssue]:
+            return [ConstraintIssue(x.pointer, x.keyword, x.message) for x in xs]
+
+        return ConstraintResult(c.satisfied, issues(c.relaxed), issues(c.violations), issues(c.normalized))
+
+
 def _matched_stop(resp) -> str | int | None:
     which = resp.WhichOneof("matched_stop")
     return getattr(resp, which) if which else None
@@ -241,6 +288,7 @@ class Delta:
     completion_tokens: int
     logprobs: list[TokenLogprob]
     input_logprobs: list[TokenLogprob]
+    constraint_result: ConstraintResult | None  # on the last message of a constrained request
     raw: Any = field(repr=False, compare=False)
 
     @staticmethod
@@ -255,6 +303,7 @@ class Delta:
             r.usage.completion_tokens,
             [TokenLogprob.from_proto(x) for x in r.output_logprobs],
             [TokenLogprob.from_proto(x) for x in r.input_logprobs],
+            ConstraintResult.from_response(r),
             r,
         )
 
@@ -274,6 +323,7 @@ class Completion:
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprobs_start: int = 0
     normalized_prompt_logprob: float = 0.0
+    constraint_result: ConstraintResult | None = None
     raw: Any = field(default=None, repr=False, compare=False)
 
     @staticmethod
@@ -291,6 +341,7 @@ class Completion:
             d.input_logprobs,
             r.input_logprobs_start,
             r.normalized_prompt_logprob,
+            d.constraint_result,
             r,
         )
 
@@ -311,16 +362,22 @@ class Completion:
             first.input_logprobs,
             first.raw.input_logprobs_start,
             first.raw.normalized_prompt_logprob,
+            last.constraint_result,
         )
 
     def json(self) -> Any:
-        """The text parsed as JSON; ValueError (naming the finish reason) if it is not complete JSON."""
+        """The text parsed as JSON. ValueError if it is not complete JSON (naming the finish reason)
+        or if the server's check found it violating its schema (naming the violations)."""
         try:
-            return json.loads(self.text)
+            value = json.loads(self.text)
         except json.JSONDecodeError as e:
             raise ValueError(
                 f"output is not complete JSON (finish_reason={self.finish_reason}): {e}"
             ) from None
+        if self.constraint_result is not None and not self.constraint_result.satisfied:
+            why = "; ".join(f"{v.pointer or '/'}: {v.message}" for v in self.constraint_result.violations)
+            raise ValueError(f"output violates its schema: {why}")
+        return value
 
 
 def json_constraint(schema: Mapping[str, Any] | str | None) -> Constraint:
