@@ -11,6 +11,17 @@ import grpc
 from service import protos
 from service.config import ServerArgs
 
+# A small bounded JSON Schema (the one the example clients in clients/ send, too).
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
 
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from service import protos
-from tests.helpers import grpc_client, kv_idle, wait_until
+from tests.helpers import PERSON_SCHEMA, grpc_client, kv_idle, wait_until
 from zerogap.client import (
     GREEDY,
     AsyncClient,
@@ -28,15 +28,6 @@ from zerogap.client import (
 )
 
 pb2, pb2_grpc = protos.load()
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 LONG = dict(max_new_tokens=2000, ignore_eos=True)
 
 
@@ -93,17 +84,24 @@ def test_token_ids_input_and_sampling_overrides(client, server):
 
 
 def test_json_helper_validates_against_schema(client, server):
-    person = client.json("A person as JSON:", PERSON, max_new_tokens=48, temperature=0)
-    jsonschema.validate(person, PERSON)
+    person = client.json("A person as JSON:", PERSON_SCHEMA, max_new_tokens=48, temperature=0)
+    jsonschema.validate(person, PERSON_SCHEMA)
     r = client.generate("Pick:", constraint=Constraint.regex("(left|right)"), max_new_tokens=8, temperature=0)
     assert r.text in ("left", "right") and r.constraint_result.satisfied
-    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3,
-              "uniqueItems": True}
+    digits = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxItems": 3,
+        "uniqueItems": True,
+    }
     with pytest.raises(ZerogapError) as e:
-        client.generate("Digits:", constraint=Constraint.json_schema(digits, mode="strict"), max_new_tokens=16)
+        client.generate(
+            "Digits:", constraint=Constraint.json_schema(digits, mode="strict"), max_new_tokens=16
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in e.value.details()
-    with client.stream("Digits:", constraint=Constraint.json_schema(digits, mode="lenient"), max_new_tokens=16,
-                       temperature=0) as s:
+    with client.stream(
+        "Digits:", constraint=Constraint.json_schema(digits, mode="lenient"), max_new_tokens=16, temperature=0
+    ) as s:
         lenient = s.collect()
     assert [x.keyword for x in lenient.constraint_result.relaxed] == ["uniqueItems"]
     with pytest.raises(ValueError):
@@ -162,7 +160,9 @@ def test_async_client_generate_stream_and_cancellation(server):
             async with c.stream("The capital of France is", GREEDY, max_new_tokens=6) as s:
                 joined = await s.collect()
             assert joined.text == r.text and len(s.deltas) > 1
-            assert (await c.json("A person as JSON:", PERSON, max_new_tokens=48, temperature=0))["age"] >= 0
+            assert (await c.json("A person as JSON:", PERSON_SCHEMA, max_new_tokens=48, temperature=0))[
+                "age"
+            ] >= 0
             async with c.stream("Count to a thousand:", **LONG) as s:
                 async for _ in s:
                     break

@@ -5,9 +5,10 @@ the test reads them as they come and checks that tokens arrived as a stream (the
 generating when the first delta was printed), that the constrained result parses and validates, and
 that the error and the deadline report the right status (and the deadline's request was freed).
 
-Builds are cached under $ZEROGAP_CACHE/clients/LANG-<checkout> (default ~/.cache/zerogap/clients/...), Node's packages in
-clients/node/node_modules (gitignored), so reruns only run the examples. A missing toolchain fails
-the test under CI (.ci/run installs them) and skips it, naming the install command, elsewhere.
+Builds are cached under $ZEROGAP_CACHE/clients/LANG-<checkout> (default ~/.cache/zerogap/...),
+Node's packages in clients/node/node_modules (gitignored), so reruns only run the examples. A
+missing toolchain fails the test under CI (.ci/run installs them) and skips it, naming the
+install command, elsewhere.
 """
 
 from __future__ import annotations
@@ -26,19 +27,10 @@ import pytest
 from service.config import ServerArgs
 from service.model_prep import cache_root
 from service.server import BackgroundServer
-from tests.helpers import kv_idle, wait_until
+from tests.helpers import PERSON_SCHEMA, kv_idle, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT / "clients"
-PERSON = {  # the schema the examples send
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 BUILD_TIMEOUT_S = 1200  # a first C++ build on 2 busy cores
 
 
@@ -131,7 +123,7 @@ def test_example_client(build, server):
     assert re.search(r"finish=FINISH_REASON_(STOP|LENGTH) tokens=[1-9]", steps["generate"][0])
     assert len(steps["delta"]) > 1 and steps["stream-done"] == ["finish=FINISH_REASON_LENGTH tokens=48"]
     assert live_at_first_delta == 1, "the first delta was printed only after the generation had ended"
-    jsonschema.validate(json.loads(steps["json"][0]), PERSON)
+    jsonschema.validate(json.loads(steps["json"][0]), PERSON_SCHEMA)
     status, _, message = steps["error"][0].partition(" ")
     assert code(status) == "invalidargument" and "input.text" in message
     assert code(steps["deadline"][0]) == "deadlineexceeded"

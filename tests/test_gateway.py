@@ -25,19 +25,10 @@ from service.config import ServerArgs
 from service.gateway import protocol
 from service.gateway.errors import APIError
 from service.server import BackgroundServer
-from tests.helpers import kv_idle, wait_until
+from tests.helpers import PERSON_SCHEMA, kv_idle, wait_until
 from zerogap.client import GREEDY, Client, Logprobs, ZerogapError
 
 ROOT = Path(__file__).resolve().parent.parent
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 HI = [{"role": "user", "content": "Hi! How are you?"}]
 ENDLESS = {"ignore_eos": True}  # an extension (extra_body): never stops before max_tokens
 
@@ -186,10 +177,10 @@ def test_json_schema_and_json_object_response_formats(oai, model):
         temperature=0,
         response_format={
             "type": "json_schema",
-            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
         },
     )
-    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
 
     class Person(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=12)
@@ -203,11 +194,21 @@ def test_json_schema_and_json_object_response_formats(oai, model):
         response_format=Person,
     )
     assert isinstance(parsed.choices[0].message.parsed, Person)
-    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3,
-              "uniqueItems": True}  # the grammar cannot enforce uniqueItems: strict false relaxes it
+    digits = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxItems": 3,
+        "uniqueItems": True,
+    }  # the grammar cannot enforce uniqueItems: strict false relaxes it
     r = oai.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Three digits."}], max_tokens=16, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": digits, "strict": False}},
+        model=model,
+        messages=[{"role": "user", "content": "Three digits."}],
+        max_tokens=16,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "d", "schema": digits, "strict": False},
+        },
     )
     assert isinstance(json.loads(r.choices[0].message.content), list)
     r = oai.chat.completions.create(
@@ -236,7 +237,9 @@ def test_chat_logprobs_match_the_grpc_service(oai, zg, model):
     assert bytes(content[0].bytes).decode() == content[0].token
     # without top_logprobs the token texts come from Detokenize
     chunks = list(
-        oai.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0, stream=True, logprobs=True)
+        oai.chat.completions.create(
+            model=model, messages=HI, max_tokens=8, temperature=0, stream=True, logprobs=True
+        )
     )
     streamed = [t for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
@@ -276,8 +279,16 @@ def test_chat_logprobs_match_the_grpc_service(oai, zg, model):
             "response_format",
         ),
         (
-            dict(response_format={"type": "json_schema", "json_schema": {
-                "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}),
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "strict": True,
+                        "schema": {"type": "array", "uniqueItems": True},
+                    },
+                }
+            ),
             openai.BadRequestError,
             "response_format",
         ),

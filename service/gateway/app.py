@@ -90,7 +90,9 @@ class Gateway:
             Route("/health", self.health, methods=["GET"]),
         ]
         handlers = {HTTPException: _http_error, ZerogapError: _grpc_error, APIError: _api_error}
-        return Starlette(routes=routes, lifespan=self.lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+        return Starlette(
+            routes=routes, lifespan=self.lifespan, exception_handlers=handlers  # type: ignore[arg-type]
+        )
 
     @property
     def grpc(self) -> AsyncClient:

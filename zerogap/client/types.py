@@ -155,8 +155,11 @@ class Constraint:
         return pb2.Constraint(**{self.kind: self.value}, mode=MODES[self.mode])
 
 
-MODES = {None: pb2.CONSTRAINT_MODE_UNSPECIFIED, "strict": pb2.CONSTRAINT_MODE_STRICT,
-         "lenient": pb2.CONSTRAINT_MODE_LENIENT}
+MODES = {
+    None: pb2.CONSTRAINT_MODE_UNSPECIFIED,
+    "strict": pb2.CONSTRAINT_MODE_STRICT,
+    "lenient": pb2.CONSTRAINT_MODE_LENIENT,
+}
 
 
 @dataclass(frozen=True)
