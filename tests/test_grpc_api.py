@@ -16,7 +16,8 @@ pb2, pb2_grpc = protos.load()
 
 @pytest.fixture(scope="module")
 def server(smol_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=16))
+    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", model=str(smol_dir), port=0, kv_cache_tokens=4096,
+                                      max_running_requests=16))
     yield srv
     srv.stop()
 
