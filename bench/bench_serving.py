@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from service.model_prep import prepare_default_model  # noqa: E402
 from zerogap.client import AsyncClient, Chat, Sampling  # noqa: E402
 
-CONFIG_FLAGS: dict[str, list[str]] = {"overlap": [], "normal": ["--disable-overlap"]}
+CONFIG_FLAGS: dict[str, list[str]] = {"overlap": ["--loop", "overlap"], "normal": ["--loop", "normal"]}
 QUESTIONS = [
     "What is {t}?", "Explain {t} to a child.", "Give three facts about {t}.", "Why does {t} matter?",
     "Write a short poem about {t}.", "What are common misconceptions about {t}?",
