@@ -14,6 +14,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# 0. A C compiler: the native CPU kernels (service/models/csrc) are built on first start,
+#    for the CPU the container runs on (without one the engine falls back to slower torch ops).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # 1. torch from the CPU wheel index first, so that nothing pulls a CUDA build.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
