@@ -14,14 +14,19 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# 0. A C compiler: the native CPU kernels (service/models/csrc) are built on first start,
+#    for the CPU the container runs on (without one the engine falls back to slower torch ops).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # 1. torch from the CPU wheel index first, so that nothing pulls a CUDA build.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 # 2. The other pinned dependencies, in a layer that only pyproject.toml
 #    invalidates: install against empty package stubs, the code comes next.
 COPY pyproject.toml README.md ./
-RUN mkdir -p service features \
-    && touch service/__init__.py features/__init__.py \
+RUN mkdir -p service features zerogap \
+    && touch service/__init__.py features/__init__.py zerogap/__init__.py \
     && pip install . \
     && rm -rf service features build *.egg-info
 
@@ -31,6 +36,7 @@ RUN mkdir -p service features \
 COPY proto ./proto
 COPY service ./service
 COPY features ./features
+COPY zerogap ./zerogap
 RUN pip install --no-deps . \
     && rm -rf build *.egg-info \
     && python -c "from service import protos; protos.load()"
@@ -44,7 +50,8 @@ RUN useradd --create-home --uid 10001 --user-group zerogap \
 USER zerogap
 RUN python -m service prepare-model && rm -rf "$ZEROGAP_CACHE/downloads"
 
-EXPOSE 50051
+# 50051: gRPC (`serve`); 8000: the OpenAI-compatible gateway (`gateway`, see docker-compose.yml).
+EXPOSE 50051 8000
 
 # Overall health ("" service) over gRPC; SERVING once the model is loaded.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \

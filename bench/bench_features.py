@@ -63,8 +63,8 @@ def measure(model_dir, args, prompts, params, feats, on_client=None, **server_ar
 
 def measure_once(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
     client = SyncClient(
-        ServerArgs(max_running_requests=len(prompts), kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
-                   dtype=args.dtype, **server_args),
+        ServerArgs(**{"max_running_requests": len(prompts), "kv_cache_tokens": len(prompts) * (args.max_new_tokens + 64),
+                      "dtype": args.dtype, "loop": "overlap", **server_args}),
         model_dir,
         features=fake_features(),
     )

@@ -38,17 +38,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import grpc
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service import protos  # noqa: E402
 from service.model_prep import prepare_default_model  # noqa: E402
+from zerogap.client import AsyncClient, Chat, Sampling  # noqa: E402
 
-pb2, pb2_grpc = protos.load()
-
-CONFIG_FLAGS: dict[str, list[str]] = {"overlap": [], "normal": ["--disable-overlap"]}
+CONFIG_FLAGS: dict[str, list[str]] = {"overlap": ["--loop", "overlap"], "normal": ["--loop", "normal"]}
 QUESTIONS = [
     "What is {t}?", "Explain {t} to a child.", "Give three facts about {t}.", "Why does {t} matter?",
     "Write a short poem about {t}.", "What are common misconceptions about {t}?",
@@ -111,10 +107,8 @@ def build_prompts(n: int) -> list[str]:
     return out
 
 
-def make_request(prompt: str, max_new_tokens: int, ignore_eos: bool):
-    chat = pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content=prompt)])
-    sp = pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    return pb2.GenerateRequest(chat=chat, sampling=sp)
+def make_request(prompt: str, max_new_tokens: int, ignore_eos: bool) -> tuple[Chat, Sampling]:
+    return Chat([("user", prompt)]), Sampling(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -189,17 +183,18 @@ def server_cmd(args: argparse.Namespace, config: str, port: int) -> list[str]:
 
 
 # ---- client --------------------------------------------------------------------------
-async def one_stream(stub, req, sem: asyncio.Semaphore) -> tuple[float, float | None, int]:
+async def one_stream(client: AsyncClient, req: tuple[Chat, Sampling], sem: asyncio.Semaphore) -> tuple[float, float | None, int]:
     """(ttft s, itl s or None, output tokens) for one streamed request."""
     async with sem:
         t0 = time.perf_counter()
         t_first = t_last = None
         n = 0
-        async for msg in stub.GenerateStream(req):
-            if msg.token_ids:
-                t_last = time.perf_counter()
-                t_first = t_first or t_last
-                n += len(msg.token_ids)
+        async with client.stream(*req) as stream:
+            async for delta in stream:
+                if delta.token_ids:
+                    t_last = time.perf_counter()
+                    t_first = t_first or t_last
+                    n += len(delta.token_ids)
     if t_first is None:
         raise RuntimeError("a stream ended without any token")
     return t_first - t0, (t_last - t_first) / (n - 1) if n > 1 else None, n
@@ -207,18 +202,17 @@ async def one_stream(stub, req, sem: asyncio.Semaphore) -> tuple[float, float | 
 
 async def run_workload(address: str, prompts: list[str], args: argparse.Namespace) -> ConfigResult:
     """Warm up, run all prompts at --concurrency, and read GetServerInfo around the run."""
-    async with grpc.aio.insecure_channel(address) as ch:
-        stub = pb2_grpc.GenerationStub(ch)
+    async with AsyncClient(address, timeout=None) as client:
         warm = asyncio.Semaphore(2)
-        await asyncio.gather(*(one_stream(stub, make_request(p, min(args.max_new_tokens, 16), True), warm)
+        await asyncio.gather(*(one_stream(client, make_request(p, min(args.max_new_tokens, 16), True), warm)
                                for p in prompts[:2]))  # fmt: skip
-        before = await stub.GetServerInfo(pb2.GetServerInfoRequest())
+        before = await client.server_info()
         sem = asyncio.Semaphore(args.concurrency)
         reqs = [make_request(p, args.max_new_tokens, args.ignore_eos) for p in prompts]
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(stub, r, sem) for r in reqs))
+        results = await asyncio.gather(*(one_stream(client, r, sem) for r in reqs))
         wall = time.perf_counter() - t0
-        info = await stub.GetServerInfo(pb2.GetServerInfoRequest())
+        info = await client.server_info()
     ttft = [r[0] for r in results]
     itl = [r[1] for r in results if r[1] is not None]
     tokens = sum(r[2] for r in results)

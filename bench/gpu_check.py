@@ -209,7 +209,7 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
     # Grammars are not measured here: no grammar-init thread (nor xgrammar) needed.
     off = [f.name for f in builtin_features() if f.name == "constrained"]
     args = ServerArgs(model=str(model_dir), device=device_name, dtype=dtype, load_format="dummy", disabled_features=off,
-                      disable_overlap=not overlap, max_running_requests=n, max_queued_requests=4 * n,
+                      loop="overlap" if overlap else "normal", max_running_requests=n, max_queued_requests=4 * n,
                       kv_cache_tokens=n * (prompt_len + tokens) + 64, context_length=prompt_len + tokens + 8,
                       max_prefill_tokens=max(4096, n * prompt_len), disable_cuda_graph=not cuda_graph)
     client = SyncClient(args, model_dir)

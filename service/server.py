@@ -398,8 +398,13 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     router = OutputRouter(loop)
     engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
-    server = grpc.aio.server(interceptors=intercept,
-                             options=[("grpc.max_receive_message_length", args.max_message_bytes), ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=intercept, options=[
+        ("grpc.max_receive_message_length", args.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # exclusive: a second server on the port must fail, not share it
+        # Accept client keepalive pings every 10 s even on a call with no data yet (a long
+        # unary Generate): the default 5 min policy would answer them with GOAWAY.
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ])
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

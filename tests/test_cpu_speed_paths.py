@@ -150,6 +150,16 @@ def test_extend_attention_costs_what_its_tokens_cost():
         row += n
 
 
+def test_loop_auto_is_the_measured_faster_loop_per_device():
+    """README "Serving": overlap on CUDA, normal on CPU; explicit choices win."""
+    assert ServerArgs().loop == "auto"
+    assert not ServerArgs().use_overlap("cpu") and ServerArgs().use_overlap("cuda")
+    assert ServerArgs(loop="overlap").use_overlap("cpu") and not ServerArgs(loop="normal").use_overlap("cuda")
+    assert not ServerArgs(loop="overlap", disable_overlap=True).use_overlap("cuda")
+    with pytest.raises(ValueError):
+        ServerArgs(loop="fast").use_overlap("cpu")
+
+
 def test_dtype_auto_picks_bf16_only_with_native_bf16_matmuls():
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto") == expected

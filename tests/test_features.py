@@ -181,8 +181,8 @@ def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
 
 
 def test_get_feature_matrix_rpc(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=4,
-                                      disabled_features=["test_sync"]), features=fake_features())
+    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000,
+                                      max_running_requests=4, disabled_features=["test_sync"]), features=fake_features())
     try:
         with grpc.insecure_channel(srv.address) as ch:
             m = pb2_grpc.GenerationStub(ch).GetFeatureMatrix(pb2.GetFeatureMatrixRequest())

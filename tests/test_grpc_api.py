@@ -9,14 +9,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
-from tests.helpers import wait_until
+from tests.helpers import kv_idle, wait_until
 
 pb2, pb2_grpc = protos.load()
 
 
 @pytest.fixture(scope="module")
 def server(smol_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=16))
+    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", model=str(smol_dir), port=0, kv_cache_tokens=4096,
+                                      max_running_requests=16))
     yield srv
     srv.stop()
 
@@ -30,11 +31,6 @@ def stub(server):
 
 def greedy(n: int = 16, **kw) -> pb2.SamplingParams:
     return pb2.SamplingParams(max_new_tokens=n, temperature=0.0, **kw)
-
-
-def kv_idle(server) -> bool:
-    e = server.engine
-    return e.kv_pool.free_count == e.kv_pool.size and e.num_live() == 0
 
 
 def test_stream_concatenates_to_unary(stub):

@@ -12,7 +12,8 @@ from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
 from service.engine.request import SamplingParams
-from tests.helpers import grpc_stub
+from tests.helpers import grpc_client
+from zerogap.client import Logprobs, Sampling
 
 pb2, _ = protos.load()
 TOL = 2e-4
@@ -99,37 +100,37 @@ def test_top_logprobs_ties_order_by_token_id():
 
 
 @pytest.fixture(scope="module")
-def stub(tiny_llama_dir):
-    with grpc_stub(tiny_llama_dir, kv_cache_tokens=2048, max_running_requests=8) as s:
-        yield s
+def client(tiny_llama_dir):
+    with grpc_client(tiny_llama_dir, kv_cache_tokens=2048, max_running_requests=8) as (c, _):
+        yield c
 
 
-PROMPT = pb2.TokenIds(ids=[5, 6, 7, 8, 9])
+PROMPT = [5, 6, 7, 8, 9]
+SIX = Sampling(max_new_tokens=6, temperature=0, ignore_eos=True)
 
 
-def test_grpc_logprob_fields_and_stream(stub):
-    req = pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True),
-                              return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 4], logprob_start_len=0)
-    whole = stub.Generate(req)
-    assert [e.token_id for e in whole.output_logprobs] == list(whole.token_ids)
-    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in whole.output_logprobs)
-    assert all([t.token_id for t in e.token_ids_logprobs] == [3, 4] for e in whole.output_logprobs)
+def test_grpc_logprob_fields_and_stream(client):
+    asked = Logprobs(top=2, token_ids=[3, 4], input_from=0)
+    whole = client.generate(PROMPT, SIX, logprobs=asked)
+    assert [e.token_id for e in whole.logprobs] == whole.token_ids
+    assert all(len(e.top) == 2 and e.top[0].logprob >= e.top[1].logprob for e in whole.logprobs)
+    assert all([t.token_id for t in e.asked] == [3, 4] for e in whole.logprobs)
     assert [e.token_id for e in whole.input_logprobs] == [6, 7, 8, 9] and whole.input_logprobs_start == 1
     assert math.isclose(whole.normalized_prompt_logprob, sum(e.logprob for e in whole.input_logprobs) / 4, rel_tol=1e-5)
-    parts = list(stub.GenerateStream(req))
-    assert [e.token_id for p in parts for e in p.output_logprobs] == list(whole.token_ids)
-    assert [e.logprob for p in parts for e in p.output_logprobs] == pytest.approx([e.logprob for e in whole.output_logprobs], abs=1e-5)
+    with client.stream(PROMPT, SIX, logprobs=asked) as s:
+        parts = list(s)
+    assert [e.token_id for p in parts for e in p.logprobs] == whole.token_ids
+    assert [e.logprob for p in parts for e in p.logprobs] == pytest.approx([e.logprob for e in whole.logprobs], abs=1e-5)
     assert len(parts[0].input_logprobs) == 4 and all(len(p.input_logprobs) == 0 for p in parts[1:])
-    plain = stub.Generate(pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)))
-    assert list(plain.token_ids) == list(whole.token_ids) and not plain.output_logprobs
+    plain = client.generate(PROMPT, SIX)
+    assert plain.token_ids == whole.token_ids and not plain.logprobs
 
 
 @pytest.mark.parametrize("start, n_inputs", [(0, 4), (1, 4), (4, 1)])
-def test_logprob_start_len_edges(stub, start, n_inputs):
-    r = stub.Generate(pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=2, temperature=0),
-                                          logprob_start_len=start))
+def test_logprob_start_len_edges(client, start, n_inputs):
+    r = client.generate(PROMPT, max_new_tokens=2, temperature=0, logprobs=Logprobs(input_from=start, output=False))
     assert len(r.input_logprobs) == n_inputs and r.input_logprobs_start == max(start, 1)
-    assert not r.output_logprobs  # only input logprobs were asked for
+    assert not r.logprobs  # only input logprobs were asked for
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -139,7 +140,8 @@ def test_logprob_start_len_edges(stub, start, n_inputs):
     (dict(top_logprobs_num=-1), "top_logprobs_num"),
     (dict(token_ids_logprob=[49152]), "token_ids_logprob"),
 ])
-def test_bad_logprob_arguments(stub, kw, field):
+def test_bad_logprob_arguments(client, kw, field):
+    # the raw stub, to send values the client's types would not build
     with pytest.raises(grpc.RpcError) as e:
-        stub.Generate(pb2.GenerateRequest(token_ids=PROMPT, sampling=pb2.SamplingParams(max_new_tokens=2), **kw))
+        client.stub.Generate(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=PROMPT), sampling=pb2.SamplingParams(max_new_tokens=2), **kw))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()

@@ -83,6 +83,18 @@ def test_compose_wiring() -> None:
     assert cmd[cmd.index("--host") + 1] == "lb" and cmd[cmd.index("--port") + 1] == "8080"
 
 
+def test_compose_gateway_sits_behind_the_lb() -> None:
+    svc = _compose()["services"]
+    gw = svc["gateway"]
+    assert gw["image"] == svc["zerogap"]["image"]
+    cmd = gw["command"]
+    assert cmd[:4] == ["python", "-m", "service", "gateway"]
+    assert cmd[cmd.index("--grpc") + 1] == "lb:8080", "the gateway must reach the replicas through the LB"
+    port = cmd[cmd.index("--port") + 1]
+    assert any(str(p).split(":")[-1] == port for p in gw["ports"]) and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert "lb" in gw["depends_on"] and f":{port}/health" in " ".join(gw["healthcheck"]["test"])
+
+
 def test_nginx_conf_matches_compose() -> None:
     conf = NGINX_CONF.read_text()
     # The upstream is the compose service name at the port the image serves on,
@@ -99,7 +111,8 @@ def test_dockerfile_essentials() -> None:
     assert "python -m service prepare-model" in text
     assert re.search(r"^USER (?!root)\S+", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*python\", \"-m\", \"service\", \"healthcheck\"", text, re.M)
-    assert re.search(r"^EXPOSE 50051$", text, re.M)
+    assert re.search(r"^EXPOSE 50051\b", text, re.M)
+    assert "COPY zerogap ./zerogap" in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".venv", ".git", "service/_gen"):
         assert entry in ignored

@@ -39,15 +39,12 @@ def check(prefix_lens, ext_lens, hq, hkv, d, dtype, window=None, seed=0, **trito
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    pytest.param(torch.bfloat16, marks=pytest.mark.xfail(INTERPRETED, reason="bf16 is wrong in the Triton interpreter", strict=False)),
-]
+BF16 = pytest.mark.xfail(INTERPRETED, reason="bf16 is wrong in the Triton interpreter", strict=False)
+CASES = [(dt, hq, hkv) for hq, hkv in ((4, 2), (6, 2)) for dt in (torch.float32, torch.float16)]
+CASES.append(pytest.param(torch.bfloat16, 4, 2, marks=BF16, id="bf16"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2), (4, 4)])
+@pytest.mark.parametrize("dtype,hq,hkv", CASES + [(torch.float32, 4, 4)])
 def test_decode_matches_torch(dtype, hq, hkv):
     # lengths around the block size (16), one of 1 token; scattered rows
     check([1, 16, 17, 40], [1, 1, 1, 1], hq, hkv, 16, dtype, block_n=16, num_splits=3)
@@ -64,8 +61,7 @@ def test_decode_sliding_window(dtype):
     check([3, 20, 37], [1, 1, 1], 4, 2, 16, dtype, window=8, block_n=16, num_splits=2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2)])
+@pytest.mark.parametrize("dtype,hq,hkv", CASES)
 def test_extend_empty_prefix_matches_torch(dtype, hq, hkv):
     check([0, 0, 0], [5, 19, 33], hq, hkv, 16, dtype, block_m=16, block_n=16)
 

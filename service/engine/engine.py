@@ -59,7 +59,6 @@ class Engine:
     def __init__(self, args: ServerArgs, model_dir: str | Path, output_sink: OutputSink, features: list[Feature] | None = None):
         self.args = args
         self.features = FeatureRegistry(builtin_features() + list(features or []), args.disabled_features, args.overlap_policy)
-        self.overlap = self.features.resolve_overlap(args.overlap)
         self.model_dir = Path(model_dir)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -67,6 +66,7 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)
+        self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
         self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config, self.device.device, args.load_format)

@@ -56,7 +56,9 @@ class AttentionMeta:
     def extend_rows(self) -> list[tuple[int, int, int]]:
         """(kv length, new tokens, first packed row) per request: per-request SDPA, from host copies."""
         lens = list(self.fb.extend_lens or [])
-        prefixes = self.fb.extend_prefix_lens_cpu or [0] * len(lens)
+        prefixes = self.fb.extend_prefix_lens_cpu  # host copies: no device read
+        if prefixes is None:
+            prefixes = self.fb.extend_prefix_lens.tolist() if self.fb.extend_prefix_lens is not None else [0] * len(lens)
         starts = [0]
         for n in lens[:-1]:
             starts.append(starts[-1] + n)

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP gateway: a Starlette app over zerogap.client.AsyncClient.
+
+Every HTTP request becomes one gRPC call to the generation service (directly or
+through the load balancer). When the HTTP client goes away -- a closed stream, an
+SDK timeout, a cancelled request -- the gRPC call is cancelled, and the service
+aborts the request and frees its KV cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from service.gateway import protocol as p
+from service.gateway.errors import APIError
+from zerogap.client import AsyncClient, AsyncStream, ChannelOptions, Completion, Delta, ZerogapError
+
+T = TypeVar("T")
+STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request"; never reaches the (gone) client
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    grpc_target: str
+    served_model_name: str | None = None  # default: the service's ModelInfo.model_name
+    default_max_tokens: int | None = None  # chat completions without max_tokens (None: the service's default)
+    timeout_s: float | None = 600.0  # gRPC deadline of one generation
+    channel: ChannelOptions = ChannelOptions()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, aw: Awaitable[T]) -> T:
+    """Awaits `aw`, cancelling it (and so its gRPC call) if the HTTP client disconnects first."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone
+    finally:
+        work.cancel()
+        watch.cancel()
+
+
+class Gateway:
+    """Route handlers and the state they share: the gRPC client, the model name, token texts."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.client: AsyncClient | None = None
+        self.started = int(time.time())
+        self._model: str | None = config.served_model_name
+        self._texts: dict[int, str] = {}  # token id -> its text alone (bounded by the vocabulary)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.client = AsyncClient(self.config.grpc_target, self.config.channel, timeout=self.config.timeout_s)
+        try:
+            yield
+        finally:
+            await self.client.close()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        handlers = {HTTPException: _http_error, ZerogapError: _grpc_error, APIError: _api_error}
+        return Starlette(
+            routes=routes, lifespan=self.lifespan, exception_handlers=handlers  # type: ignore[arg-type]
+        )
+
+    @property
+    def grpc(self) -> AsyncClient:
+        assert self.client is not None, "the app's lifespan has not started"
+        return self.client
+
+    # ---- models and health ------------------------------------------------------------------
+    async def model_name(self) -> str:
+        if self._model is None:
+            self._model = (await self.grpc.model_info()).model_name
+        return self._model
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "zerogap"}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card(await self.model_name())]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        await self._check_model(name)
+        return JSONResponse(self._model_card(name))
+
+    async def _check_model(self, name: str) -> None:
+        served = await self.model_name()
+        if name != served:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{served}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def health(self, request: Request) -> Response:
+        try:
+            status = await self.grpc.health(timeout=5.0)
+        except ZerogapError as e:
+            status = e.code().name
+        return JSONResponse({"status": status}, status_code=200 if status == "SERVING" else 503)
+
+    # ---- generation ------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(
+            request, p.parse_chat(await _json(request), self.config.default_max_tokens), "chatcmpl"
+        )
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, p.parse_completion(await _json(request)), "cmpl")
+
+    async def _generate(self, request: Request, call: p.Call, prefix: str) -> Response:
+        await self._check_model(call.model)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        kw = dict(logprobs=call.logprobs, constraint=call.constraint, request_id=rid)
+        try:
+            if call.stream:
+                return await self._stream(
+                    request, call, rid, self.grpc.stream(call.prompt, call.sampling, **kw)
+                )
+            done = await until_disconnected(request, self.grpc.generate(call.prompt, call.sampling, **kw))
+        except ClientGone:
+            return Response(status_code=STATUS_CLIENT_CLOSED)
+        except ZerogapError as e:
+            err = APIError.from_grpc(e)
+            err.param = p.openai_param(err.param, call.kind)
+            raise err from None
+        body = p.envelope(call, rid, p.now(), chunk=False)
+        body["choices"] = [
+            p.choice(call, done.text, done.finish_reason, await self._logprobs(call, [done]), False)
+        ]
+        body["usage"] = p.usage(done.prompt_tokens, done.completion_tokens)
+        return JSONResponse(body)
+
+    async def _stream(self, request: Request, call: p.Call, rid: str, stream: AsyncStream) -> Response:
+        # The first delta is awaited before answering, so that a request the service refuses
+        # gets its HTTP error status rather than a 200 stream carrying an error.
+        try:
+            first = await until_disconnected(request, anext(stream))
+        except BaseException:
+            stream.cancel()
+            raise
+        return StreamingResponse(
+            self._events(call, rid, stream, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _events(
+        self, call: p.Call, rid: str, stream: AsyncStream, first: Delta
+    ) -> AsyncIterator[bytes]:
+        created, offset, delta = p.now(), 0, first
+        head = p.envelope(call, rid, created, chunk=True)
+        if call.include_usage:
+            head["usage"] = None
+        try:
+            while True:
+                lp = await self._logprobs(call, [delta], offset)
+                offset += len(delta.text)
+                chunk = dict(
+                    head, choices=[p.choice(call, delta.text, delta.finish_reason, lp, True, delta is first)]
+                )
+                yield p.sse(chunk)
+                if delta.finish_reason is not None:
+                    break
+                delta = await anext(stream)
+            if call.include_usage:
+                yield p.sse(
+                    dict(head, choices=[], usage=p.usage(delta.prompt_tokens, delta.completion_tokens))
+                )
+            yield p.sse("[DONE]")
+        except ZerogapError as e:  # after the 200 went out: an error event, as OpenAI's servers send
+            yield p.sse(APIError.from_grpc(e).body())
+        finally:
+            stream.cancel()  # the HTTP client went away (or the stream ended): no-op once done
+
+    async def _logprobs(
+        self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0
+    ) -> dict | None:
+        if call.logprobs is None:
+            return None
+        entries = []
+        for part in parts:
+            entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
+        missing = sorted(p.missing_texts(entries) - self._texts.keys())
+        if missing:
+            found = await asyncio.gather(
+                *(self.grpc.detokenize([t], skip_special_tokens=False) for t in missing)
+            )
+            self._texts.update(zip(missing, found, strict=True))
+        if call.kind == "chat":
+            return p.chat_logprobs(entries, self._texts)
+        return p.completion_logprobs(entries, self._texts, offset)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"body: not valid JSON ({e})", param="body") from None
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _grpc_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ZerogapError)
+    return APIError.from_grpc(exc).response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+
+def create_app(config: GatewayConfig) -> Starlette:
+    return Gateway(config).app()

@@ -1,0 +1,343 @@
+"""The OpenAI wire format: request bodies to generation calls, results to response bodies.
+
+Pure functions over dicts (no I/O): `parse_chat` / `parse_completion` validate a
+request body and return a `Call`; the `*_body` / `*_chunk` functions build the
+JSON of responses and stream chunks. Parameters this server cannot honour
+(n > 1, tools, logit_bias, echo, suffix, best_of > 1, image parts) are refused
+with a 400 naming them rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.gateway.errors import invalid, unsupported
+from zerogap.client import Chat, Constraint, Logprobs, Sampling, TokenLogprob
+
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
+FINISH = {"stop": "stop", "length": "length", "abort": "abort", None: None}
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+
+
+@dataclass(frozen=True)
+class Call:
+    """One parsed request: what to send to the generation service and how to answer."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt: str | list[int] | Chat
+    sampling: Sampling
+    logprobs: Logprobs | None
+    constraint: Constraint | None
+    stream: bool
+    include_usage: bool
+
+
+# ---- validation helpers ---------------------------------------------------------------------------
+
+
+def _number(body: Mapping[str, Any], name: str, lo: float, hi: float, integer: bool = False) -> Any:
+    v = body.get(name)
+    if v is None:
+        return None
+    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok_type:
+        raise invalid(name, f"must be {'an integer' if integer else 'a number'}")
+    if not lo <= v <= hi:
+        raise invalid(name, f"must be in [{lo:g}, {hi:g}], got {v}")
+    return v
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid(name, "must be a boolean")
+    return v
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", "must be a non-empty string or a list of them")
+    return stops
+
+
+def _refuse(body: Mapping[str, Any], names: Sequence[str]) -> None:
+    for name in names:
+        if body.get(name):
+            raise unsupported(name)
+
+
+def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> Sampling:
+    seed = _number(body, "seed", 0, 2**64 - 1, integer=True)
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise invalid("stop_token_ids", "must be a list of integers")
+    return Sampling(
+        max_new_tokens=max_tokens,
+        temperature=_number(body, "temperature", 0, 2),
+        top_p=_number(body, "top_p", 0, 1),
+        frequency_penalty=_number(body, "frequency_penalty", -2, 2) or 0.0,
+        presence_penalty=_number(body, "presence_penalty", -2, 2) or 0.0,
+        seed=seed,
+        stop=_stop(body),
+        # extensions (the names vLLM uses)
+        top_k=_number(body, "top_k", -1, 2**31 - 1, integer=True) or 0,
+        min_p=_number(body, "min_p", 0, 1) or 0.0,
+        repetition_penalty=_number(body, "repetition_penalty", 0, 100),
+        min_new_tokens=_number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0,
+        ignore_eos=_bool(body, "ignore_eos"),
+        stop_token_ids=ids,
+    )
+
+
+def _max_tokens(body: Mapping[str, Any], names: Sequence[str], default: int | None) -> int | None:
+    for name in names:
+        v = _number(body, name, 1, 2**31 - 1, integer=True)
+        if v is not None:
+            return v
+    return default
+
+
+def _response_format(body: Mapping[str, Any]) -> Constraint | None:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, Mapping):
+        raise invalid("response_format", "must be an object")
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_schema({"type": "object"})
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise invalid("response_format.json_schema.schema", "must be a JSON Schema object")
+        # strict: true refuses keywords the grammar cannot enforce; false relaxes them (lenient);
+        # absent: the server's --constraint-mode
+        strict = js.get("strict")
+        return Constraint.json_schema(schema, None if strict is None else "strict" if strict else "lenient")
+    raise invalid("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+
+
+def _common(body: Any) -> tuple[str, bool, bool]:
+    if not isinstance(body, Mapping):
+        raise invalid("body", "must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "is required")
+    n = _number(body, "n", 1, 128, integer=True)
+    if n not in (None, 1):
+        raise unsupported("n", "must be 1 on this server")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, Mapping):
+        raise invalid("stream_options", "must be an object")
+    return model, stream, bool(stream and opts.get("include_usage"))
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+def _content(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise unsupported(f"messages[{i}].content", "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def parse_chat(body: Any, default_max_tokens: int | None = None) -> Call:
+    model, stream, include_usage = _common(body)
+    _refuse(body, ("tools", "functions", "logit_bias", "audio", "prediction"))
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "must be a non-empty list")
+    chat = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+        chat.append((CHAT_ROLES[m["role"]], _content(i, m.get("content"))))
+    top = _number(body, "top_logprobs", 0, 20, integer=True)
+    want = _bool(body, "logprobs")
+    if top and not want:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default_max_tokens)
+    return Call(
+        "chat",
+        model,
+        Chat(chat),
+        _sampling(body, max_tokens),
+        Logprobs(top=top or 0) if want else None,
+        _response_format(body),
+        stream,
+        include_usage,
+    )
+
+
+def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Call:
+    model, stream, include_usage = _common(body)
+    _refuse(body, ("suffix", "logit_bias", "echo"))
+    if _number(body, "best_of", 1, 128, integer=True) not in (None, 1):
+        raise unsupported("best_of", "must be 1 on this server")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        pass
+    elif isinstance(prompt, list):
+        raise unsupported("prompt", "must be one string or one list of token ids (no batches)")
+    elif not isinstance(prompt, str) or not prompt:
+        raise invalid("prompt", "must be a non-empty string or a list of token ids")
+    top = _number(body, "logprobs", 0, 20, integer=True)
+    max_tokens = _max_tokens(body, ("max_tokens",), default_max_tokens)
+    return Call(
+        "completion",
+        model,
+        prompt,
+        _sampling(body, max_tokens),
+        None if top is None else Logprobs(top=top),
+        _response_format(body),
+        stream,
+        include_usage,
+    )
+
+
+def openai_param(grpc_field: str | None, kind: str) -> str | None:
+    """The request parameter a gRPC error's field names (e.g. sampling.max_new_tokens -> max_tokens)."""
+    if not grpc_field:
+        return None
+    head, _, rest = grpc_field.partition(".")
+    if head == "sampling":
+        return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(rest, rest)
+    if head == "constraint":
+        return "response_format"
+    if head == "input":
+        return "messages" if kind == "chat" else "prompt"
+    return grpc_field
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def content_logprobs(
+    entries: Sequence[TokenLogprob], finish_reason: str | None, matched_stop: str | int | None
+) -> list[TokenLogprob]:
+    """The entries of the tokens that are part of the text: a stop token that ended generation is not."""
+    if finish_reason == "stop" and isinstance(matched_stop, int) and entries:
+        return list(entries[:-1])
+    return list(entries)
+
+
+def token_text(entry: TokenLogprob, texts: Mapping[int, str]) -> str:
+    for t in entry.top:
+        if t.token_id == entry.token_id:
+            return t.text
+    return texts[entry.token_id]
+
+
+def missing_texts(entries: Sequence[TokenLogprob]) -> set[int]:
+    """Ids whose text token_text() needs from elsewhere (the chosen token outside its top list)."""
+    return {e.token_id for e in entries if all(t.token_id != e.token_id for t in e.top)}
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str]) -> dict[str, Any]:
+    content = []
+    for e in entries:
+        item = _token(token_text(e, texts), e.logprob)
+        item["top_logprobs"] = [_token(t.text, t.logprob) for t in e.top]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int
+) -> dict[str, Any]:
+    tokens = [token_text(e, texts) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def envelope(call: Call, rid: str, created: int, chunk: bool) -> dict[str, Any]:
+    obj = {"chat": "chat.completion", "completion": "text_completion"}[call.kind]
+    if chunk and call.kind == "chat":
+        obj += ".chunk"
+    return {"id": rid, "object": obj, "created": created, "model": call.model}
+
+
+def choice(
+    call: Call,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None,
+    chunk: bool,
+    first: bool = False,
+) -> dict[str, Any]:
+    if call.kind == "completion":
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
+    if not chunk:
+        msg = {"role": "assistant", "content": text}
+        return {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if text is not None:
+        delta["content"] = text
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
+
+
+def sse(data: Mapping[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,504 @@
+"""The OpenAI-compatible gateway (`python -m service gateway`), driven by the official openai SDK,
+in front of a real gRPC server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from service.config import ServerArgs
+from service.gateway import protocol
+from service.gateway.errors import APIError
+from service.server import BackgroundServer
+from tests.helpers import PERSON_SCHEMA, kv_idle, wait_until
+from zerogap.client import GREEDY, Client, Logprobs, ZerogapError
+
+ROOT = Path(__file__).resolve().parent.parent
+HI = [{"role": "user", "content": "Hi! How are you?"}]
+ENDLESS = {"ignore_eos": True}  # an extension (extra_body): never stops before max_tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(smol_dir):
+    srv = BackgroundServer(
+        ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8)
+    )
+    yield srv
+    srv.stop()
+
+
+@contextlib.contextmanager
+def run_gateway(grpc_address: str) -> Iterator[str]:
+    """`python -m service gateway` in a subprocess on a free port; yields its base URL once healthy."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "gateway",
+            "--grpc",
+            grpc_address,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_until(lambda: proc.poll() is None and _healthy(base + "/health"), 60, 0.1):
+            proc.kill()
+            pytest.fail(f"the gateway did not start: {proc.communicate()[0]}")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    with run_gateway(server.address) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return server.engine.model_dir.name
+
+
+@pytest.fixture
+def oai(gateway, server):
+    with openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+    assert wait_until(lambda: kv_idle(server), 20), "a request kept its KV cache"
+
+
+@pytest.fixture(scope="module")
+def zg(server):
+    with Client(server.address) as c:
+        yield c
+
+
+def test_models_list(oai, model):
+    assert [m.id for m in oai.models.list().data] == [model]
+    assert oai.models.retrieve(model).id == model
+
+
+def test_chat_matches_the_grpc_service(oai, zg, model):
+    r = oai.chat.completions.create(model=model, messages=HI, max_tokens=24, temperature=0)
+    ref = zg.chat(HI, GREEDY, max_new_tokens=24)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ref.finish_reason and r.object == "chat.completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (ref.prompt_tokens, ref.completion_tokens)
+    assert r.usage.total_tokens == ref.prompt_tokens + ref.completion_tokens
+
+
+def test_chat_streaming_arrives_in_chunks(oai, zg, model):
+    ref = zg.chat(HI, GREEDY, max_new_tokens=24)
+    stream = oai.chat.completions.create(
+        model=model,
+        messages=HI,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) > 1 and "".join(content) == ref.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == ref.completion_tokens
+
+
+def test_completions_stop_seed_and_stream(oai, model):
+    r = oai.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 7,"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == " 5, 6,"
+    parts = list(
+        oai.completions.create(
+            model=model, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=" 7,", stream=True
+        )
+    )
+    assert "".join(p.choices[0].text for p in parts) == " 5, 6," and len(parts) > 1
+    seeded = [
+        oai.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+    assert (
+        oai.completions.create(model=model, prompt="Once upon a time", max_tokens=3).usage.completion_tokens
+        == 3
+    )
+
+
+def test_json_schema_and_json_object_response_formats(oai, model):
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=48,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+        },
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    parsed = oai.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "A person, as JSON."}],
+        max_tokens=48,
+        temperature=0,
+        response_format=Person,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+    digits = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxItems": 3,
+        "uniqueItems": True,
+    }  # the grammar cannot enforce uniqueItems: strict false relaxes it
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Three digits."}],
+        max_tokens=16,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "d", "schema": digits, "strict": False},
+        },
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), list)
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": 'Reply {"ok": true} as JSON.'}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert r.choices[0].message.content.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_chat_logprobs_match_the_grpc_service(oai, zg, model):
+    r = oai.chat.completions.create(
+        model=model, messages=HI, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    ref = zg.chat(HI, GREEDY, max_new_tokens=8, logprobs=Logprobs(top=3))
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert [t.logprob for t in content] == pytest.approx(
+        [x.logprob for x in ref.logprobs][: len(content)], abs=1e-5
+    )
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)
+    assert bytes(content[0].bytes).decode() == content[0].token
+    # without top_logprobs the token texts come from Detokenize
+    chunks = list(
+        oai.chat.completions.create(
+            model=model, messages=HI, max_tokens=8, temperature=0, stream=True, logprobs=True
+        )
+    )
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.content if c.choices[0].logprobs else [])]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert [t.token for t in streamed] == [t.token for t in content] and not streamed[0].top_logprobs
+    c = oai.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0 and len(lp.top_logprobs[0]) == 2
+
+
+@pytest.mark.parametrize(
+    "kw, error, param",
+    [
+        (dict(model="no-such-model"), openai.NotFoundError, "model"),
+        (dict(temperature=3.0), openai.BadRequestError, "temperature"),
+        (dict(messages=[]), openai.BadRequestError, "messages"),
+        (dict(messages=[{"role": "wizard", "content": "x"}]), openai.BadRequestError, "messages[0].role"),
+        (dict(n=2), openai.BadRequestError, "n"),
+        (dict(top_logprobs=2), openai.BadRequestError, "top_logprobs"),
+        (
+            dict(max_tokens=9000),
+            openai.BadRequestError,
+            "max_tokens",
+        ),  # prompt + max_tokens beyond the context
+        (dict(max_tokens=6000), openai.RateLimitError, None),  # can never fit the KV pool (4096 tokens)
+        (dict(stream=True, frequency_penalty=5.0), openai.BadRequestError, "frequency_penalty"),
+        (dict(stream=True, max_tokens=9000), openai.BadRequestError, "max_tokens"),  # refused by the service
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            ),
+            openai.BadRequestError,
+            "response_format",
+        ),
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "strict": True,
+                        "schema": {"type": "array", "uniqueItems": True},
+                    },
+                }
+            ),
+            openai.BadRequestError,
+            "response_format",
+        ),
+        (
+            dict(extra_body={"repetition_penalty": 0}),
+            openai.BadRequestError,
+            "repetition_penalty",
+        ),  # the service's check
+    ],
+)
+def test_errors_have_the_openai_shape_and_status(oai, model, kw, error, param):
+    args = dict(model=model, messages=HI, max_tokens=4) | kw
+    with pytest.raises(error) as e:
+        r = oai.chat.completions.create(**args)
+        list(r) if args.get("stream") else r
+    assert e.value.body["type"] and e.value.body["message"]
+    assert e.value.body.get("param") == param
+
+
+def test_unparseable_body_and_unknown_route(gateway):
+    req = urllib.request.Request(
+        gateway + "/v1/chat/completions",
+        data=b"{nope",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(gateway + "/v1/nothing", timeout=10)
+    assert e.value.code == 404 and "error" in json.loads(e.value.read())
+
+
+def test_grpc_status_mapping():
+    def status(code: grpc.StatusCode) -> int:
+        return APIError.from_grpc(ZerogapError(code, "x")).status
+
+    assert [
+        status(c)
+        for c in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.ALREADY_EXISTS,
+        )
+    ] == [503, 504, 500, 409]
+    err = APIError.from_grpc(
+        ZerogapError(grpc.StatusCode.OUT_OF_RANGE, "input: prompt of 9 tokens does not fit")
+    )
+    assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "input")
+
+
+def _aborts(server) -> int:
+    return server.running.router.finished_by_reason.get("abort", 0)
+
+
+def _aborted_and_freed(server, zg: Client, aborts_before: int) -> None:
+    """The request ended as aborted (not finished) and GetServerInfo shows its KV cache free again."""
+    assert wait_until(lambda: _aborts(server) == aborts_before + 1, 20), "the gRPC request was not aborted"
+
+    def freed() -> bool:
+        info = zg.server_info()
+        return info.kv_pool_free_tokens == info.kv_pool_total_tokens and info.running_requests == 0
+
+    assert wait_until(freed, 20), "the KV cache was not freed"
+
+
+def test_sdk_stream_close_aborts_the_request(oai, server, zg, model):
+    before = _aborts(server)
+    stream = oai.chat.completions.create(
+        model=model, messages=HI, max_tokens=2000, stream=True, extra_body=ENDLESS
+    )
+    next(iter(stream))
+    next(iter(stream))
+    assert server.engine.num_live() == 1
+    stream.close()
+    _aborted_and_freed(server, zg, before)
+
+
+def test_sdk_timeout_aborts_the_request(oai, server, zg, model):
+    before = _aborts(server)
+    with pytest.raises(openai.APITimeoutError):
+        oai.with_options(timeout=1.0).completions.create(
+            model=model, prompt="Count:", max_tokens=2000, extra_body=ENDLESS
+        )
+    _aborted_and_freed(server, zg, before)
+
+
+def test_async_sdk_task_cancel_aborts_the_request(gateway, server, zg, model):
+    before = _aborts(server)
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0) as c:
+            task = asyncio.create_task(
+                c.chat.completions.create(model=model, messages=HI, max_tokens=2000, extra_body=ENDLESS)
+            )
+            start = time.monotonic()
+            while server.engine.num_live() == 0 and time.monotonic() - start < 20:
+                await asyncio.sleep(0.05)
+            assert server.engine.num_live() == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    _aborted_and_freed(server, zg, before)
+
+
+def test_cancel_through_the_lb_aborts_the_request(server, zg, model, tmp_path):
+    """As deployed: SDK -> gateway -> nginx (deploy/nginx.conf) -> server; closing the stream aborts it."""
+    from tests.test_stack import _Nginx, _nginx_binary, render_nginx_conf
+
+    binary = _nginx_binary()
+    if binary is None:
+        pytest.skip(
+            "nginx binary not installed (Debian/Ubuntu: apt-get install -y nginx; .ci/run installs it)"
+        )
+    port = free_port()
+    lb = _Nginx(binary, render_nginx_conf([server.port], port, tmp_path), tmp_path, port)
+    try:
+        assert lb.wait_ready(), lb.log()
+        with (
+            run_gateway(f"127.0.0.1:{port}") as base,
+            openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as c,
+        ):
+            before = _aborts(server)
+            stream = c.completions.create(
+                model=model, prompt="Count:", max_tokens=2000, stream=True, extra_body=ENDLESS
+            )
+            next(iter(stream))
+            next(iter(stream))
+            assert server.engine.num_live() == 1
+            stream.close()
+            _aborted_and_freed(server, zg, before)
+    finally:
+        lb.stop()
+
+
+# ---- request parsing, without a server -------------------------------------------------------
+
+
+def test_parse_chat_and_completion_variants():
+    call = protocol.parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+                },
+            ],
+            "max_completion_tokens": 9,
+            "stop": "x",
+            "seed": 3,
+            "response_format": {"type": "json_object"},
+        }
+    )
+    assert [(m[0], m[1]) for m in call.prompt.messages] == [("system", "Be brief."), ("user", "Hi there")]
+    assert (call.sampling.max_new_tokens, call.sampling.stop, call.sampling.seed) == (9, ["x"], 3)
+    assert call.constraint.kind == "json_schema" and json.loads(call.constraint.value) == {"type": "object"}
+    assert (
+        protocol.parse_chat(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        ).sampling.max_new_tokens
+        is None
+    )
+    comp = protocol.parse_completion({"model": "m", "prompt": [[1, 2, 3]], "logprobs": 0})
+    assert comp.prompt == [1, 2, 3] and comp.logprobs.top == 0 and comp.sampling.max_new_tokens == 16
+    assert protocol.parse_completion(
+        {"model": "m", "prompt": ["one"], "stream": True, "stream_options": {"include_usage": True}}
+    ).include_usage
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
+        ({"model": "m", "prompt": "a", "seed": -1}, "seed"),
+        ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"prompt": "a"}, "model"),
+        ({"model": "m", "prompt": "a", "response_format": {"type": "yaml"}}, "response_format.type"),
+    ],
+)
+def test_parse_completion_refusals(body, param):
+    with pytest.raises(APIError) as e:
+        protocol.parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_parse_chat_refusals():
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    for body, param in [
+        ({"model": "m", "messages": [{"role": "user", "content": [image]}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}},
+            "logit_bias",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ]:
+        with pytest.raises(APIError) as e:
+            protocol.parse_chat(body)
+        assert e.value.status == 400 and e.value.param == param
+    assert protocol.openai_param("sampling.min_new_tokens", "chat") == "min_tokens"
+    assert protocol.openai_param("input.token_ids", "completion") == "prompt"
