@@ -448,9 +448,6 @@ def test_mixed_prompt_lengths_give_the_same_tokens(server, stub):
     assert wait_until(lambda: kv_idle(server), 10)
 
 
-@pytest.mark.skipif(not os.environ.get("ZG_ITEM6"), reason="issue 17 item 6 (about a minute on SmolLM2): 56.9 s mixed "
-                    "vs 6.1 s alone with the padded extend batch; passes since the paged attention backend (merge of "
-                    "main); the lead decides whether it runs by default (ZG_ITEM6=1 runs it)")
 def test_mixed_prompt_lengths_cost_about_their_tokens(smol_dir):
     """One 1,000-token prompt with 16 one-token prompts was 10x the long prompt alone (35.2 s vs 3.6 s)."""
     long_req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[(7 * i) % 40000 + 100 for i in range(1000)]), sampling=greedy(1))
