@@ -60,6 +60,21 @@ static inline float exp_approx(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+/* One block of an online softmax: scores s[0..n) -> exp(s - new max) in place; the running max
+ * m and sum l move to the new max. Returns the factor the accumulators must be scaled by
+ * (0 on the first block, where m was -inf). */
+static inline float online_softmax_block(float *s, int64_t n, float *m, float *l) {
+    float bm = *m;
+    for (int64_t j = 0; j < n; j++) bm = s[j] > bm ? s[j] : bm;
+    const float corr = exp_approx(*m - bm);
+    float sum = 0.f;
+    _Pragma("omp simd reduction(+ : sum)")
+    for (int64_t j = 0; j < n; j++) { s[j] = exp_approx(s[j] - bm); sum += s[j]; }
+    *m = bm;
+    *l = *l * corr + sum;
+    return corr;
+}
+
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 
@@ -105,16 +120,8 @@ static inline float exp_approx(float x) {
                 }                                                                                           \
             }                                                                                               \
             for (int a = 0; a < G; a++) {                                                                   \
-                float bm = m[a];                                                                            \
-                for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                           \
-                const __m512 corr = _mm512_set1_ps(exp_approx(m[a] - bm));                                  \
-                l[a] *= exp_approx(m[a] - bm);                                                              \
+                const __m512 corr = _mm512_set1_ps(online_softmax_block(s[a], n, &m[a], &l[a]));            \
                 for (int x = 0; x < DV; x++) acc[a][x] = _mm512_mul_ps(acc[a][x], corr);                    \
-                m[a] = bm;                                                                                  \
-                float sum = 0.f;                                                                            \
-                _Pragma("omp simd reduction(+ : sum)")                                                      \
-                for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }     \
-                l[a] += sum;                                                                                \
             }                                                                                               \
             for (int64_t j = 0; j < n; j++) {                                                               \
                 const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                             \
@@ -212,16 +219,8 @@ AVX512_DISPATCH(avx512_f32)
                 }                                                                                           \
             }                                                                                               \
             for (int64_t a = 0; a < g; a++) {                                                               \
-                float bm = m[a];                                                                            \
-                for (int64_t j = 0; j < n; j++) bm = s[a][j] > bm ? s[a][j] : bm;                           \
-                const float corr = exp_approx(m[a] - bm); /* 0 on the first block (m = -inf) */             \
-                l[a] *= corr;                                                                               \
+                const float corr = online_softmax_block(s[a], n, &m[a], &l[a]);                             \
                 for (int64_t e = 0; e < d; e++) acc[a][e] *= corr;                                          \
-                m[a] = bm;                                                                                  \
-                float sum = 0.f;                                                                            \
-                _Pragma("omp simd reduction(+ : sum)")                                                      \
-                for (int64_t j = 0; j < n; j++) { s[a][j] = exp_approx(s[a][j] - bm); sum += s[a][j]; }     \
-                l[a] += sum;                                                                                \
             }                                                                                               \
             for (int64_t j = 0; j < n; j++) {                                                               \
                 const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                             \
