@@ -56,6 +56,10 @@ class Feature:
     name: str = ""
     support: OverlapSupport = OverlapSupport.FULL
     reason: str = ""
+    # Reads the model's raw logits (after_sampling) or needs them as float32: the forward then
+    # converts the logits once and keeps a raw copy; a batch without such a feature samples from
+    # the model's dtype (bf16) with no copy.
+    reads_raw_logits: bool = True
 
     # ---- declaration -----------------------------------------------------------------
     def bind(self, engine: Any) -> None:

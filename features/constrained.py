@@ -185,6 +185,7 @@ def _check_tagged_parts(text: str, parts: list[tuple[str, list[str], js.OutputVa
 class ConstrainedDecoding(Feature):
     name = "constrained"
     support = OverlapSupport.FULL
+    reads_raw_logits = False  # masks the logits in whatever dtype the model produced
     reason = ("the mask is filled by the scheduler while the forward runs, after the previous tokens were "
               "accepted; the forward waits for it only at sampling")
 
@@ -421,7 +422,8 @@ class ConstrainedDecoding(Feature):
         data = fb.feature_data[self.name]
         if not data["ready"].wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
-        logits = logits.clone()  # keep the raw logits intact (logprobs)
+        if any(f.reads_raw_logits for f, _ in fb.features):
+            logits = logits.clone()  # keep the raw logits intact (logprobs)
         mask = data["mask"].to(logits.device, non_blocking=True)  # filled on the host
         xgr.apply_token_bitmask_inplace(logits, mask, indices=data["rows"])
         return logits

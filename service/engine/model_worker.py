@@ -99,7 +99,7 @@ class ModelWorker:
         else:
             logits = self.model(fb, input_ids, self.kv_pool, self.attention)
         bs = fb.batch_size
-        if fb.features:  # feature hooks see float32 logits; a plain batch samples from the model's dtype
+        if any(f.reads_raw_logits for f, _ in fb.features):  # they see float32; others sample from the model's dtype
             logits = logits.float()
         raw = LogitsOutput(logits[:bs], logits[bs:] if fb.extra_logit_rows is not None else None)
         logits = raw.next_token
