@@ -82,6 +82,8 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first call; None when it cannot be built here."""
     global _lib, _failed
+    if _lib is not None or _failed is not None:  # the hot path: built (or refused) once, no lock
+        return _lib
     with _lock:
         if _lib is None and _failed is None:
             try:
@@ -157,8 +159,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def fused_ok(*tensors: torch.Tensor) -> bool:
     """The fused elementwise kernels apply: CPU tensors of one supported dtype, library built."""
-    t0 = tensors[0]
-    return t0.device.type == "cpu" and t0.dtype in _SUFFIX and all(t.dtype == t0.dtype for t in tensors) and available()
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIX or tensors[0].device.type != "cpu" or load() is None:
+        return False
+    return all(t.dtype == dtype for t in tensors[1:])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
