@@ -92,58 +92,87 @@ def _send(device: Device, host: dict[str, torch.Tensor | None], sb: SamplingBatc
     return {k: sent.get(k) for k in host}
 
 
+@dataclass
+class ExtendRow:
+    """One request's part of an extend batch: the tokens this step writes to its KV.
+
+    `prefix_len` tokens of the request are in its KV already (a cached prefix, earlier
+    chunks): their rows are in the request-to-token table at positions [0, prefix_len)
+    and the new tokens go at [prefix_len, prefix_len + len(token_ids)). A token may be
+    a future placeholder (a decode row riding in a mixed batch)."""
+
+    req: Req
+    token_ids: list[int]
+    prefix_len: int = 0
+    new_slot: bool = True  # the request's per-slot sampling state starts with this step
+
+
 def build_extend_batch(
-    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device = CPU
+    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device = CPU,
+    rows: list[ExtendRow] | None = None,
 ) -> ScheduleBatch:
-    """Prefill the whole prompt of each (newly admitted, slotted) request."""
-    lens = [len(r.prompt_ids) for r in reqs]
+    """Extend each (slotted) request by its row's tokens; by default the whole prompt of a new request."""
+    if rows is None:
+        rows = [ExtendRow(r, r.prompt_ids) for r in reqs]
+    assert [row.req for row in rows] == reqs
+    lens = [len(row.token_ids) for row in rows]
+    prefix = [row.prefix_len for row in rows]
     total = sum(lens)
     locs = kv_pool.alloc(total)
     q_lens = torch.tensor(lens, dtype=torch.int64)
+    prefix_t = torch.tensor(prefix, dtype=torch.int64)
     starts = torch.cumsum(q_lens, 0) - q_lens
     slots = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
-    prompts = [torch.tensor(r.prompt_ids, dtype=torch.int64) for r in reqs]
     token_slots = torch.repeat_interleave(slots, q_lens)
-    positions = torch.cat([torch.arange(n) for n in lens])
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
     req_pool.write_host(token_slots, positions, locs)
-    for r, n in zip(reqs, lens):
-        r.kv_len = n
+    for r, p, n in zip(reqs, prefix, lens):
+        r.kv_len = p + n
         r.launched = 1
     bs, lq = len(reqs), max(lens)
     j = torch.arange(lq).unsqueeze(0)
     valid = j < q_lens.unsqueeze(1)
     sampling = build_sampling_batch(reqs, vocab_size)
-    input_ids = torch.cat(prompts)
-    d = _send(device, {
+    input_ids = torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64)
+    # Rows whose sampling state starts now: their prompts mark the penalty state.
+    fresh = [row.req for row in rows if row.new_slot]
+    prompts = [torch.tensor(r.prompt_ids, dtype=torch.int64) for r in fresh]
+    fresh_slots = torch.tensor([r.slot for r in fresh], dtype=torch.int64)
+    prompt_slots = torch.repeat_interleave(fresh_slots, torch.tensor([len(r.prompt_ids) for r in fresh], dtype=torch.int64))
+    host = {
         "input_ids": input_ids, "positions": positions, "locs": locs, "slots": slots, "token_slots": token_slots,
-        "q_positions": torch.where(valid, j, 0), "logits_index": starts + q_lens - 1,
+        "q_positions": torch.where(valid, prefix_t.unsqueeze(1) + j, 0), "logits_index": starts + q_lens - 1,
         "q_pad_index": torch.where(valid, starts.unsqueeze(1) + j, total).reshape(-1),
         "q_unpad_index": (torch.arange(bs).unsqueeze(1) * lq + j)[valid],
-        "seq_lens": q_lens, "prefix_lens": torch.zeros(bs, dtype=torch.int64), "starts": starts,
-    }, sampling)
+        "seq_lens": prefix_t + q_lens, "prefix_lens": prefix_t, "starts": starts,
+        "fresh_slots": fresh_slots if fresh else None,
+        "prompt_slots": prompt_slots if fresh else None,
+        "prompt_tokens": torch.cat(prompts) if fresh else None,
+    }
+    d = _send(device, host, sampling)
     req_pool.write_device(d["token_slots"], d["positions"], d["locs"])
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=d["input_ids"],
         positions=d["positions"],
         out_cache_loc=d["locs"],
-        kv_indices=req_pool.gather(d["slots"], lq),
+        kv_indices=req_pool.gather(d["slots"], max(p + n for p, n in zip(prefix, lens))),
         q_positions=d["q_positions"],
         logits_index=d["logits_index"],
         sampling=sampling,
         q_pad_index=d["q_pad_index"],
         q_unpad_index=d["q_unpad_index"],
         extend_lens=lens,
-        new_slots=d["slots"],
+        new_slots=d["fresh_slots"],
         new_prompts=prompts,
         seq_lens=d["seq_lens"],
         extend_prefix_lens=d["prefix_lens"],
         extend_start_loc=d["starts"],
         max_extend_len=lq,
-        extend_prefix_lens_cpu=[0] * bs,
+        extend_prefix_lens_cpu=prefix,
         extend_start_loc_cpu=starts.tolist(),
-        new_prompt_slots=d["token_slots"],
-        new_prompt_tokens=d["input_ids"],
+        new_prompt_slots=d["prompt_slots"],
+        new_prompt_tokens=d["prompt_tokens"],
     )
     return ScheduleBatch(reqs, fb)
 
