@@ -60,3 +60,13 @@ def test_extend_with_prefix_equals_one_extend(tiny_llama_dir, backend, dtype):
     tol = 1e-4 if dtype is torch.float32 else 3e-2
     torch.testing.assert_close(chunked[: len(prompts)], whole[: len(prompts)], atol=tol, rtol=tol)
     assert chunked.argmax(-1).tolist() == whole.argmax(-1).tolist()
+
+
+def test_table_gather_is_a_snapshot_of_the_slots_rows():
+    table = ReqToTokenPool(5, 16)
+    table.table.copy_(torch.arange(80).view(5, 16))
+    slots = torch.tensor([3, 0, 4])
+    out = table.gather(slots, 6)
+    assert out.tolist() == [list(range(48, 54)), list(range(0, 6)), list(range(64, 70))]
+    table.table.zero_()
+    assert out[0, 0].item() == 48  # a copy, not a view of the table

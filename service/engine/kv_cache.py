@@ -52,8 +52,9 @@ class ReqToTokenPool:
         self.table[slots, positions] = locs
 
     def gather(self, slots: torch.Tensor, length: int) -> torch.Tensor:
-        """[bs, length] KV rows of each slot (device, a fresh tensor: a snapshot)."""
-        return self.table[slots.unsqueeze(1), torch.arange(length, device=self.device).unsqueeze(0)]
+        """[bs, length] KV rows of each slot (device, a fresh tensor: a snapshot). A row gather of the
+        table's first `length` columns: 2-D advanced indexing costs milliseconds here at bs 64 on CPU."""
+        return self.table[:, :length].index_select(0, slots)
 
 
 class TokenToKVPool:
