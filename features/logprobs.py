@@ -189,7 +189,7 @@ class LogprobsFeature(Feature):
             entries = [
                 self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)
             ]
-            if kept:
+            if kept and kept["start"] is not None:
                 first, entries = kept["start"], kept["entries"] + entries
             fields["input"] = entries
             fields["input_start"] = first
