@@ -105,11 +105,14 @@ def test_chunk_sizes_give_the_same_tokens_and_logprobs(size, tiny_llama_dir, ref
     assert len(first) == 1 and len(first[0]["input"]) == LONG - 1 and first[0]["input_start"] == 1
 
 
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_mixed_and_overlap_equal_whole_prefill(loop, mixed, tiny_llama_dir, reference):
-    got, counters = run(tiny_llama_dir, *workload(), chunked_prefill_size=16, enable_mixed_chunk=mixed, loop=loop)
-    assert_same(reference, got)
+@pytest.mark.parametrize("loop,mixed,size", [("normal", False, 16), ("overlap", False, 16), ("normal", True, 16),
+                                             ("overlap", True, 16), ("overlap", True, 100)])
+def test_mixed_and_overlap_equal_whole_prefill(loop, mixed, size, tiny_llama_dir, reference):
+    """The long prompt comes last, so its chunks meet running decodes. Size 100: chunks past the CPU
+    kernel's extend limit (SDPA), the decode rows beside them through the kernel."""
+    prompts, params, feats = (x[::-1] for x in workload())
+    got, counters = run(tiny_llama_dir, prompts, params, feats, chunked_prefill_size=size, enable_mixed_chunk=mixed, loop=loop)
+    assert_same(reference, got[::-1])
     assert counters["chunks"] > 0
     if mixed:
         assert counters["mixed_steps"] > 0 and counters["mixed_decode_rows"] >= counters["mixed_steps"]
