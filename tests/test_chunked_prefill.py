@@ -13,6 +13,7 @@ from service.engine.engine import SyncClient, collect
 from service.engine.request import FinishReason, SamplingParams
 from tests.helpers import wait_until
 from tests.test_device_path import watch_forward
+from tests.test_features import assert_close
 from tests.test_overlap import assert_pools_initial, forbid_placeholders
 
 LONG = 150  # tokens of the long prompt (the tiny models' context is 512)
@@ -55,21 +56,6 @@ def assert_same(a, b) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
         assert x[:3] == y[:3], f"request {i} differs"
         assert_close(x[3], y[3], f"request {i} logprobs")
-
-
-def assert_close(a, b, path: str) -> None:
-    if isinstance(a, float) or isinstance(b, float):
-        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), f"{path}: {a} != {b}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: {len(a)} != {len(b)} entries"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_close(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def workload():
