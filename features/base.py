@@ -17,6 +17,8 @@ points. Hooks run on the thread named in their docstring — never both.
                       on_result                the batch's result is on the host, per row
                       on_retract               the request was retracted; rebuild state from its kept tokens
                       on_finish                the request ended (any reason); may add fields to its last message
+                      on_chunk_result          (chunked prefill, features that read chunks) a non-final
+                                               prompt chunk's result is on the host, per row
     forward thread    before_forward           right before the model runs
                       modify_embeddings        input embeddings, before the first layer (e.g. images)
                       process_logits           at sampling: mask / bias the logits
@@ -133,3 +135,17 @@ class Feature:
         """Extra per-batch outputs (host tensors), handed to on_result. `logits` are the
         model's raw logits, before penalties, temperature and other features' masks."""
         return None
+
+    # ---- chunked prefill (service/engine/chunking.py) ------------------------------------
+    # A prompt split across steps yields, for each non-final chunk, a batch row whose sampled
+    # token is not the request's. Features see such rows only when they read prompt chunks
+    # (e.g. input logprobs); the others first see the request at its last chunk.
+    reads_prompt_chunks: bool = False
+
+    def on_chunk_result(self, batch: "ScheduleBatch", row: int, req: "Req", extras: Any) -> None:
+        """Scheduler thread, per active non-final chunk row (reads_prompt_chunks only): keep what
+        the chunk yielded for the request's first output; emit nothing."""
+
+    def counters(self) -> dict[str, int]:
+        """Feature-specific counters for the matrix (e.g. chunks run), by name."""
+        return {}

@@ -12,6 +12,14 @@ Input logprobs are chunk-aware: a batch row covers prompt positions
 can score itself (position p needs the logits at p - 1). The chunk's first
 position takes the previous chunk's last row; with whole-prompt prefill
 (chunk_start = 0) position 0 has no logprob.
+
+Chunked prefill (service/engine/chunking.py): a non-final chunk's row is seen here
+(`reads_prompt_chunks`). Its last row scores the next chunk's first token (the
+boundary: the row's "output" logprob targets that prompt token instead of the
+discarded sample); `on_chunk_result` keeps the chunk's entries on the request
+and its first output message carries them all, as without chunking. A decode row
+riding in a mixed extend batch (prefix at or past the prompt) gets output
+logprobs only, like a decode batch's row.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ class LogprobsFeature(Feature):
     name = "logprobs"
     support = OverlapSupport.FULL
     reason = "computed from the raw logits on the forward thread and copied to host with the tokens"
+    reads_prompt_chunks = True  # input logprobs of non-final prompt chunks
 
     def __init__(self) -> None:
         self._text_cache: dict[int, str] = {}
@@ -135,15 +144,20 @@ class LogprobsFeature(Feature):
         targets: list[int] = []
         owners: list[int] = []  # index into `rows` of each scored position
         spans: dict[int, tuple[int, int, int]] = {}  # row -> (first position, offset, count)
+        boundary = [-1] * len(rows)  # per active row: the prompt token its last row scores (non-final chunks)
+        partial = getattr(batch, "partial_rows", frozenset())
         for j, (r, p) in enumerate(zip(rows, params)):
-            if p.logprob_start_len < 0:
-                continue
             req = batch.reqs[r]
             chunk_start = fb.extend_prefix_lens_cpu[r]  # host copies: no device read
+            if p.logprob_start_len < 0 or chunk_start >= len(req.prompt_ids):
+                continue  # no input logprobs asked, or a decode row of a mixed batch
             chunk_len = fb.extend_lens[r]
             packed_start = fb.extend_start_loc_cpu[r]
+            end = min(chunk_start + chunk_len, len(req.prompt_ids))
+            if r in partial and end >= p.logprob_start_len:
+                boundary[j] = req.prompt_ids[end]
             first = max(p.logprob_start_len, chunk_start + 1)
-            positions = range(first, chunk_start + chunk_len)
+            positions = range(first, end)
             spans[r] = (first, len(targets), len(positions))
             for pos in positions:
                 extra_rows.append(packed_start + pos - chunk_start - 1)
@@ -154,6 +168,9 @@ class LogprobsFeature(Feature):
             data["input_targets"] = torch.tensor(targets, dtype=torch.int64)
             data["input_owners"] = torch.tensor(owners, dtype=torch.int64)
         data["input_spans"] = spans
+        if any(t >= 0 for t in boundary):
+            data["boundary"] = torch.tensor(boundary, dtype=torch.int64)
+            data["boundary_cpu"] = {r: t for r, t in zip(rows, boundary)}  # host copy, by batch row
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
         data = batch.fb.feature_data[self.name]
@@ -166,15 +183,46 @@ class LogprobsFeature(Feature):
         if p.return_logprob or p.top_logprobs_num or p.token_ids_logprob:
             fields["output"] = [self._entry(req.output_ids[-1], lists, "", j, p)]
         span = data.get("input_spans", {}).get(row)
+        kept = req.feature_state.pop(self.name, None)  # earlier chunks' input entries (chunked prefill)
         if span is not None:
             first, offset, count = span
             entries = [
                 self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)
             ]
+            if kept and kept["start"] is not None:
+                first, entries = kept["start"], kept["entries"] + entries
             fields["input"] = entries
             fields["input_start"] = first
             fields["normalized_prompt_logprob"] = sum(e[1] for e in entries) / len(entries) if entries else 0.0
         return fields
+
+    def on_chunk_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
+        """A non-final chunk: keep its input entries and the boundary token's for the first output."""
+        data = batch.fb.feature_data[self.name]
+        span = data.get("input_spans", {}).get(row)
+        if span is None:
+            return
+        lists = extras.get("_host")
+        if lists is None:
+            lists = extras["_host"] = self._to_lists(extras)
+        p: LogprobParams = req.features[self.name]
+        first, offset, count = span
+        entries = [self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)]
+        j = data["index"][row]
+        target = data.get("boundary_cpu", {}).get(row, -1)
+        if target >= 0:  # scored by this chunk's last row
+            entries.append(self._entry(target, lists, "", j, p))
+        kept = req.feature_state.setdefault(self.name, {"start": None, "entries": []})
+        if entries and kept["start"] is None:
+            kept["start"] = first  # with no entry of its own (count 0) the chunk's boundary is at `first`
+        kept["entries"].extend(entries)
+
+    def on_retract(self, req: Any) -> None:
+        req.feature_state.pop(self.name, None)  # the prompt is prefilled again
+
+    def on_finish(self, req: Any) -> dict[str, Any] | None:
+        req.feature_state.pop(self.name, None)
+        return None
 
     @staticmethod
     def _to_lists(extras: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +251,10 @@ class LogprobsFeature(Feature):
         data = fb.feature_data[self.name]
         rows = data["rows"]
         lp = torch.log_softmax(logits.next_token[rows].float(), dim=-1)
-        out = {"lp": lp.gather(1, next_ids[rows].unsqueeze(1)).squeeze(1)}
+        targets = next_ids[rows]
+        if "boundary" in data:  # non-final chunks: the next prompt token, not the discarded sample
+            targets = torch.where(data["boundary"] >= 0, data["boundary"], targets)
+        out = {"lp": lp.gather(1, targets.unsqueeze(1)).squeeze(1)}
         self._alternatives(lp, data["top_n"], data["token_ids"], "", out)
         if logits.extra is not None and "input_targets" in data:
             owners = data["input_owners"]

@@ -8,7 +8,7 @@ policy, and tells the scheduler which features a batch carries.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from features.base import Feature, OverlapSupport
@@ -32,6 +32,9 @@ def builtin_features() -> list[Feature]:
         logging.getLogger("zerogap.features").warning("constrained decoding unavailable: %s", e)
     else:
         features.append(ConstrainedDecoding())
+    from features.chunked_prefill import ChunkedPrefill
+
+    features.append(ChunkedPrefill())
     return features
 
 
@@ -46,6 +49,7 @@ class MatrixRow:
     batches_overlapped: int
     batches_fallback: int
     batches_normal_loop: int
+    counters: dict[str, int] = field(default_factory=dict)  # the feature's own (Feature.counters)
 
 
 @dataclass
@@ -145,13 +149,15 @@ class FeatureRegistry:
         return final
 
     # ---- batches -----------------------------------------------------------------------
-    def plan(self, reqs: list["Req"]) -> list[tuple[Feature, list[int]]]:
-        """(feature, active rows) for each feature some row of the batch uses."""
+    def plan(self, reqs: list["Req"], partial_rows: frozenset[int] = frozenset()) -> list[tuple[Feature, list[int]]]:
+        """(feature, active rows) for each feature some row of the batch uses. `partial_rows`
+        (non-final prompt chunks) count only for features that read prompt chunks."""
         plan = []
         for name, f in self.features.items():
             if self.counters[name].live_requests == 0:
                 continue  # cheap path: nobody uses it right now
-            rows = [i for i, r in enumerate(reqs) if f.active_for(r)]
+            skip = frozenset() if f.reads_prompt_chunks else partial_rows
+            rows = [i for i, r in enumerate(reqs) if i not in skip and f.active_for(r)]
             if rows:
                 plan.append((f, rows))
         return plan
@@ -169,7 +175,7 @@ class FeatureRegistry:
             why = f.unavailable_reason(self.model) if self.model is not None else None
             c = self.counters[name]
             rows.append(MatrixRow(name, f.support.value, f.reason, self.enabled[name], why is None, why or "",
-                                  c.overlapped, c.fallback, c.normal_loop))
+                                  c.overlapped, c.fallback, c.normal_loop, f.counters()))
         return rows
 
 

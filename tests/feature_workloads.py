@@ -23,3 +23,11 @@ WORKLOADS["constrained"] = lambda i: (
      dict(kind="ebnf", text='root ::= "yes" | "no" | "maybe " [0-9]')][i % 3]
     if i % 2 == 0 else None
 )
+# A server setting, not a request payload: its cells run every request with prompts cut in
+# chunks of 7 and mixed with the decodes, against the reference's whole-prompt prefill.
+WORKLOADS["chunked_prefill"] = lambda i: None
+
+# Server arguments a feature's matrix cells run with (its reference runs without them).
+CELL_ARGS: dict[str, dict[str, Any]] = {
+    "chunked_prefill": dict(chunked_prefill_size=7, enable_mixed_chunk=True),
+}

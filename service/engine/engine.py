@@ -105,6 +105,8 @@ class Engine:
             features=self.features,
             future_map_size=args.future_map_size,
             max_skip_ahead=args.max_skip_ahead,
+            chunked_prefill_size=args.chunked_prefill_size,
+            enable_mixed_chunk=args.enable_mixed_chunk,
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()

@@ -42,6 +42,8 @@ class SamplingBatch:
     # (row, token) pairs to forbid this step: EOS / stop ids before min_new_tokens.
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # [bs] bool: rows whose token counts (penalty state); None = all. A non-final prompt chunk's does not.
+    kept: torch.Tensor | None = None
 
 
 @dataclass

@@ -99,7 +99,8 @@ class Sampler:
             sampled = torch.where(probs > 0, probs / noise, -1.0).argmax(dim=-1)
             ids = torch.where(sb.temperatures > 0, sampled, greedy)
         if sb.need_penalties:
-            self.counts.index_put_((sb.req_slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+            ones = torch.ones_like(ids, dtype=torch.int32) if sb.kept is None else sb.kept.to(torch.int32)
+            self.counts.index_put_((sb.req_slots, ids), ones, accumulate=True)
         return ids
 
     @staticmethod

@@ -34,14 +34,19 @@ class ScheduleBatch:
     support: OverlapSupport = OverlapSupport.FULL
     after_launch_pending: bool = False  # overlap loop: its after_launch hooks wait for older results
     hook_error: Exception | None = None  # a feature hook failed: the batch's requests fail
+    # Chunked prefill (service/engine/chunking.py): rows that are a prompt's non-final chunk (their
+    # sampled token is not the request's), and plan entries of the chunking module itself.
+    partial_rows: frozenset[int] = frozenset()
+    own_plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
 
     @property
     def mode(self) -> ForwardMode:
         return self.fb.mode
 
 
-def build_sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
-    """Per-row sampling tensors (host). Call after the requests' `launched` counters moved."""
+def build_sampling_batch(reqs: list[Req], vocab_size: int, discarded: list[int] | None = None) -> SamplingBatch:
+    """Per-row sampling tensors (host). Call after the requests' `launched` counters moved.
+    `discarded`: rows whose sampled token is thrown away (non-final prompt chunks)."""
     rows = torch.tensor([r.sampling_row for r in reqs], dtype=torch.float32)
     temps, top_k, top_p, min_p = rows[:, 0], rows[:, 1].to(torch.int64), rows[:, 2], rows[:, 3]
     top_k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size))
@@ -69,12 +74,13 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int) -> SamplingBatch:
         need_penalties=any(r.uses_penalties for r in reqs),
         banned_rows=torch.tensor(banned_rows, dtype=torch.int64) if banned_rows else None,
         banned_tokens=torch.tensor(banned_tokens, dtype=torch.int64) if banned_rows else None,
+        kept=torch.tensor([i not in discarded for i in range(len(reqs))]) if discarded else None,
     )
 
 
 _SAMPLING_TENSORS = (
     "temperatures", "top_ks", "top_ps", "min_ps", "repetition_penalties", "frequency_penalties",
-    "presence_penalties", "seeds", "steps", "req_slots", "banned_rows", "banned_tokens",
+    "presence_penalties", "seeds", "steps", "req_slots", "banned_rows", "banned_tokens", "kept",
 )
 
 
@@ -106,6 +112,17 @@ class ExtendRow:
     prefix_len: int = 0
     new_slot: bool = True  # the request's per-slot sampling state starts with this step
 
+    @property
+    def decodes(self) -> bool:
+        """The row continues the output (a running request's next token in a mixed batch): its
+        counters advance as in a decode batch."""
+        return self.prefix_len >= len(self.req.prompt_ids)
+
+    @property
+    def partial(self) -> bool:
+        """A prompt chunk that is not the prompt's last: the token sampled after it is not the request's."""
+        return not self.decodes and self.prefix_len + len(self.token_ids) < len(self.req.prompt_ids)
+
 
 def build_extend_batch(
     reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device = CPU,
@@ -126,13 +143,13 @@ def build_extend_batch(
     token_slots = torch.repeat_interleave(slots, q_lens)
     positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, lens)])
     req_pool.write_host(token_slots, positions, locs)
-    for r, p, n in zip(reqs, prefix, lens):
-        r.kv_len = p + n
-        r.launched = 1
+    for row, p, n in zip(rows, prefix, lens):
+        row.req.kv_len = p + n
+        row.req.launched = row.req.launched + 1 if row.decodes else 1
     bs, lq = len(reqs), max(lens)
     j = torch.arange(lq).unsqueeze(0)
     valid = j < q_lens.unsqueeze(1)
-    sampling = build_sampling_batch(reqs, vocab_size)
+    sampling = build_sampling_batch(reqs, vocab_size, [i for i, row in enumerate(rows) if row.partial])
     input_ids = torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.int64)
     # Rows whose sampling state starts now: their prompts mark the penalty state.
     fresh = [row.req for row in rows if row.new_slot]
@@ -174,7 +191,7 @@ def build_extend_batch(
         new_prompt_slots=d["prompt_slots"],
         new_prompt_tokens=d["prompt_tokens"],
     )
-    return ScheduleBatch(reqs, fb)
+    return ScheduleBatch(reqs, fb, partial_rows=frozenset(i for i, row in enumerate(rows) if row.partial))
 
 
 def build_decode_batch(

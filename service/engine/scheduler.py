@@ -18,6 +18,7 @@ import torch
 
 from features.base import OverlapSupport
 from features.registry import FeatureRegistry, support_of
+from service.engine.chunking import PrefillChunker, run_chunk_hooks
 from service.engine.forward_batch import BatchResult
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -46,6 +47,8 @@ class Scheduler:
         features: FeatureRegistry,
         future_map_size: int | None = None,
         max_skip_ahead: int = 32,
+        chunked_prefill_size: int = 0,
+        enable_mixed_chunk: bool = False,
     ):
         self.worker = worker
         self.req_pool = req_pool
@@ -80,6 +83,11 @@ class Scheduler:
         self.last_error: str | None = None
         self.sync_points = 0  # overlap loop: launches that had to wait for an older result
         self.fault_hook = None  # test hook: called per request while processing results
+        # Chunked prefill and mixed batches (service/engine/chunking.py); None: whole prompts per step.
+        self.chunker: PrefillChunker | None = None
+        chunk_feature = features.features.get("chunked_prefill")
+        if chunked_prefill_size > 0 and chunk_feature is not None and features.enabled[chunk_feature.name]:
+            self.chunker = PrefillChunker(chunked_prefill_size, enable_mixed_chunk, chunk_feature)  # type: ignore[arg-type]
 
     # ---- thread-safe entry points -------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -209,7 +217,7 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
         batch = self.form_prefill_batch() or self.form_decode_batch()
         if batch is not None:
-            batch.plan = batch.fb.features = self.features.plan(batch.reqs)
+            batch.plan = batch.fb.features = self.features.plan(batch.reqs, batch.partial_rows) + batch.own_plan
             batch.support = support_of(batch.plan)
             for feature, rows in batch.plan:
                 feature.on_batch_formed(batch, rows)
@@ -219,11 +227,15 @@ class Scheduler:
     def form_prefill_batch(self) -> ScheduleBatch | None:
         """Admit waiting requests in order. One that does not fit the KV pool yet does not block the
         smaller ones behind it, but only `max_skip_ahead` of them may pass it: then it gets the room."""
+        step = self.chunker.begin_step(self.running) if self.chunker is not None else None  # chunked prefill
+        held = self.chunker.holding if self.chunker is not None else 0
         admitted: list[Req] = []
         tokens = 0
         blocked: Req | None = None  # the oldest waiting request that does not fit yet
         for req in list(self.waiting):
-            if len(self.running) + len(admitted) >= self.max_running:
+            if step is not None and not step.room():
+                break
+            if len(self.running) + len(admitted) + held >= self.max_running:
                 break
             if req.features:
                 try:
@@ -233,7 +245,7 @@ class Scheduler:
                     self.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
                     continue
             n = len(req.prompt_ids)
-            if admitted and tokens + n > self.max_prefill_tokens:
+            if step is None and admitted and tokens + n > self.max_prefill_tokens:
                 break
             if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
                 blocked = blocked or req
@@ -247,6 +259,12 @@ class Scheduler:
             req.slot = self.req_pool.alloc()
             admitted.append(req)
             tokens += n
+            if step is not None:
+                step.add(req, 0)
+        if step is not None:  # chunked prefill: the step's rows (chunks, new prompts, mixed decodes)
+            batch, done = self.chunker.build(step, self.req_pool, self.kv_pool, self.vocab_size, self.device)  # type: ignore[union-attr]
+            self.running.extend(done)
+            return batch
         if not admitted:
             return None
         self.running.extend(admitted)
@@ -321,6 +339,13 @@ class Scheduler:
         feature_rows = {f.name: set(rows) for f, rows in batch.plan}
         for i, req in enumerate(batch.reqs):
             if req.finished:  # finished or aborted while this batch was in flight
+                continue
+            if i in batch.partial_rows:  # chunked prefill: a non-final chunk's token is not the request's
+                try:
+                    run_chunk_hooks(batch, i, req, result.extras)
+                except Exception as e:
+                    log.exception("request %s failed", req.rid)
+                    self.finish(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
                 continue
             token = tokens[i]
             if batch.placeholders is None or req.next_input == batch.placeholders[i]:

@@ -10,7 +10,9 @@ attends over each request's rows of the pool (`fb.kv_indices`).
   (`cpu_kernels.py`) reads the pool rows in place — no gather, no padding;
 - extends with a long chunk: one SDPA per request over that request's rows
   (gathered with index_select), so a prefill costs what its tokens cost
-  whatever the mix of prompt lengths (no padding to the longest);
+  whatever the mix of prompt lengths (no padding to the longest); the batch's
+  short rows (a mixed batch's decode rows, short prompts) still go through the
+  kernel, in one call;
 - without a C compiler: gather + one masked SDPA for decode, per-request SDPA
   for extend.
 """
@@ -40,6 +42,10 @@ class AttentionMeta:
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
     req_of: torch.Tensor | None = None  # [T] request row of each query token (kernel)
+    # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
+    # short rows' queries (packed indices, their request rows), SDPA the long rows.
+    short_q: torch.Tensor | None = None
+    short_req_of: torch.Tensor | None = None
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -84,7 +90,19 @@ class TorchAttention:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
             meta.req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
+        elif self.use_kernel and on_cpu and not decode and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available():
+            self._split_short_rows(meta)
         return meta
+
+    @staticmethod
+    def _split_short_rows(meta: AttentionMeta) -> None:
+        lens = meta.fb.extend_lens or []
+        short = [r for r, n in enumerate(lens) if n <= KERNEL_MAX_EXTEND]
+        if not short:
+            return
+        starts = meta.fb.extend_start_loc_cpu or [sum(lens[:r]) for r in range(len(lens))]
+        meta.short_q = torch.tensor([starts[r] + j for r in short for j in range(lens[r])], dtype=torch.int64)
+        meta.short_req_of = torch.tensor([r for r in short for _ in range(lens[r])], dtype=torch.int64)
 
     def forward(
         self,
@@ -106,7 +124,13 @@ class TorchAttention:
         v_cache[fb.out_cache_loc] = v
         if fb.mode is ForwardMode.DECODE:
             return self._decode_gathered(q, k_cache, v_cache, meta, scale)
-        return self._extend_per_request(q, k_cache, v_cache, meta, scale)
+        out = self._extend_per_request(q, k_cache, v_cache, meta, scale, long_only=meta.short_q is not None)
+        if meta.short_q is not None and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+            idx = meta.short_q
+            short = cpu_kernels.paged_attention(q.index_select(0, idx), k_cache, v_cache, fb.kv_indices, meta.short_req_of,
+                                                fb.positions.index_select(0, idx), scale, meta.sliding_window)
+            out.index_copy_(0, idx, short.view(idx.shape[0], -1))
+        return out
 
     @staticmethod
     def _decode_gathered(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
@@ -121,13 +145,16 @@ class TorchAttention:
         return out.reshape(bs, -1)
 
     @staticmethod
-    def _extend_per_request(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
-        """One SDPA per request over its own rows: the cost of a prefill is that of its tokens."""
+    def _extend_per_request(q, k_cache, v_cache, meta: AttentionMeta, scale: float, long_only: bool = False) -> torch.Tensor:
+        """One SDPA per request over its own rows: the cost of a prefill is that of its tokens.
+        long_only: rows the kernel takes (short ones) are left for it."""
         fb = meta.fb
         hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
         group = hq // hkv
         out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
         for r, (length, n, start) in enumerate(meta.extend_rows):
+            if long_only and n <= KERNEL_MAX_EXTEND and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+                continue
             rows = fb.kv_indices[r, :length]
             kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]
             vr = v_cache.index_select(0, rows).transpose(0, 1)

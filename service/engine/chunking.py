@@ -1,0 +1,127 @@
+"""Chunked prefill and mixed batches: one token budget per step.
+
+With `--chunked-prefill-size N` a step carries at most N prompt tokens: the
+continuing chunk of the request part-way through its prompt first, then new
+prompts in admission order; the first that does not fit whole is cut at the
+budget and continues next step. A cut request keeps its slot and its KV rows
+between chunks (they are in the request-to-token table, the next chunk extends
+them with `prefix_len` = tokens done), and is not decodable — nor in
+`Scheduler.running` — until its last chunk is launched. The token sampled after
+a non-final chunk is not the request's: the batch marks those rows
+(`ScheduleBatch.partial_rows`), the sampler does not count it, features other
+than those reading prompt chunks never see the row, and the scheduler drops it.
+
+Steps without mixing alternate: after a step that cut a prompt, the running
+requests decode before the next chunk, so a long prompt delays each running
+stream by one chunk at a time instead of by the whole prefill.
+
+With `--enable-mixed-chunk` the running decodes ride in the chunk's EXTEND
+batch as one-token rows on top of their KV (`prefix_len` = kv_len), taking one
+token of the budget each; under the overlap loop their input is the future
+placeholder of their previous step, resolved on the device like any other
+(SGLang's #2158). When the decodes alone fill the budget the chunk runs in its
+own step, and the decodes in the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from features.chunked_prefill import ChunkCounters, ChunkedPrefill
+from service.engine.device import Device
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
+from service.engine.request import Req
+from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_extend_batch
+
+
+@dataclass
+class ChunkStep:
+    """One step's token budget while the scheduler admits requests into it."""
+
+    budget: int  # tokens the step may carry (0: a decode turn, no prefill)
+    rows: list[ExtendRow] = field(default_factory=list)  # prefill rows: continuing chunk first
+    decodes: list[Req] = field(default_factory=list)  # mixed: running requests as one-token rows
+    used: int = 0
+    split: bool = False  # a prompt was cut at the budget: nothing is admitted after it
+
+    def room(self) -> bool:
+        return not self.split and self.used < self.budget
+
+    def add(self, req: Req, start: int) -> None:
+        """The request's prompt from `start` on, as much as the budget leaves."""
+        take = min(len(req.prompt_ids) - start, self.budget - self.used)
+        self.rows.append(ExtendRow(req, req.prompt_ids[start : start + take], prefix_len=start, new_slot=start == 0))
+        self.used += take
+        self.split = start + take < len(req.prompt_ids)
+
+
+class PrefillChunker:
+    """The scheduler's chunked-prefill state: the request part-way through its prompt, and whose turn it is."""
+
+    def __init__(self, size: int, mixed: bool, feature: ChunkedPrefill | None = None):
+        if size < 1:
+            raise ValueError(f"chunked prefill size must be >= 1, got {size}")
+        self.size = size
+        self.mixed = mixed
+        self.feature = feature
+        self.stats = feature.stats if feature is not None else ChunkCounters()
+        self.partial: Req | None = None  # cut at the budget: its next chunk goes first
+        self.decode_turn = False  # the last step cut a prompt without carrying the decodes
+
+    @property
+    def holding(self) -> int:
+        """Requests admitted but neither running nor waiting (the one part-way through its prompt)."""
+        return 1 if self.partial is not None and not self.partial.finished else 0
+
+    def begin_step(self, running: list[Req]) -> ChunkStep:
+        """This step's budget: the decodes' share (mixed) and the continuing chunk are taken first."""
+        if self.partial is not None and self.partial.finished:
+            self.partial = None  # aborted or failed mid-prefill: finish() freed its KV and slot
+        decodable = [r for r in running if not r.finished and r.launched < r.max_new_tokens]
+        if self.decode_turn:
+            self.decode_turn = False
+            if decodable:
+                return ChunkStep(budget=0)
+        step = ChunkStep(budget=self.size)
+        if self.mixed and len(decodable) < self.size:
+            step.decodes = decodable
+            step.used = len(decodable)
+        if self.partial is not None:
+            step.add(self.partial, self.partial.kv_len)
+        return step
+
+    def build(
+        self, step: ChunkStep, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device
+    ) -> tuple[ScheduleBatch | None, list[Req]]:
+        """(the step's batch, the requests whose whole prompt is now launched: they start decoding)."""
+        if not step.rows:
+            return None, []
+        cut = [row.req for row in step.rows if row.partial]
+        self.partial = cut[0] if cut else None
+        done = [row.req for row in step.rows if not row.partial]
+        decode_rows = [ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False) for r in step.decodes]
+        rows = step.rows + decode_rows
+        chunk_rows = [i for i, row in enumerate(step.rows) if row.partial or row.prefix_len > 0]
+        batch = build_extend_batch([row.req for row in rows], req_pool, kv_pool, vocab_size, device, rows=rows)
+        self.decode_turn = self.partial is not None and not decode_rows
+        self._count(step, chunk_rows, decode_rows)
+        mine = chunk_rows + list(range(len(step.rows), len(rows)))
+        if self.feature is not None and mine:
+            batch.own_plan = [(self.feature, mine)]
+        return batch, done
+
+    def _count(self, step: ChunkStep, chunk_rows: list[int], decode_rows: list[ExtendRow]) -> None:
+        s = self.stats
+        s.chunks += len(chunk_rows)
+        s.chunked_requests += sum(1 for i in chunk_rows if step.rows[i].prefix_len == 0)
+        if decode_rows:
+            s.mixed_steps += 1
+            s.mixed_decode_rows += len(decode_rows)
+
+
+def run_chunk_hooks(batch: ScheduleBatch, row: int, req: Req, extras: dict[str, Any]) -> None:
+    """A non-final chunk's result: the features that read prompt chunks keep what it yielded."""
+    for feature, rows in batch.plan:
+        if feature.reads_prompt_chunks and row in rows:
+            feature.on_chunk_result(batch, row, req, extras.get(feature.name))

@@ -1,0 +1,197 @@
+"""Chunked prefill and mixed batches: a prompt split across steps (alone or riding with the running
+decodes) gives what one whole-prompt prefill gives — tokens, input and output logprobs, seeded
+samples with penalties, stop strings, grammars — in both loops, and frees its KV when aborted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from service.config import ServerArgs
+from service.engine.engine import SyncClient, collect
+from service.engine.request import FinishReason, SamplingParams
+from tests.helpers import wait_until
+from tests.test_device_path import watch_forward
+from tests.test_features import assert_close
+from tests.test_overlap import assert_pools_initial, forbid_placeholders
+
+LONG = 150  # tokens of the long prompt (the tiny models' context is 512)
+LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17], "logprob_start_len": 0}}
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49000) for _ in range(n)]
+
+
+def client(model_dir, guard: bool = True, **args) -> SyncClient:
+    """guard: any future placeholder reaching the model fails the forward (a host read itself)."""
+    c = SyncClient(ServerArgs(**{"dtype": "float32", "loop": "normal", "kv_cache_tokens": 3000, "max_running_requests": 8, **args}),
+                   model_dir)
+    if guard:
+        forbid_placeholders(c)
+    return c
+
+
+def run(model_dir, prompts, params, feats, **args):
+    """(per request: token ids, finish reason, logprob extras of every delta), chunk counters."""
+    c = client(model_dir, **args)
+    try:
+        outs = c.generate(prompts, params, feats)
+        assert_pools_initial(c)
+        counters = next(r.counters for r in c.engine.features.matrix() if r.feature == "chunked_prefill")
+    finally:
+        c.close()
+    results = []
+    for o in outs:
+        ids, text, last = collect(o)
+        assert last.error is None, last.error
+        results.append((ids, text, last.finish_reason, [d.extras.get("logprobs") for d in o]))
+    return results, counters
+
+
+def assert_same(a, b) -> None:
+    """Tokens, text and finish reasons equal; logprobs within float32 tolerance."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x[:3] == y[:3], f"request {i} differs"
+        assert_close(x[3], y[3], f"request {i} logprobs")
+
+
+def workload():
+    """A long prompt with input logprobs from position 0, beside short requests that decode while it
+    prefills: seeded sampling with penalties, a stop string, input logprobs from the middle."""
+    prompts = [prompt(1, LONG), prompt(2, 5), prompt(3, 23), prompt(4, 40), prompt(5, 9)]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_new_tokens=16, ignore_eos=True, frequency_penalty=1.5,
+                       repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.8, seed=11, top_k=40, max_new_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, stop=["e"], min_new_tokens=2),
+    ]
+    feats = [LOGPROBS, LOGPROBS, None,
+             {"logprobs": {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 17}}, None]
+    return prompts, params, feats
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Whole-prompt prefill, normal loop."""
+    return run(tiny_llama_dir, *workload())[0]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64])
+def test_chunk_sizes_give_the_same_tokens_and_logprobs(size, tiny_llama_dir, reference):
+    got, counters = run(tiny_llama_dir, *workload(), chunked_prefill_size=size)
+    assert_same(reference, got)
+    assert counters["chunked_requests"] >= 1 and counters["chunks"] >= LONG // size
+    assert counters["mixed_steps"] == 0
+    first = [d for d in got[0][3] if d and "input" in d]
+    assert len(first) == 1 and len(first[0]["input"]) == LONG - 1 and first[0]["input_start"] == 1
+
+
+@pytest.mark.parametrize("loop,mixed,size", [("normal", False, 16), ("overlap", False, 16), ("normal", True, 16),
+                                             ("overlap", True, 16), ("overlap", True, 100)])
+def test_mixed_and_overlap_equal_whole_prefill(loop, mixed, size, tiny_llama_dir, reference):
+    """The long prompt comes last, so its chunks meet running decodes. Size 100: chunks past the CPU
+    kernel's extend limit (SDPA), the decode rows beside them through the kernel."""
+    prompts, params, feats = (x[::-1] for x in workload())
+    got, counters = run(tiny_llama_dir, prompts, params, feats, chunked_prefill_size=size, enable_mixed_chunk=mixed, loop=loop)
+    assert_same(reference, got[::-1])
+    assert counters["chunks"] > 0
+    if mixed:
+        assert counters["mixed_steps"] > 0 and counters["mixed_decode_rows"] >= counters["mixed_steps"]
+    else:
+        assert counters["mixed_steps"] == 0
+
+
+def test_sliding_window_across_chunk_boundaries(tiny_mistral_dir):
+    """Mistral (window 8): chunks of 5 and mixed rows attend the same window as one prefill."""
+    prompts, params, feats = [prompt(1, 60), prompt(2, 7)], [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)] * 2, None
+    ref, _ = run(tiny_mistral_dir, prompts, params, [LOGPROBS] * 2)
+    got, _ = run(tiny_mistral_dir, prompts, params, [LOGPROBS] * 2, chunked_prefill_size=5, enable_mixed_chunk=True, loop="overlap")
+    assert_same(ref, got)
+
+
+def test_prompt_at_and_over_the_budget(tiny_llama_dir):
+    """Exactly the budget: one step, not a chunk. One token over: two chunks (16 + 1)."""
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    at, over = prompt(8, 16), prompt(9, 17)
+    for p, chunks in ((at, 0), (over, 2)):
+        ref, _ = run(tiny_llama_dir, [p], [sp], [LOGPROBS])
+        got, counters = run(tiny_llama_dir, [p], [sp], [LOGPROBS], chunked_prefill_size=16, loop="overlap")
+        assert_same(ref, got)
+        assert counters["chunks"] == chunks and counters["chunked_requests"] == (chunks > 0)
+
+
+def test_logprob_start_at_a_chunk_boundary(tiny_llama_dir):
+    """Input logprobs from each position around a boundary (chunks of 8: boundary tokens at 8, 16)."""
+    p = prompt(10, 20)
+    sp = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    feats = [{"logprobs": {"top_logprobs_num": 2, "token_ids_logprob": [9], "logprob_start_len": s}} for s in (7, 8, 9, 16, 19)]
+    ref, _ = run(tiny_llama_dir, [p] * 5, [sp] * 5, feats)
+    got, _ = run(tiny_llama_dir, [p] * 5, [sp] * 5, feats, chunked_prefill_size=8, max_running_requests=1)
+    assert_same(ref, got)
+
+
+def test_grammar_starts_after_the_last_chunk(tiny_llama_dir):
+    """A constrained request with a chunked prompt: the matcher sees only real output tokens."""
+    pytest.importorskip("xgrammar")
+    prompts = [prompt(11, 90), prompt(12, 4)]
+    sp = SamplingParams(temperature=0, max_new_tokens=16)
+    feats = [{"constrained": {"kind": "regex", "text": r"[a-z]{2,6}( [0-9]+)?"}}, {"constrained": {"kind": "json_object"}}]
+    ref, _ = run(tiny_llama_dir, prompts, [sp] * 2, feats)
+    got, counters = run(tiny_llama_dir, prompts, [sp] * 2, feats, chunked_prefill_size=8, enable_mixed_chunk=True, loop="overlap")
+    assert [r[:3] for r in got] == [r[:3] for r in ref]
+    assert counters["chunked_requests"] == 1
+
+
+def test_abort_during_chunked_prefill_frees_its_kv(tiny_llama_dir):
+    """Aborted part-way through its prompt (chunks of 1): slot, KV rows and reservation come back;
+    the request beside it is unaffected."""
+    for loop in ("normal", "overlap"):
+        c = client(tiny_llama_dir, chunked_prefill_size=1, enable_mixed_chunk=True, loop=loop)
+        try:
+            sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+            c.submit("short", prompt(13, 3), sp)
+            c.submit("long", prompt(14, 300), sp)
+            sched = c.engine.scheduler
+            assert wait_until(lambda: sched.chunker.stats.chunks > 20, 60)
+            assert c.engine.abort("long")
+            ids, _, last = collect(c.wait("long"))
+            assert last.finish_reason is FinishReason.ABORT and ids == []
+            ids, _, last = collect(c.wait("short"))
+            assert last.finish_reason is FinishReason.LENGTH and len(ids) == 40
+            assert_pools_initial(c)
+            assert sched.chunker.holding == 0
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_mixed_batches_have_no_host_sync(loop, tiny_llama_dir):
+    """Chunk and decode rows in one batch, placeholders included: no host read of device values."""
+    found: list[str] = []
+    c = client(tiny_llama_dir, guard=False, chunked_prefill_size=6, enable_mixed_chunk=True, loop=loop)
+    watch_forward(c, found)
+    try:
+        prompts, params, feats = workload()
+        outs = c.generate(prompts[1:] + [prompts[0][:30]], params[1:] + params[:1], feats[1:] + feats[:1])
+        assert all(collect(o)[2].error is None for o in outs)
+        assert c.engine.scheduler.chunker.stats.mixed_steps > 0
+    finally:
+        c.close()
+    assert found == [], f"host syncs in the forward path: {sorted(set(found))}"
+
+
+def test_options_and_switch(tiny_llama_dir):
+    from service.config import parse_server_args
+
+    a = parse_server_args(["--chunked-prefill-size", "256", "--enable-mixed-chunk"])
+    assert a.chunked_prefill_size == 256 and a.enable_mixed_chunk
+    c = client(tiny_llama_dir, chunked_prefill_size=8, disabled_features=["chunked_prefill"])
+    try:
+        assert c.engine.scheduler.chunker is None  # switched off: whole prompts per step
+    finally:
+        c.close()
