@@ -17,6 +17,8 @@ points. Hooks run on the thread named in their docstring — never both.
                       on_result                the batch's result is on the host, per row
                       on_retract               the request was retracted; rebuild state from its kept tokens
                       on_finish                the request ended (any reason); may add fields to its last message
+    caller thread     expand_prompt            (prompt hooks) the prompt the model sees, e.g. image
+                                               placeholders expanded into per-image token runs
     forward thread    before_forward           right before the model runs
                       modify_embeddings        input embeddings, before the first layer (e.g. images)
                       process_logits           at sampling: mask / bias the logits
@@ -133,3 +135,10 @@ class Feature:
         """Extra per-batch outputs (host tensors), handed to on_result. `logits` are the
         model's raw logits, before penalties, temperature and other features' masks."""
         return None
+
+    # ---- prompt hooks (caller thread, before validation; added for multimodal input) -------
+    def expand_prompt(self, payload: Any, prompt_ids: list[int]) -> list[int]:
+        """The prompt the model sees, for every request of an enabled feature (`payload` None when the
+        request does not use it): e.g. one image placeholder -> the image's run of image tokens.
+        Raise RequestError when the prompt and the payload disagree."""
+        return prompt_ids
