@@ -229,16 +229,28 @@ def test_bad_images_fail_only_their_request(loop, tiny_llava_dir, tok):
 
 
 def test_text_only_model_reports_multimodal_unavailable(tiny_llama_dir):
-    c = client(tiny_llama_dir)
+    """The matrix says why; image requests get FAILED_PRECONDITION (in-process and over gRPC)."""
+    server = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=1000,
+                                         max_running_requests=4))
     try:
-        row = {r.feature: r for r in c.engine.features.matrix()}[MM]
-        assert not row.available and "text-only" in row.unavailable_reason
         with pytest.raises(RequestError) as e:
-            c.engine.build_request("x", [5, 6, 7], GREEDY, mm(IMAGES[0]))
+            server.engine.build_request("x", [5, 6, 7], GREEDY, mm(IMAGES[0]))
         assert e.value.code == "FAILED_PRECONDITION" and "text-only" in e.value.message
-        assert collect(c.generate([[5, 6, 7]], GREEDY)[0])[2].finish_reason is FinishReason.LENGTH
+        with grpc.insecure_channel(server.address) as chan:
+            stub = pb2_grpc.GenerationStub(chan)
+            row = {r.feature: r for r in stub.GetFeatureMatrix(pb2.GetFeatureMatrixRequest()).rows}[MM]
+            assert not row.available and "text-only" in row.unavailable_reason
+            sp = pb2.SamplingParams(max_new_tokens=3, temperature=0)
+            chat = pb2.ChatInput(messages=[pb2.ChatMessage(role="user", parts=[pb2.ContentPart(text="hi"),
+                                                                               pb2.ContentPart(image=IMAGES[0])])])
+            for req in (pb2.GenerateRequest(text="a <image>", images=[IMAGES[0]], sampling=sp),
+                        pb2.GenerateRequest(chat=chat, sampling=sp)):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Generate(req)
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "text-only" in err.value.details()
+            assert len(stub.Generate(pb2.GenerateRequest(text="a <image>", sampling=sp)).token_ids) == 3  # text as usual
     finally:
-        c.close()
+        server.stop()
 
 
 def test_chunk_boundary_inside_an_image_span(tiny_llava_dir, tok):
