@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,11 +170,14 @@ def _all_of(futures: list[Future]) -> Future:
             left[0] -= 1
             if left[0]:
                 return
-        for i, f in enumerate(futures):
-            if f.cancelled() or f.exception() is not None:
-                out.set_exception(_image_failure(i, f.exception() or RuntimeError("cancelled")))
-                return
-        out.set_result(None)
+        failed = next(((i, f) for i, f in enumerate(futures) if f.cancelled() or f.exception() is not None), None)
+        try:
+            if failed is not None:
+                out.set_exception(_image_failure(failed[0], failed[1].exception() or RuntimeError("cancelled")))
+            else:
+                out.set_result(None)
+        except InvalidStateError:  # cancelled: nobody waits any more (e.g. the RPC was cancelled)
+            pass
 
     if not futures:
         out.set_result(None)

@@ -8,6 +8,7 @@ still become a stop string, so a stream never shows text that is later trimmed.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +28,9 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        processor_template = Path(model_dir) / "chat_template.json"  # vision-language models keep it with the processor
+        if not getattr(self.hf, "chat_template", None) and processor_template.exists():
+            self.hf.chat_template = json.loads(processor_template.read_text()).get("chat_template")
         self.vocab_size = len(self.hf)
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
         self.image_token = "<image>"  # the text of an image placeholder (a LLaVA model's image token)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import json
+import shutil
 from pathlib import Path
 
 import grpc
@@ -293,6 +295,29 @@ def test_chunk_boundary_inside_an_image_span(tiny_llava_dir, tok):
             torch.testing.assert_close(out[:1], whole[:1], atol=1e-4, rtol=1e-4)
     finally:
         c.close()
+
+
+LLAVA_STYLE_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'].upper() }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def test_chat_parts_follow_the_chat_template(tiny_llava_dir, tmp_path):
+    """A template that renders content parts (LLaVA's) places the images itself; a text-only
+    template gets the parts joined with the image placeholder where each image is; a processor's
+    chat_template.json is used when the tokenizer has none."""
+    from service.tokenizer import Tokenizer
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "image"}, {"type": "text", "text": "what?"}]}]
+    t = Tokenizer(tiny_llava_dir)
+    assert "Hi <image>what?" in t.render_chat(parts)  # SmolLM2's template renders strings only
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llava_dir / f, tmp_path / f)
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA_STYLE_TEMPLATE}))
+    t = Tokenizer(tmp_path)
+    assert t.has_chat_template and t.render_chat(parts) == "USER: Hi <image>\nwhat?ASSISTANT:"
 
 
 @pytest.fixture(scope="module")
