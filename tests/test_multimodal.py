@@ -365,3 +365,22 @@ def test_grpc_chat_with_images_tokenize_and_errors(llava_server, tok):
     rows = {r.feature: r for r in stub.GetFeatureMatrix(pb2.GetFeatureMatrixRequest()).rows}
     assert rows[MM].available and rows[MM].batches_overlapped > 0
     chan.close()
+
+
+def test_bfloat16_engine_serves_images(tiny_llava_dir, tok):
+    """Vision tower and projector run in the model's dtype; their output is close to float32's."""
+    from service.models.llava import load_vision_encoder
+    from service.models.loader import load_config
+
+    px = torch.randn(2, 3, 32, 32)
+    cfg = load_config(tiny_llava_dir)
+    full = load_vision_encoder(tiny_llava_dir, cfg, torch.float32, "cpu")(px)
+    half = load_vision_encoder(tiny_llava_dir, cfg, torch.bfloat16, "cpu")(px.bfloat16())
+    assert half.dtype is torch.bfloat16
+    assert ((half.float() - full).norm() / full.norm()).item() < 0.02
+    c = client(tiny_llava_dir, dtype="bfloat16")
+    try:
+        outs = c.generate([tok.encode(t) for t, _ in CASES[:2]], GREEDY, [mm(*imgs) for _, imgs in CASES[:2]])
+        assert all(o[-1].finish_reason is FinishReason.LENGTH and len(collect(o)[0]) == 8 for o in outs)
+    finally:
+        c.close()
