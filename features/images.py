@@ -53,7 +53,7 @@ def decode(data: bytes, limits: ImageLimits) -> Image.Image:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit applies
             img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
-        raise ImageError(f"too many pixels ({e})") from None
+        raise ImageError(f"too many pixels, over the limit of {limits.max_pixels} (--max-image-pixels): {e}") from None
     except UnidentifiedImageError:
         raise ImageError("not a PNG, JPEG or WebP image (unrecognised data)") from None
     except Exception as e:  # noqa: BLE001 (a corrupt header can raise anything from a plugin)

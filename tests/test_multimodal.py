@@ -384,3 +384,27 @@ def test_bfloat16_engine_serves_images(tiny_llava_dir, tok):
         assert all(o[-1].finish_reason is FinishReason.LENGTH and len(collect(o)[0]) == 8 for o in outs)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_slow_image_holds_up_nobody(loop, tiny_llava_dir, tok):
+    """While an image's encode is stuck, text requests are served (the scheduler never waits for it);
+    the stuck request runs once its embeddings are ready."""
+    import threading
+
+    c = client(tiny_llava_dir, loop=loop)
+    f = c.engine.features.features[MM]
+    gate = threading.Event()
+    encoder = f.encoder
+    f.encoder = lambda px: (gate.wait(60), encoder(px))[1]
+    try:
+        stuck = c.engine.build_request("stuck", tok.encode("Slow: <image>"), SamplingParams(**vars(GREEDY)), mm(IMAGES[3]))
+        c.engine.submit(stuck)
+        text = c.generate([tok.encode("Meanwhile, plain text"), tok.encode("and more text")], GREEDY)
+        assert all(o[-1].finish_reason is FinishReason.LENGTH for o in text)
+        assert not c._outputs.get("stuck")  # still waiting for its embeddings
+        gate.set()
+        assert collect(c.wait("stuck"))[2].finish_reason is FinishReason.LENGTH
+    finally:
+        gate.set()
+        c.close()
