@@ -285,7 +285,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         return pb2.ModelInfo(
             model_path=self.model_path,
             model_name=e.model_dir.name,
-            architecture=e.model.shape.architecture,
+            architecture=(getattr(e.hf_config, "architectures", None) or [e.model.shape.architecture])[0],
             vocab_size=e.vocab_size,
             context_length=e.context_length,
             dtype=str(e.dtype).removeprefix("torch."),

@@ -364,6 +364,7 @@ def test_grpc_chat_with_images_tokenize_and_errors(llava_server, tok):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details(), e.value.details()
     rows = {r.feature: r for r in stub.GetFeatureMatrix(pb2.GetFeatureMatrixRequest()).rows}
     assert rows[MM].available and rows[MM].batches_overlapped > 0
+    assert stub.GetModelInfo(pb2.GetModelInfoRequest()).architecture == "LlavaForConditionalGeneration"
     chan.close()
 
 
