@@ -19,6 +19,8 @@ points. Hooks run on the thread named in their docstring — never both.
                       on_finish                the request ended (any reason); may add fields to its last message
                       on_chunk_result          (chunked prefill, features that read chunks) a non-final
                                                prompt chunk's result is on the host, per row
+    caller thread     expand_prompt            (prompt hooks) the prompt the model sees, e.g. image
+                                               placeholders expanded into per-image token runs
     forward thread    before_forward           right before the model runs
                       modify_embeddings        input embeddings, before the first layer (e.g. images)
                       process_logits           at sampling: mask / bias the logits
@@ -149,3 +151,10 @@ class Feature:
     def counters(self) -> dict[str, int]:
         """Feature-specific counters for the matrix (e.g. chunks run), by name."""
         return {}
+
+    # ---- prompt hooks (caller thread, before validation; added for multimodal input) -------
+    def expand_prompt(self, payload: Any, prompt_ids: list[int]) -> list[int]:
+        """The prompt the model sees, for every request of an enabled feature (`payload` None when the
+        request does not use it): e.g. one image placeholder -> the image's run of image tokens.
+        Raise RequestError when the prompt and the payload disagree."""
+        return prompt_ids

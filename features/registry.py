@@ -24,6 +24,7 @@ def builtin_features() -> list[Feature]:
     """The feature modules shipped with zerogap, in matrix order. A module whose
     library is not installed (e.g. xgrammar on a bare GPU box) is left out, with a warning."""
     from features.logprobs import LogprobsFeature
+    from features.multimodal import MultimodalFeature
 
     features: list[Feature] = [LogprobsFeature()]
     try:
@@ -35,6 +36,7 @@ def builtin_features() -> list[Feature]:
     from features.chunked_prefill import ChunkedPrefill
 
     features.append(ChunkedPrefill())
+    features.append(MultimodalFeature())
     return features
 
 
@@ -111,11 +113,27 @@ class FeatureRegistry:
                 raise RequestError("INVALID_ARGUMENT", f"unknown feature {name!r}")
             if not self.enabled[name]:
                 raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is disabled on this server")
-            why = f.unavailable_reason(self.model)
-            if why:
-                raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is not available for this model: {why}")
+            self._check_available(name, f)
             out[name] = f.validate(payload, engine, prompt_ids)
         return out
+
+    # ---- prompt hooks (multimodal) -----------------------------------------------------
+    def expand_prompt(self, features: dict[str, Any], prompt_ids: list[int]) -> list[int]:
+        """Caller thread, before validation: the prompt as the model sees it (e.g. images expanded).
+        A payload for an unavailable feature is refused here already (FAILED_PRECONDITION)."""
+        for name, f in self.features.items():
+            if not self.enabled[name]:
+                continue  # a payload for it is refused by validate_request
+            payload = features.get(name)
+            if payload is not None:
+                self._check_available(name, f)
+            prompt_ids = f.expand_prompt(payload, prompt_ids)
+        return prompt_ids
+
+    def _check_available(self, name: str, f: Feature) -> None:
+        why = f.unavailable_reason(self.model)
+        if why:
+            raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is not available for this model: {why}")
 
     def pending(self, req: "Req") -> list[Any]:
         """Caller thread: the futures the request should wait for before it is queued."""

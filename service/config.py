@@ -57,6 +57,11 @@ class ServerArgs:
     max_constraint_depth: int = 64  # bracket / parenthesis nesting
     max_constraint_properties: int = 1024  # properties of one JSON-schema object
     constraint_mode: str = "strict"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
+    max_image_bytes: int = 10 << 20  # one image's encoded bytes (INVALID_ARGUMENT beyond)
+    max_image_pixels: int = 25_000_000  # one image's width x height, read from its header before decoding
+    max_images_per_request: int = 8
+    image_workers: int = 2  # threads decoding and preprocessing images (the vision tower has its own)
+    image_encoder_cache_mb: int = 256  # image embeddings kept by content hash (LRU)
 
     def use_overlap(self, device_type: str) -> bool:
         """Whether the engine on this device runs the overlap loop (`--loop`, `--disable-overlap`)."""
@@ -171,6 +176,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--constraint-mode", choices=["strict", "lenient"], default=d.constraint_mode,
                    help="default for requests that leave constraint.mode unset: strict refuses a JSON schema with "
                         "keywords the grammar cannot enforce (naming them); lenient relaxes them and reports them")
+    p.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes,
+                   help="largest encoded image (INVALID_ARGUMENT naming the image beyond)")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="most pixels (width x height) in one image, checked before decoding (INVALID_ARGUMENT beyond)")
+    p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request, help="INVALID_ARGUMENT beyond")
+    p.add_argument("--image-workers", type=int, default=d.image_workers,
+                   help="threads that decode and preprocess images (off the scheduler thread)")
+    p.add_argument("--image-encoder-cache-mb", type=int, default=d.image_encoder_cache_mb,
+                   help="image embeddings kept by content hash, so a repeated image is not encoded again (LRU)")
     return p
 
 

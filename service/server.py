@@ -102,8 +102,23 @@ def sampling_from_proto(sp) -> SamplingParams:
     return p
 
 
-def chat_messages(chat) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+def chat_messages(chat) -> list[dict]:
+    """Messages for the chat template; a message with `parts` gets a list of text / image parts."""
+    out: list[dict] = []
+    for i, m in enumerate(chat.messages):
+        if not m.parts:
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.content:
+            raise ValueError(f"chat.messages[{i}]: set content or parts, not both")
+        parts = []
+        for j, p in enumerate(m.parts):
+            kind = p.WhichOneof("part")
+            if kind is None:
+                raise ValueError(f"chat.messages[{i}].parts[{j}]: empty part (set text or image)")
+            parts.append({"type": "text", "text": p.text} if kind == "text" else {"type": "image"})
+        out.append({"role": m.role, "content": parts})
+    return out
 
 
 class GenerationServicer(pb2_grpc.GenerationServicer):
@@ -243,10 +258,18 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 return request.text, tok.encode(request.text, add_special_tokens=request.add_special_tokens)
             raise ValueError("input: set text or chat")
 
+        def encode_expanded() -> tuple[str, list[int]]:  # images: placeholders -> each image's run, as Generate does
+            text, ids = encode()
+            mm = self.engine.features.features.get("multimodal")
+            payload = mm.from_proto(request) if mm is not None else None
+            return text, self.engine.features.expand_prompt({"multimodal": payload}, ids) if payload is not None else ids
+
         try:
-            text, ids = await self._off_loop(encode)
+            text, ids = await self._off_loop(encode_expanded)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestError as e:
+            await context.abort(_code(e.code), e.message)
         return pb2.TokenizeResponse(token_ids=ids, text=text)
 
     async def Detokenize(self, request, context):
@@ -262,7 +285,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         return pb2.ModelInfo(
             model_path=self.model_path,
             model_name=e.model_dir.name,
-            architecture=e.model.shape.architecture,
+            architecture=(getattr(e.hf_config, "architectures", None) or [e.model.shape.architecture])[0],
             vocab_size=e.vocab_size,
             context_length=e.context_length,
             dtype=str(e.dtype).removeprefix("torch."),

@@ -104,3 +104,44 @@ def smol_client(request, smol_dir):
     )
     yield client
     client.close()
+
+
+TINY_LLAVA_IMAGE_TOKEN = 49152  # "<image>", added to SmolLM2's tokenizer
+
+
+def make_tiny_llava(smol: Path, out: Path, feature_layer=-2, strategy: str = "default", act: str = "gelu",
+                    projector_bias: bool = True, tie: bool = False) -> Path:
+    """A small random-init LLaVA: CLIP vision tower (32x32 images, 8x8 patches: 16 image tokens,
+    17 with strategy "full"), projector, Llama language model; SmolLM2's tokenizer plus "<image>",
+    a CLIPImageProcessorPil config (resize shortest edge to 32, centre crop 32x32)."""
+    from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8, projection_dim=32)
+    text = LlamaConfig(vocab_size=TINY_LLAVA_IMAGE_TOKEN + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       initializer_range=0.2, eos_token_id=2, bos_token_id=1, tie_word_embeddings=tie)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=TINY_LLAVA_IMAGE_TOKEN,
+                      vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
+                      projector_hidden_act=act, multimodal_projector_bias=projector_bias, tie_word_embeddings=tie,
+                      image_seq_length=16 + (strategy == "full"))
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # random weights large enough that the image changes the output
+        for p in model.model.multi_modal_projector.parameters():
+            p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy(smol / f, out / f)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tok.convert_tokens_to_ids("<image>") == TINY_LLAVA_IMAGE_TOKEN
+    tok.save_pretrained(out)
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(smol_dir, tmp_path_factory) -> Path:
+    return make_tiny_llava(smol_dir, tmp_path_factory.mktemp("tiny-llava"))

@@ -31,3 +31,30 @@ WORKLOADS["chunked_prefill"] = lambda i: None
 CELL_ARGS: dict[str, dict[str, Any]] = {
     "chunked_prefill": dict(chunked_prefill_size=7, enable_mixed_chunk=True),
 }
+
+
+def _picture(i: int) -> bytes:
+    import io
+
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (40 + 7 * i, 30 + 5 * i), (i * 37 % 256, 90, 180))
+    ImageDraw.Draw(img).ellipse((5, 5, 30, 25), fill=(250, i * 53 % 256, 10))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _images(i: int) -> Any:
+    from features.multimodal import ImageInputs
+
+    return ImageInputs((_picture(i % 4),) * (1 + i % 3 // 2)) if i % 2 == 0 else None
+
+
+WORKLOADS["multimodal"] = _images
+# A feature whose cells need another model than tiny_llama_dir names that model's fixture here,
+# and how a request's prompt changes when it uses the feature (e.g. one image placeholder per image).
+MODELS: dict[str, str] = {"multimodal": "tiny_llava_dir"}
+PROMPTS: dict[str, Callable[[Any, list[int]], list[int]]] = {
+    "multimodal": lambda payload, prompt: [49152] * len(payload.images) + prompt,  # TINY_LLAVA_IMAGE_TOKEN
+}

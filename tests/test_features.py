@@ -18,7 +18,7 @@ from service.engine.engine import SyncClient, collect
 from service.engine.request import RequestError, SamplingParams
 from service.matrix import README, readme_with_matrix
 from service.server import BackgroundServer
-from tests.feature_workloads import CELL_ARGS, WORKLOADS
+from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, WORKLOADS
 
 pb2, pb2_grpc = protos.load()
 ALL_FEATURES = builtin_features() + [f for f in fake_features() if f.name in WORKLOADS]
@@ -32,6 +32,8 @@ def feature_workload(name: str, n: int = 16, seed: int = 0):
         params.append(SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_new_tokens=rng.randrange(4, 24), ignore_eos=True))
         payload = WORKLOADS[name](i)
         feats.append({name: payload} if payload is not None else None)
+        if payload is not None and name in PROMPTS:
+            prompts[-1] = PROMPTS[name](payload, prompts[-1])
     return prompts, params, feats
 
 
@@ -68,11 +70,12 @@ def run(model_dir, prompts, params, feats, **args):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_llama_dir):
+def references(tiny_llama_dir, request):
     """Normal-loop outputs of each feature's workload: what every cell must equal."""
     refs = {}
     for f in ALL_FEATURES:
-        ids, outs, _, _ = run(tiny_llama_dir, *feature_workload(f.name), disable_overlap=True)
+        model_dir = request.getfixturevalue(MODELS[f.name]) if f.name in MODELS else tiny_llama_dir
+        ids, outs, _, _ = run(model_dir, *feature_workload(f.name), disable_overlap=True)
         refs[f.name] = (ids, extras_of(outs))
     return refs
 
@@ -86,8 +89,10 @@ def test_every_registered_feature_has_a_matrix_workload():
 @pytest.mark.parametrize("policy", ["per-batch", "global", "strict"])
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 @pytest.mark.parametrize("feature", [f.name for f in ALL_FEATURES])
-def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references):
+def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references, request):
     f = next(x for x in ALL_FEATURES if x.name == feature)
+    if feature in MODELS:
+        tiny_llama_dir = request.getfixturevalue(MODELS[feature])  # the model this feature's cells run on
     others = [x.name for x in fake_features() if x.name != feature]  # the cell's feature alone is enabled
     args = dict(loop=loop, overlap_policy=policy, disabled_features=others, **CELL_ARGS.get(feature, {}))
     if loop == "overlap" and policy == "strict" and f.support is not OverlapSupport.FULL:

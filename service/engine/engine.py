@@ -29,6 +29,7 @@ from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
+from service.models.llava import text_config
 from service.models.loader import load_config, load_model
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -62,14 +63,15 @@ class Engine:
         self.model_dir = Path(model_dir)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        self.config = load_config(self.model_dir)
+        self.hf_config = load_config(self.model_dir)  # the whole model's (a LLaVA's: vision tower, image token)
+        self.config = text_config(self.hf_config)  # the language model's
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)
         self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.config, self.device.device, args.load_format)
+        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.hf_config, self.device.device, args.load_format)
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
@@ -139,6 +141,7 @@ class Engine:
         self, rid: str, prompt_ids: list[int], params: SamplingParams, features: dict[str, Any] | None = None
     ) -> Req:
         """Validate a request against the model, limits and features; raises RequestError."""
+        prompt_ids = self.features.expand_prompt(features or {}, prompt_ids)  # e.g. image placeholders expanded
         if not prompt_ids:
             raise RequestError("INVALID_ARGUMENT", "input: the prompt is empty")
         if len(prompt_ids) >= self.context_length:  # before looking at each id

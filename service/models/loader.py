@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from service.models.llama import LlamaModel
+from service.models.llava import language_config_for, language_tensors, text_config
 
 
 def load_config(model_dir: str | Path):
@@ -41,6 +42,14 @@ def load_model(
     seeded random weights: load_format="dummy") and move it to `device`; on CPU, lay bf16 linears out for oneDNN (`pack`)."""
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    if load_format == "auto":  # a LLaVA checkpoint: its language model's tensors, under Llama names
+        for f in _checkpoint_files(model_dir):
+            tensors.update(load_file(str(f)))
+        tensors = language_tensors(tensors)
+        config = language_config_for(config, tensors)
+    else:
+        config = text_config(config)
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
     if load_format == "dummy":
@@ -49,9 +58,6 @@ def load_model(
         model = model.to(dtype)
     elif load_format == "auto":
         model = model.to_empty(device="cpu")
-        tensors: dict[str, torch.Tensor] = {}
-        for f in _checkpoint_files(model_dir):
-            tensors.update(load_file(str(f)))
         model.load_hf_state_dict(tensors)
         model = model.to(dtype).to(device)
     else:
