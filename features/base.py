@@ -118,6 +118,12 @@ class Feature:
         """The request ended (`req.finished` says how); returns output fields for its final message."""
         return None
 
+    # ---- prefix cache (scheduler thread) -----------------------------------------------
+    def max_cached_prefix(self, req: "Req") -> int | None:
+        """The most leading prompt tokens the request may take from the prefix cache instead of
+        prefilling them (None: no limit), e.g. 0 for a feature that must see every position."""
+        return None
+
     # ---- forward thread ----------------------------------------------------------------
     def before_forward(self, fb: "ForwardBatch") -> None:
         pass

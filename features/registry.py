@@ -25,6 +25,8 @@ def builtin_features() -> list[Feature]:
     library is not installed (e.g. xgrammar on a bare GPU box) is left out, with a warning."""
     from features.logprobs import LogprobsFeature
 
+    from features.prefix_cache import PrefixCacheFeature
+
     features: list[Feature] = [LogprobsFeature()]
     try:
         from features.constrained import ConstrainedDecoding
@@ -32,6 +34,7 @@ def builtin_features() -> list[Feature]:
         logging.getLogger("zerogap.features").warning("constrained decoding unavailable: %s", e)
     else:
         features.append(ConstrainedDecoding())
+    features.append(PrefixCacheFeature())
     return features
 
 
@@ -143,6 +146,12 @@ class FeatureRegistry:
             if fields:
                 final[f.name] = fields
         return final
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def max_cached_prefix(self, req: "Req") -> int | None:
+        """The tightest limit the request's features put on its cached prefix (None: none)."""
+        limits = [n for n in (f.max_cached_prefix(req) for f in self.features_of(req)) if n is not None]
+        return min(limits) if limits else None
 
     # ---- batches -----------------------------------------------------------------------
     def plan(self, reqs: list["Req"]) -> list[tuple[Feature, list[int]]]:
