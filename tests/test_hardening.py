@@ -32,7 +32,7 @@ def greedy(n: int = 8, **kw) -> pb2.SamplingParams:
 
 def kv_idle(srv: BackgroundServer) -> bool:
     e = srv.engine
-    return e.kv_pool.free_count == e.kv_pool.size and e.num_live() == 0
+    return e.num_live() == 0 and e.kv_all_free()  # all free once the prefix cache is flushed
 
 
 # ---- 1. a taken port -----------------------------------------------------------------------------

@@ -86,10 +86,12 @@ class PrefixCacheManager:
             self.tree.unlock(match.node)
             return None
         req.cache_node, req.cache_owned, req.cached_tokens = match.node, match.length, match.length
+        self.prefilling[req.rid] = req  # siblings admitted after it in this step see it too
         return match.length
 
     def cancel(self, req: Req) -> None:
         """Undo `admit` for a request that stays waiting after all."""
+        self.prefilling.pop(req.rid, None)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         req.cache_node, req.cache_owned, req.cached_tokens = None, 0, 0
@@ -104,7 +106,6 @@ class PrefixCacheManager:
         s.prompt_tokens += len(req.prompt_ids)
         s.hit_tokens += m
         s.hit_requests += m > 0
-        self.prefilling[req.rid] = req
         if m == 0:
             return
         node_rows = self._path_rows(req)
