@@ -66,9 +66,9 @@ def test_tree_locks_protect_and_eviction_is_lru_leaves_first():
 
 
 # ---- through the engine ----------------------------------------------------------------------------
-def _client(smol_dir, loop: str, cache: bool, **kw) -> SyncClient:
+def _client(model_dir, loop: str, cache: bool, **kw) -> SyncClient:
     args = dict(dtype="float32", loop=loop, kv_cache_tokens=4096, max_running_requests=16, disable_prefix_cache=not cache)
-    return SyncClient(ServerArgs(**{**args, **kw}), smol_dir)
+    return SyncClient(ServerArgs(**{**args, **kw}), model_dir)
 
 
 def _params(i: int, n: int = 8) -> SamplingParams:
@@ -110,10 +110,10 @@ def _multi_turn(client: SyncClient, rng: random.Random, convs: int = 3, turns: i
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_outputs_equal_with_and_without_cache(smol_dir, loop):
+def test_outputs_equal_with_and_without_cache(tiny_llama_dir, loop):
     results = {}
     for cache in (False, True):
-        client = _client(smol_dir, loop, cache)
+        client = _client(tiny_llama_dir, loop, cache)
         try:
             shared = _run_waves(client, _shared_prefix_waves(random.Random(1)))
             turns = _multi_turn(client, random.Random(2))
@@ -137,14 +137,14 @@ def test_outputs_equal_with_and_without_cache(smol_dir, loop):
     assert 0 < info_on.hit_rate < 1 and info_on.hit_requests == 6 + 6
 
 
-def test_concurrent_sharers_hit_the_first_ones_prefill(smol_dir):
+def test_concurrent_sharers_hit_the_first_ones_prefill(tiny_llama_dir):
     """Requests arriving together with a shared prompt: one prefills it, the others wait one step and reuse it."""
     rng = random.Random(3)
     system = [rng.randrange(3, 49000) for _ in range(48)]
     prompts = [system + [rng.randrange(3, 49000) for _ in range(3)] for _ in range(6)]
     outs = {}
     for cache in (False, True):
-        client = _client(smol_dir, "overlap", cache)
+        client = _client(tiny_llama_dir, "overlap", cache)
         try:
             res = client.generate(prompts, [_params(i) for i in range(6)])
             outs[cache] = [collect(r)[0] for r in res]
@@ -157,7 +157,7 @@ def test_concurrent_sharers_hit_the_first_ones_prefill(smol_dir):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_eviction_under_a_tiny_pool_while_requests_run(smol_dir, loop):
+def test_eviction_under_a_tiny_pool_while_requests_run(tiny_llama_dir, loop):
     rng = random.Random(4)
     prefixes = [[rng.randrange(3, 49000) for _ in range(60)] for _ in range(6)]
     waves = [[(p + [rng.randrange(3, 49000) for _ in range(4)], _params(i, 12)) for i, p in enumerate(prefixes[k:k + 2])]
@@ -165,7 +165,7 @@ def test_eviction_under_a_tiny_pool_while_requests_run(smol_dir, loop):
     waves.append([(prefixes[0] + [7, 8], _params(0, 12)), (prefixes[5] + [9], _params(1, 12))])
     results = {}
     for cache in (False, True):
-        client = _client(smol_dir, loop, cache, kv_cache_tokens=200, max_running_requests=4)
+        client = _client(tiny_llama_dir, loop, cache, kv_cache_tokens=200, max_running_requests=4)
         try:
             results[cache] = [ids for ids, _ in _run_waves(client, waves)]
             info = client.engine.stats().prefix_cache
@@ -180,19 +180,19 @@ def test_eviction_under_a_tiny_pool_while_requests_run(smol_dir, loop):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
-def test_abort_of_a_request_whose_prefix_running_ones_share(smol_dir, loop):
+def test_abort_of_a_request_whose_prefix_running_ones_share(tiny_llama_dir, loop):
     rng = random.Random(5)
     base = [rng.randrange(3, 49000) for _ in range(50)]
     long = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     sharers = [base + [rng.randrange(3, 49000) for _ in range(3)] for _ in range(3)]
     want = {}
-    ref = _client(smol_dir, loop, False)
+    ref = _client(tiny_llama_dir, loop, False)
     try:
         for i, p in enumerate(sharers):
             want[i] = collect(ref.generate([p], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))[0])[0]
     finally:
         ref.close()
-    client = _client(smol_dir, loop, True)
+    client = _client(tiny_llama_dir, loop, True)
     try:
         e = client.engine
         client.submit("owner", base + [11, 12], long)  # its prompt is adopted by the cache after its prefill
@@ -215,7 +215,7 @@ def test_abort_of_a_request_whose_prefix_running_ones_share(smol_dir, loop):
         client.close()
 
 
-def test_input_logprobs_never_come_from_the_cache(smol_dir):
+def test_input_logprobs_never_come_from_the_cache(tiny_llama_dir):
     """Input logprobs from position s need the logits at s - 1: at most s - 1 tokens are reused."""
     rng = random.Random(6)
     prompt = [rng.randrange(3, 49000) for _ in range(30)]
@@ -223,7 +223,7 @@ def test_input_logprobs_never_come_from_the_cache(smol_dir):
     lp = {"logprobs": dict(return_logprob=True, logprob_start_len=10)}
     got = {}
     for cache in (False, True):
-        client = _client(smol_dir, "overlap", cache)
+        client = _client(tiny_llama_dir, "overlap", cache)
         try:
             client.generate([prompt], greedy)  # cache the prompt
             res = client.generate([prompt], greedy, [lp])[0]
@@ -276,8 +276,8 @@ def test_grpc_usage_server_info_and_disable_flag(smol_dir):
     assert texts[False] == texts[True] and texts[True][0] == texts[True][1]
 
 
-def test_flush_while_requests_run_keeps_their_prefixes(smol_dir):
-    client = _client(smol_dir, "overlap", True)
+def test_flush_while_requests_run_keeps_their_prefixes(tiny_llama_dir):
+    client = _client(tiny_llama_dir, "overlap", True)
     try:
         e = client.engine
         prompt = list(range(100, 160))
