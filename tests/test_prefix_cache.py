@@ -242,7 +242,9 @@ def test_input_logprobs_never_come_from_the_cache(tiny_llama_dir):
 
 
 def test_grpc_usage_server_info_and_disable_flag(smol_dir):
+    from service.gateway.protocol import usage as gateway_usage
     from service.server import BackgroundServer
+    from zerogap.client.types import Completion
 
     chat = pb2.ChatInput(messages=[pb2.ChatMessage(role="system", content="You are a terse assistant. Answer in one word."),
                                    pb2.ChatMessage(role="user", content="Capital of France?")])
@@ -268,6 +270,10 @@ def test_grpc_usage_server_info_and_disable_flag(smol_dir):
                     assert info.prefix_cache_enabled and info.prefix_cache_tokens > 0
                     assert info.prefix_cache_hit_tokens == second.usage.cached_tokens
                     assert info.prefix_cache_hit_rate == pytest.approx(second.usage.cached_tokens / (2 * second.usage.prompt_tokens))
+                    # The client library and the OpenAI gateway's usage carry it too.
+                    assert Completion.from_proto(second).cached_tokens == second.usage.cached_tokens
+                    body = gateway_usage(second.usage.prompt_tokens, 0, Completion.from_proto(second).cached_tokens)
+                    assert body["prompt_tokens_details"]["cached_tokens"] == second.usage.cached_tokens
                 # Idle: every row is free or held only by the cache (evictable).
                 assert info.kv_pool_free_tokens == info.kv_pool_total_tokens
             assert srv.engine.kv_all_free()
