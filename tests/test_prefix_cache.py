@@ -298,3 +298,23 @@ def test_flush_while_requests_run_keeps_their_prefixes(tiny_llama_dir):
         assert e.kv_all_free()
     finally:
         client.close()
+
+
+def test_constrained_requests_hit_and_equal(tiny_llama_dir):
+    """A grammar constrains output tokens only: a cache hit changes nothing."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 49000) for _ in range(40)]
+    feats = [{"constrained": dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?")}]
+    sp = SamplingParams(temperature=0.8, seed=3, max_new_tokens=12)
+    got = {}
+    for cache in (False, True):
+        client = _client(tiny_llama_dir, "overlap", cache)
+        try:
+            first = collect(client.generate([prompt], sp, feats)[0])
+            second = collect(client.generate([prompt], sp, feats)[0])
+            assert client.engine.kv_all_free()
+        finally:
+            client.close()
+        assert first[0] == second[0] and first[2].extras["constrained"]["satisfied"]
+        got[cache] = (first[0], second[2].cached_tokens)
+    assert got[True][0] == got[False][0] and got[True][1] == len(prompt) - 1 and got[False][1] == 0
