@@ -168,6 +168,8 @@ def test_eviction_under_a_tiny_pool_while_requests_run(tiny_llama_dir, loop):
         client = _client(tiny_llama_dir, loop, cache, kv_cache_tokens=200, max_running_requests=4)
         try:
             results[cache] = [ids for ids, _ in _run_waves(client, waves)]
+            # All at once: two run, and each admission evicts what finished ones left while the other runs.
+            results[cache] += [ids for ids, _ in _run_waves(client, [[r for w in waves for r in w]])]
             info = client.engine.stats().prefix_cache
             tree = client.engine.scheduler.prefix_cache
             if tree is not None:
