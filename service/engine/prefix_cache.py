@@ -224,4 +224,5 @@ class RadixCache:
             total += len(node.key)
             locked += len(node.key) if node.lock_ref else 0
             stack.extend(node.children.values())
-        assert (total, locked) == (self.total_tokens, self.locked_tokens), ((total, locked), (self.total_tokens, self.locked_tokens))
+        counted = (self.total_tokens, self.locked_tokens)
+        assert (total, locked) == counted, f"tree holds {(total, locked)} (total, locked), counters say {counted}"
