@@ -122,6 +122,16 @@ class Feature:
         """The request ended (`req.finished` says how); returns output fields for its final message."""
         return None
 
+    # ---- prefix cache (scheduler thread) -----------------------------------------------
+    # False for engine-level modules that no request carries (the prefix cache's own entry):
+    # they are in the matrix, but the per-feature workload harness does not apply to them.
+    per_request: bool = True
+
+    def max_cached_prefix(self, req: "Req") -> int | None:
+        """The most leading prompt tokens the request may take from the prefix cache instead of
+        prefilling them (None: no limit), e.g. 0 for a feature that must see every position."""
+        return None
+
     # ---- forward thread ----------------------------------------------------------------
     def before_forward(self, fb: "ForwardBatch") -> None:
         pass

@@ -246,6 +246,13 @@ class LogprobsFeature(Feature):
             text = self._text_cache[token] = self._tokenizer.decode([token], False) if self._tokenizer else ""
         return text
 
+    # ---- prefix cache ----------------------------------------------------------------------
+    def max_cached_prefix(self, req: Any) -> int | None:
+        """Input logprobs from position s need the logits at s - 1, which only a prefill computes:
+        such a request reuses at most s - 1 cached tokens (none for s <= 1)."""
+        start = req.features[self.name].logprob_start_len
+        return None if start < 0 else max(start - 1, 0)
+
     # ---- forward thread ------------------------------------------------------------------
     def after_sampling(self, fb: Any, logits: Any, next_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         data = fb.feature_data[self.name]

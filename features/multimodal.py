@@ -67,6 +67,15 @@ def image_hash(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def image_cache_key(prompt_ids: list[int], images: "ImageRequest") -> list[int]:
+    """The prompt with each image's span replaced by a negative id drawn from its hash (no token id is
+    negative): equal images at equal places match in a prefix cache, different images never do."""
+    key = list(prompt_ids)
+    for (start, n), digest in zip(images.spans, images.image_hashes):
+        key[start:start + n] = [-1 - int(digest[:15], 16)] * n
+    return key
+
+
 def image_spans(prompt_ids: list[int], image_token: int, per_image: int) -> list[tuple[int, int]]:
     """(start, length) of each image's run in an expanded prompt (adjacent runs are split every per_image)."""
     spans = []
@@ -190,6 +199,7 @@ class MultimodalFeature(Feature):
     name = "multimodal"
     support = OverlapSupport.FULL
     reads_raw_logits = False
+    reads_prompt_chunks = True  # every prompt chunk that covers an image span needs its embeddings spliced
     reason = ("images are decoded and encoded on worker threads before admission; the forward thread only "
               "copies the ready embeddings over the image tokens")
 
@@ -346,6 +356,10 @@ class MultimodalFeature(Feature):
         encoded.set_result(out)
 
     # ---- scheduler thread ------------------------------------------------------------------
+    def on_admit(self, req: Any) -> None:
+        """A prefix cache matches image spans by their image's hash, never by the placeholder ids."""
+        req.prompt_key = image_cache_key(req.prompt_ids, req.features[self.name])
+
     def admission_ready(self, req: Any) -> bool:
         t0 = time.perf_counter()
         try:

@@ -26,6 +26,8 @@ def builtin_features() -> list[Feature]:
     from features.logprobs import LogprobsFeature
     from features.multimodal import MultimodalFeature
 
+    from features.prefix_cache import PrefixCacheFeature
+
     features: list[Feature] = [LogprobsFeature()]
     try:
         from features.constrained import ConstrainedDecoding
@@ -37,6 +39,7 @@ def builtin_features() -> list[Feature]:
 
     features.append(ChunkedPrefill())
     features.append(MultimodalFeature())
+    features.append(PrefixCacheFeature())
     return features
 
 
@@ -165,6 +168,12 @@ class FeatureRegistry:
             if fields:
                 final[f.name] = fields
         return final
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def max_cached_prefix(self, req: "Req") -> int | None:
+        """The tightest limit the request's features put on its cached prefix (None: none)."""
+        limits = [n for n in (f.max_cached_prefix(req) for f in self.features_of(req)) if n is not None]
+        return min(limits) if limits else None
 
     # ---- batches -----------------------------------------------------------------------
     def plan(self, reqs: list["Req"], partial_rows: frozenset[int] = frozenset()) -> list[tuple[Feature, list[int]]]:

@@ -40,6 +40,7 @@ class ServerArgs:
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     max_skip_ahead: int = 32  # requests admitted past one waiting for KV, at most (then it gets the room)
+    disable_prefix_cache: bool = False  # no reuse of cached prompt prefixes (= --disable-feature prefix_cache)
     grammar_compile_timeout_s: float = 30.0
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key: serve TLS only
     tls_key: str | None = None
@@ -146,6 +147,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--future-map-size", type=int, default=d.future_map_size)
     p.add_argument("--max-skip-ahead", type=int, default=d.max_skip_ahead,
                    help="smaller requests admitted past one that waits for KV, at most (bounds how long a big one waits)")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="do not reuse the KV of cached prompt prefixes (same as --disable-feature prefix_cache)")
     p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
                    help="a grammar not compiled this long after its first request is stopped (DEADLINE_EXCEEDED)")
     p.add_argument("--tls-cert", default=d.tls_cert, help="PEM server certificate (chain); serve TLS only (with --tls-key)")

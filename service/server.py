@@ -196,7 +196,8 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             request_id=rid,
             token_ids=[t for o in outs for t in o.token_ids],
             text="".join(o.text for o in outs),
-            usage=pb2.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens),
+            usage=pb2.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                            cached_tokens=last.cached_tokens),
         )
         if last.finish_reason is not None:
             resp.finish_reason = FINISH_REASONS[last.finish_reason]
@@ -300,7 +301,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             max_running_requests=self.engine.args.max_running_requests,
             max_queued_requests=self.engine.args.max_queued_requests,
             kv_pool_total_tokens=s.kv_pool_total_tokens,
-            kv_pool_free_tokens=s.kv_pool_free_tokens,
+            kv_pool_free_tokens=s.kv_pool_free_tokens + s.prefix_cache.evictable_tokens,
             running_requests=s.running_requests,
             queued_requests=s.queued_requests,
             version=__version__,
@@ -308,6 +309,12 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             forward_busy_fraction=s.forward_busy_fraction,
             median_forward_gap_s=s.median_forward_gap_s,
             forward_steps=s.forward_steps,
+            prefix_cache_enabled=s.prefix_cache.enabled,
+            prefix_cache_tokens=s.prefix_cache.cached_tokens,
+            prefix_cache_prompt_tokens=s.prefix_cache.prompt_tokens,
+            prefix_cache_hit_tokens=s.prefix_cache.hit_tokens,
+            prefix_cache_hit_rate=s.prefix_cache.hit_rate,
+            prefix_cache_evicted_tokens=s.prefix_cache.evicted_tokens,
         )
 
     async def GetFeatureMatrix(self, request, context):

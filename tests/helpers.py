@@ -89,4 +89,4 @@ def grpc_client(model_dir, **args) -> Iterator:
 def kv_idle(server) -> bool:
     """No live request and every KV slot free on a BackgroundServer."""
     e = server.engine
-    return e.kv_pool.free_count == e.kv_pool.size and e.num_live() == 0
+    return e.num_live() == 0 and e.kv_all_free()  # all free once the prefix cache is flushed

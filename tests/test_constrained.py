@@ -160,7 +160,7 @@ def test_grammar_compiles_once_and_slow_compile_times_out(smol_dir):
         # Stopped (by its deadline, or once the failed request no longer waits), not left to run for ~30 s.
         assert wait_until(lambda: all(s.job is None for s in backend._slots) and not backend._queue, 10)
         assert backend.stats.compiles == compiles
-        assert c.engine.kv_pool.free_count == c.engine.kv_pool.size
+        assert c.engine.kv_all_free()
     finally:
         c.close()
 

@@ -51,7 +51,7 @@ def test_smollm2_greedy_concurrent_matches_transformers(smol_client, prompts_and
     prompts, refs = prompts_and_refs
     outs = smol_client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=N_NEW))
     _check(outs, refs)
-    assert smol_client.engine.kv_pool.free_count == smol_client.engine.kv_pool.size
+    assert smol_client.engine.kv_all_free()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])

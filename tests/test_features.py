@@ -21,7 +21,8 @@ from service.server import BackgroundServer
 from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, WORKLOADS
 
 pb2, pb2_grpc = protos.load()
-ALL_FEATURES = builtin_features() + [f for f in fake_features() if f.name in WORKLOADS]
+# Engine-level modules (per_request = False, e.g. the prefix cache) have their own equivalence tests.
+ALL_FEATURES = [f for f in builtin_features() if f.per_request] + [f for f in fake_features() if f.name in WORKLOADS]
 
 
 def feature_workload(name: str, n: int = 16, seed: int = 0):
@@ -63,7 +64,7 @@ def run(model_dir, prompts, params, feats, **args):
     try:
         outs = client.generate(prompts, params, feats)
         e = client.engine
-        assert e.kv_pool.free_count == e.kv_pool.size
+        assert e.kv_all_free()
         return [collect(o)[0] for o in outs], [o for o in outs], {r.feature: r for r in e.features.matrix()}, e.mode
     finally:
         client.close()
@@ -82,7 +83,7 @@ def references(tiny_llama_dir, request):
 
 
 def test_every_registered_feature_has_a_matrix_workload():
-    missing = [f.name for f in builtin_features() if f.name not in WORKLOADS]
+    missing = [f.name for f in builtin_features() if f.per_request and f.name not in WORKLOADS]
     assert not missing, f"add workloads for {missing} to tests/feature_workloads.py"
 
 
@@ -150,7 +151,7 @@ def test_failing_feature_hook_fails_its_batch_and_frees_everything(tiny_llama_di
         assert good[-1].finish_reason.value == "length"
         e = client.engine
         fm = e.scheduler.overlap_worker.future_map
-        assert fm.free_count == fm.size and e.kv_pool.free_count == e.kv_pool.size
+        assert fm.free_count == fm.size and e.kv_all_free()
     finally:
         client.close()
 

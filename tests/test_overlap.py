@@ -69,7 +69,7 @@ def run_workload(client: SyncClient, items, tag: str) -> dict[int, tuple[list[in
 def assert_pools_initial(client: SyncClient) -> None:
     e = client.engine
     assert wait_until(lambda: e.num_live() == 0, 10)
-    assert e.kv_pool.free_count == e.kv_pool.size
+    assert e.kv_all_free()  # all free once the prefix cache is flushed
     assert e.req_pool.free_count == e.req_pool.num_slots
     assert e.scheduler.reserved_tokens == 0
     ow = e.scheduler.overlap_worker
@@ -189,7 +189,7 @@ def test_overlap_matches_normal_through_grpc(smol_dir):
                     time.sleep(0.02)
                 results[mode] = [(list(f.result().token_ids), f.result().text, f.result().finish_reason) for f in futures]
                 assert stub.GetServerInfo(pb2.GetServerInfoRequest()).scheduler_mode == mode
-            assert wait_until(lambda: srv.engine.kv_pool.free_count == srv.engine.kv_pool.size, 10)
+            assert wait_until(lambda: srv.engine.kv_all_free(), 10)
         finally:
             srv.stop()
     assert results["normal"] == results["overlap"]

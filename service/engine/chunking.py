@@ -48,10 +48,11 @@ class ChunkStep:
     def room(self) -> bool:
         return not self.split and self.used < self.budget
 
-    def add(self, req: Req, start: int) -> None:
-        """The request's prompt from `start` on, as much as the budget leaves."""
+    def add(self, req: Req, start: int, fresh: bool) -> None:
+        """The request's prompt from `start` on (tokens before it are in its KV: earlier chunks, or a
+        cached prefix of a `fresh` request, whose sampling state starts now), as much as the budget leaves."""
         take = min(len(req.prompt_ids) - start, self.budget - self.used)
-        self.rows.append(ExtendRow(req, req.prompt_ids[start : start + take], prefix_len=start, new_slot=start == 0))
+        self.rows.append(ExtendRow(req, req.prompt_ids[start : start + take], prefix_len=start, new_slot=fresh))
         self.used += take
         self.split = start + take < len(req.prompt_ids)
 
@@ -88,7 +89,7 @@ class PrefillChunker:
             step.decodes = decodable
             step.used = len(decodable)
         if self.partial is not None:
-            step.add(self.partial, self.partial.kv_len)
+            step.add(self.partial, self.partial.kv_len, fresh=False)
         return step
 
     def build(
@@ -102,7 +103,7 @@ class PrefillChunker:
         done = [row.req for row in step.rows if not row.partial]
         decode_rows = [ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False) for r in step.decodes]
         rows = step.rows + decode_rows
-        chunk_rows = [i for i, row in enumerate(step.rows) if row.partial or row.prefix_len > 0]
+        chunk_rows = [i for i, row in enumerate(step.rows) if row.partial or not row.new_slot]
         batch = build_extend_batch([row.req for row in rows], req_pool, kv_pool, vocab_size, device, rows=rows)
         self.decode_turn = self.partial is not None and not decode_rows
         self._count(step, chunk_rows, decode_rows)
@@ -114,7 +115,7 @@ class PrefillChunker:
     def _count(self, step: ChunkStep, chunk_rows: list[int], decode_rows: list[ExtendRow]) -> None:
         s = self.stats
         s.chunks += len(chunk_rows)
-        s.chunked_requests += sum(1 for i in chunk_rows if step.rows[i].prefix_len == 0)
+        s.chunked_requests += sum(1 for i in chunk_rows if step.rows[i].new_slot)
         if decode_rows:
             s.mixed_steps += 1
             s.mixed_decode_rows += len(decode_rows)

@@ -20,6 +20,7 @@ import torch
 
 from features import Feature, FeatureRegistry, builtin_features
 from service.config import ServerArgs, resolve_dtype
+from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -45,6 +46,7 @@ class EngineStats:
     forward_busy_fraction: float
     median_forward_gap_s: float
     forward_steps: int
+    prefix_cache: PrefixCacheInfo  # kv_pool_free_tokens above counts only rows on the free list
 
 
 def _host_memory_bytes() -> int:
@@ -109,6 +111,7 @@ class Engine:
             max_skip_ahead=args.max_skip_ahead,
             chunked_prefill_size=args.chunked_prefill_size,
             enable_mixed_chunk=args.enable_mixed_chunk,
+            prefix_cache=self._prefix_cache(),
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
@@ -121,6 +124,12 @@ class Engine:
             time.perf_counter() - t0, shape.architecture, str(self.dtype).removeprefix('torch.'), dev, self.attention_backend,
             self.worker.graphs is not None, kv_tokens, self.mode,
         )
+
+    def _prefix_cache(self) -> PrefixCacheManager | None:
+        """On unless --disable-prefix-cache (or --disable-feature prefix_cache)."""
+        if self.args.disable_prefix_cache or not self.features.enabled.get("prefix_cache", False):
+            return None
+        return PrefixCacheManager(self.req_pool, self.kv_pool, self.device)
 
     @property
     def mode(self) -> str:
@@ -222,7 +231,18 @@ class Engine:
             forward_busy_fraction=busy,
             median_forward_gap_s=gap,
             forward_steps=self.timeline.forward_steps,
+            prefix_cache=s.prefix_cache.info() if s.prefix_cache is not None else PrefixCacheInfo(False),
         )
+
+    # ---- prefix cache --------------------------------------------------------------
+    def flush_prefix_cache(self, timeout: float = 30.0) -> int:
+        """Evict every cached prefix no running request uses (everything when idle); the rows freed."""
+        return self.scheduler.flush_prefix_cache().result(timeout)
+
+    def kv_all_free(self) -> bool:
+        """Leak check: every KV row is on the free list once the prefix cache is flushed."""
+        self.flush_prefix_cache()
+        return self.kv_pool.free_count == self.kv_pool.size
 
     def shutdown(self) -> None:
         self.scheduler.stop()

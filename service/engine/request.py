@@ -108,6 +108,7 @@ class RequestOutput:
     error: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # feature outputs, by feature name
     error_code: str = "INTERNAL"  # gRPC status code name, with error
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
@@ -146,6 +147,15 @@ class Req:
         self.ban_stop_before_min = True  # False when a grammar governs termination
         self.arrival = time.monotonic()
         self.skipped_by = 0  # requests admitted ahead of it while it waited for KV
+        # Prefix cache (service/engine/cache_manager.py): the matched prompt tokens, the leading
+        # rows the cache's tree owns (the match, then the prompt once prefilled) and the
+        # deepest tree node this request locks.
+        self.cached_tokens = 0
+        self.cache_owned = 0
+        self.cache_node: Any = None
+        # What a prefix cache matches the prompt by: its ids, except where equal ids stand for
+        # different content (a feature sets it, e.g. image-token spans keyed by the image's hash).
+        self.prompt_key: list[int] | None = None
         # Constant per-request sampling row, built once (temperature, top_k, top_p,
         # min_p, repetition, frequency, presence).
         p = params

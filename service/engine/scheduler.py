@@ -13,18 +13,21 @@ import logging
 import queue
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import torch
 
 from features.base import OverlapSupport
 from features.registry import FeatureRegistry, support_of
 from service.engine.chunking import PrefillChunker, run_chunk_hooks
-from service.engine.forward_batch import BatchResult
+
+from service.engine.cache_manager import PrefixCacheManager
+from service.engine.forward_batch import BatchResult, ForwardMode
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.overlap_worker import FutureMap, FutureMapFull, LaunchedBatch, OverlapWorker
 from service.engine.request import FinishReason, OutputSink, Req, RequestError, RequestOutput
-from service.engine.schedule_batch import ScheduleBatch, build_decode_batch, build_extend_batch
+from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_decode_batch, build_extend_batch
 from service.engine.timeline import SCHEDULER_TID, Timeline
 
 log = logging.getLogger("zerogap.scheduler")
@@ -49,6 +52,7 @@ class Scheduler:
         max_skip_ahead: int = 32,
         chunked_prefill_size: int = 0,
         enable_mixed_chunk: bool = False,
+        prefix_cache: PrefixCacheManager | None = None,
     ):
         self.worker = worker
         self.req_pool = req_pool
@@ -88,6 +92,7 @@ class Scheduler:
         chunk_feature = features.features.get("chunked_prefill")
         if chunked_prefill_size > 0 and chunk_feature is not None and features.enabled[chunk_feature.name]:
             self.chunker = PrefillChunker(chunked_prefill_size, enable_mixed_chunk, chunk_feature)  # type: ignore[arg-type]
+        self.prefix_cache = prefix_cache  # None: --disable-prefix-cache
 
     # ---- thread-safe entry points -------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -99,6 +104,13 @@ class Scheduler:
 
     def abort_request(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
+
+    def flush_prefix_cache(self) -> "Future[int]":
+        """Evict every unlocked cached prefix (all of them when nothing runs); the future
+        gives the rows freed."""
+        fut: Future[int] = Future()
+        self.inbox.put(("flush", fut))
+        return fut
 
     def stop(self) -> None:
         self._stop = True
@@ -210,6 +222,9 @@ class Scheduler:
                 req = self.reqs.get(arg)  # type: ignore[arg-type]
                 if req is not None:
                     self.finish(req, FinishReason.ABORT)
+            elif kind == "flush":
+                assert isinstance(arg, Future)
+                arg.set_result(self.prefix_cache.flush() if self.prefix_cache is not None else 0)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """A prefill batch when new requests can be admitted, else a decode batch."""
@@ -247,20 +262,24 @@ class Scheduler:
             n = len(req.prompt_ids)
             if step is None and admitted and tokens + n > self.max_prefill_tokens:
                 break
-            if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
+            if self.prefix_cache is not None and self.prefix_cache.should_wait(req, self.cache_limit(req)):
+                continue  # a running request's prefill will cache much of its prompt: next step
+            if not self.reserve_kv(req):
                 blocked = blocked or req
                 continue  # it waits until running requests free KV; smaller ones may fit meanwhile
             if blocked is not None:
                 if blocked.skipped_by >= self.max_skip_ahead:
+                    self.unreserve_kv(req)
                     break  # it waited long enough: what frees up is kept for it
                 blocked.skipped_by += 1
             self.waiting.remove(req)
-            self.reserved_tokens += req.budget_tokens
             req.slot = self.req_pool.alloc()
             admitted.append(req)
             tokens += n
             if step is not None:
-                step.add(req, 0)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.start(req)  # its cached prefix goes into the table first
+                step.add(req, req.cache_owned, fresh=True)
         if step is not None:  # chunked prefill: the step's rows (chunks, new prompts, mixed decodes)
             batch, done = self.chunker.build(step, self.req_pool, self.kv_pool, self.vocab_size, self.device)  # type: ignore[union-attr]
             self.running.extend(done)
@@ -268,7 +287,48 @@ class Scheduler:
         if not admitted:
             return None
         self.running.extend(admitted)
-        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device)
+        rows = self.cached_prefix_rows(admitted)
+        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device, rows=rows)
+
+    # ---- prefix cache (service/engine/cache_manager.py) ------------------------------
+    def reserve_kv(self, req: Req) -> bool:
+        """Reserve the request's own KV rows (its budget less a cached prefix, matched and
+        locked here), evicting unlocked cached prefixes first; False when it does not fit yet."""
+        if self.prefix_cache is None:
+            if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
+                return False
+        else:
+            if self.prefix_cache.admit(req, self.cache_limit(req), self.kv_pool.size - self.reserved_tokens) is None:
+                return False
+        self.reserved_tokens += req.budget_tokens - req.cache_owned
+        return True
+
+    def cache_limit(self, req: Req) -> int:
+        """The most prompt tokens the request may take from the cache (its features may cap it)."""
+        assert self.prefix_cache is not None
+        return self.prefix_cache.match_limit(req, self.features.max_cached_prefix(req))
+
+    def unreserve_kv(self, req: Req) -> None:
+        """Undo reserve_kv for a request that is not admitted after all."""
+        self.reserved_tokens -= req.budget_tokens - req.cache_owned
+        if self.prefix_cache is not None:
+            self.prefix_cache.cancel(req)
+
+    def cached_prefix_rows(self, admitted: list[Req]) -> list[ExtendRow] | None:
+        """Slotted requests: their cached rows go into the request-to-token table, the rest of
+        each prompt is extended on top of them."""
+        if self.prefix_cache is None:
+            return None
+        for req in admitted:
+            self.prefix_cache.start(req)
+        return [ExtendRow(r, r.prompt_ids[r.cache_owned:], prefix_len=r.cache_owned) for r in admitted]
+
+    def cache_prefilled(self, batch: ScheduleBatch) -> None:
+        """An extend batch's result was processed: its prompts' KV is written and may be shared."""
+        if self.prefix_cache is None or batch.mode is not ForwardMode.EXTEND:
+            return
+        for req in batch.reqs:
+            self.reserved_tokens -= self.prefix_cache.prefilled(req)
 
     def form_decode_batch(self) -> ScheduleBatch | None:
         reqs = [r for r in self.running if r.launched < r.max_new_tokens]
@@ -366,6 +426,7 @@ class Scheduler:
             except Exception as e:
                 log.exception("request %s failed", req.rid)
                 self.finish(req, FinishReason.ERROR, error=f"{type(e).__name__}: {e}")
+        self.cache_prefilled(batch)
         self.timeline.add(SCHEDULER_TID, f"process {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
 
     # ---- per-request results -------------------------------------------------------
@@ -418,9 +479,12 @@ class Scheduler:
 
     def release(self, req: Req) -> None:
         if req.slot >= 0:
-            self.kv_pool.free(self.req_pool.rows(req.slot, req.kv_len))
+            self.reserved_tokens -= req.budget_tokens - req.cache_owned
+            if self.prefix_cache is not None:  # inserts what its processed batches wrote, frees the rest
+                self.prefix_cache.release(req)
+            else:
+                self.kv_pool.free(self.req_pool.rows(req.slot, req.kv_len))
             self.req_pool.free(req.slot)
-            self.reserved_tokens -= req.budget_tokens
             req.slot = -1
             req.kv_len = 0
         else:
@@ -443,7 +507,7 @@ class Scheduler:
     ) -> None:
         self.outbox.append(
             RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error,
-                          extras or {}, error_code)
+                          extras or {}, error_code, cached_tokens=req.cached_tokens)
         )
 
     def flush_outputs(self) -> None:

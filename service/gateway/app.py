@@ -162,7 +162,7 @@ class Gateway:
         body["choices"] = [
             p.choice(call, done.text, done.finish_reason, await self._logprobs(call, [done]), False)
         ]
-        body["usage"] = p.usage(done.prompt_tokens, done.completion_tokens)
+        body["usage"] = p.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         return JSONResponse(body)
 
     async def _stream(self, request: Request, call: p.Call, rid: str, stream: AsyncStream) -> Response:
@@ -199,7 +199,7 @@ class Gateway:
                 delta = await anext(stream)
             if call.include_usage:
                 yield p.sse(
-                    dict(head, choices=[], usage=p.usage(delta.prompt_tokens, delta.completion_tokens))
+                    dict(head, choices=[], usage=p.usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens))
                 )
             yield p.sse("[DONE]")
         except ZerogapError as e:  # after the 200 went out: an error event, as OpenAI's servers send

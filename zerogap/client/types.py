@@ -293,6 +293,7 @@ class Delta:
     input_logprobs: list[TokenLogprob]
     constraint_result: ConstraintResult | None  # on the last message of a constrained request
     raw: Any = field(repr=False, compare=False)
+    cached_tokens: int = 0  # prompt tokens served from the server's prefix cache (last message)
 
     @staticmethod
     def from_proto(r) -> Delta:
@@ -308,6 +309,7 @@ class Delta:
             [TokenLogprob.from_proto(x) for x in r.input_logprobs],
             ConstraintResult.from_response(r),
             r,
+            cached_tokens=r.usage.cached_tokens,
         )
 
 
@@ -328,6 +330,7 @@ class Completion:
     normalized_prompt_logprob: float = 0.0
     constraint_result: ConstraintResult | None = None
     raw: Any = field(default=None, repr=False, compare=False)
+    cached_tokens: int = 0  # prompt tokens served from the server's prefix cache
 
     @staticmethod
     def from_proto(r) -> Completion:
@@ -346,6 +349,7 @@ class Completion:
             r.normalized_prompt_logprob,
             d.constraint_result,
             r,
+            cached_tokens=d.cached_tokens,
         )
 
     @staticmethod
@@ -366,6 +370,7 @@ class Completion:
             first.raw.input_logprobs_start,
             first.raw.normalized_prompt_logprob,
             last.constraint_result,
+            cached_tokens=last.cached_tokens,
         )
 
     def json(self) -> Any:

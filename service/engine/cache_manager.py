@@ -1,0 +1,189 @@
+"""The prefix cache as the scheduler uses it: per-request match, insert and release.
+
+Scheduler thread only. Accounting: a request's own KV rows are reserved at
+admission (`budget_tokens - cache_owned`); rows the tree holds are counted by
+the tree (`RadixCache.total_tokens`). `reserved + tree <= pool size` always
+holds, so allocation never fails; rows in the tree that no running request
+locks are evictable and are evicted (LRU leaves first) before a request waits.
+
+When rows change hands (docs/architecture.md, "Prefix cache"):
+- admission: the matched rows are locked and copied into the request's row of
+  the request-to-token table at [0, m); the rest of the prompt is prefilled on
+  top of them;
+- after its prefill result is processed: the whole prompt's rows (written by
+  that processed batch) are adopted by the tree, so requests arriving while it
+  decodes share them;
+- at finish: prompt + output[:-1] (the KV of the last sampled token is not
+  written; under overlap the row the next, in-flight batch writes is not
+  inserted either) are inserted, the rest of its rows freed, its lock dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.device import Device
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
+from service.engine.prefix_cache import RadixCache
+from service.engine.request import FinishReason, Req
+
+# A waiting request that shares at least this many more tokens with a request whose
+# prefill is under way than the cache holds for it waits for that prefill to be inserted.
+SHARE_WAIT_TOKENS = 16
+
+
+
+def cache_key(req: Req) -> list[int]:
+    """The ids the tree matches a request's prompt by (image spans keyed by their images' hashes)."""
+    return req.prompt_key if req.prompt_key is not None else req.prompt_ids
+
+@dataclass
+class PrefixCacheInfo:
+    """What GetServerInfo and the metrics report."""
+
+    enabled: bool
+    cached_tokens: int = 0  # rows the tree holds now
+    evictable_tokens: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    hit_requests: int = 0
+    requests: int = 0
+    evicted_tokens: int = 0
+    hit_rate: float = 0.0
+
+
+class PrefixCacheManager:
+    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, device: Device):
+        self.req_pool = req_pool
+        self.kv_pool = kv_pool
+        self.device = device
+        self.tree = RadixCache(kv_pool)
+        self.prefilling: dict[str, Req] = {}  # admitted, prefill result not processed yet
+
+    # ---- admission ------------------------------------------------------------------
+    def match_limit(self, req: Req, feature_limit: int | None) -> int:
+        """At least one prompt token is left to prefill (its logits are sampled)."""
+        limit = len(req.prompt_ids) - 1
+        return limit if feature_limit is None else min(limit, feature_limit)
+
+    def should_wait(self, req: Req, limit: int) -> bool:
+        """Whether a request whose prefill is under way will soon cache much more of this prompt
+        (at least SHARE_WAIT_TOKENS more than the cache holds now): then it waits for that."""
+        if not self.prefilling:
+            return False
+        key = cache_key(req)
+        want = self.tree.match_len(key[:limit]) + SHARE_WAIT_TOKENS
+        if limit < want:
+            return False
+        head = key[:want]
+        return any(len(o.prompt_ids) >= want and cache_key(o)[:want] == head for o in self.prefilling.values())
+
+    def admit(self, req: Req, limit: int, room: int) -> int | None:
+        """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
+        own rows fit in `room` (pool rows not reserved by running requests). Returns the matched
+        length, or None (nothing kept locked) when the request does not fit yet."""
+        match = self.tree.match(cache_key(req), limit)
+        self.tree.lock(match.node)
+        need = req.budget_tokens - match.length
+        short = need - (room - self.tree.total_tokens)
+        if short > 0 and self.tree.evict(short) < short:
+            self.tree.unlock(match.node)
+            return None
+        req.cache_node, req.cache_owned, req.cached_tokens = match.node, match.length, match.length
+        self.prefilling[req.rid] = req  # siblings admitted after it in this step see it too
+        return match.length
+
+    def cancel(self, req: Req) -> None:
+        """Undo `admit` for a request that stays waiting after all."""
+        self.prefilling.pop(req.rid, None)
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_owned, req.cached_tokens = None, 0, 0
+
+    def start(self, req: Req) -> None:
+        """The admitted request has its slot: count the hit and copy the matched rows into the
+        request-to-token table, [0, m) (host mirror and device table; the device write runs on
+        the scheduler stream, before the batch's own table writes and KV-index gather)."""
+        s = self.tree.stats
+        m = req.cache_owned
+        s.requests += 1
+        s.prompt_tokens += len(req.prompt_ids)
+        s.hit_tokens += m
+        s.hit_requests += m > 0
+        if m == 0:
+            return
+        node_rows = self._path_rows(req)
+        slots = torch.full((m,), req.slot, dtype=torch.int64)
+        positions = torch.arange(m, dtype=torch.int64)
+        self.req_pool.write_host(slots, positions, node_rows)
+        d = self.device.to_device(slots, positions, node_rows)
+        self.req_pool.write_device(d[0], d[1], d[2])
+
+    def _path_rows(self, req: Req) -> torch.Tensor:
+        parts = []
+        node = req.cache_node
+        while node is not None and node is not self.tree.root:
+            parts.append(node.rows)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else torch.empty(0, dtype=torch.int64)
+
+    # ---- after prefill --------------------------------------------------------------
+    def prefilled(self, req: Req) -> int:
+        """The request's prefill result was processed: its prompt's KV is written. The tree
+        adopts those rows unless another request cached more of the prompt meanwhile (then its
+        own rows stay its own until it finishes). Returns the rows the tree adopted (the
+        caller's reservation for the request shrinks by that much)."""
+        self.prefilling.pop(req.rid, None)
+        prompt = cache_key(req)
+        if req.finished is not None or req.slot < 0 or req.kv_len < len(prompt) or req.cache_node is None:
+            return 0
+        owned = req.cache_owned
+        if len(prompt) <= owned or self.tree.match_len(prompt) != owned:
+            return 0
+        rows = self.req_pool.rows(req.slot, len(prompt))
+        assert self.tree.insert(prompt, rows) == owned
+        match = self.tree.match(prompt)
+        self.tree.lock(match.node)
+        self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_owned = match.node, len(prompt)
+        return len(prompt) - owned
+
+    # ---- finish ---------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """The request ends: insert what its processed batches wrote, free the rest of its own
+        rows, drop its lock. Called once, while its slot is still held."""
+        self.prefilling.pop(req.rid, None)
+        rows = self.req_pool.rows(req.slot, req.kv_len)
+        owned = req.cache_owned
+        valid = self._valid_len(req)
+        keep = owned
+        if valid > owned:
+            tokens = (cache_key(req) + req.output_ids)[:valid]
+            cached = self.tree.insert(tokens, rows[:valid])
+            assert cached >= owned, "prefix cache: a locked path was evicted"
+            self.kv_pool.free(rows[owned:cached])  # duplicates of rows the tree already had
+            keep = valid
+        self.kv_pool.free(rows[keep:])
+        if req.cache_node is not None:
+            self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_owned = None, 0
+
+    @staticmethod
+    def _valid_len(req: Req) -> int:
+        """Leading tokens whose KV rows were written by batches whose results were processed:
+        the prompt and every output token but the last (its KV is written, if at all, by a
+        batch not processed yet). An error or a request without a processed result: none."""
+        if req.finished is FinishReason.ERROR or not req.output_ids:
+            return 0
+        return min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)
+
+    # ---- admin ----------------------------------------------------------------------
+    def flush(self) -> int:
+        return self.tree.flush()
+
+    def info(self) -> PrefixCacheInfo:
+        s, t = self.tree.stats, self.tree
+        return PrefixCacheInfo(True, t.total_tokens, t.evictable_tokens, s.hit_tokens, s.prompt_tokens, s.hit_requests,
+                               s.requests, s.evicted_tokens, s.hit_rate)
