@@ -106,7 +106,7 @@ def test_greedy_tokens_equal_transformers(variant, tiny_llava_dir, smol_dir, tmp
         # The images matter: the same prompt with other images gives other tokens.
         other = c.generate([tok.encode(CASES[0][0])], GREEDY, [mm(IMAGES[4])])
         assert collect(other[0])[0] != ref[0]
-        assert c.engine.kv_pool.free_count == c.engine.kv_pool.size
+        assert c.engine.kv_all_free()
     finally:
         c.close()
 
@@ -142,7 +142,7 @@ def test_text_and_image_requests_share_batches_overlap_equals_normal(tiny_llava_
                 text = [i for i, f in enumerate(feats) if f is None]
                 solo = c.generate([prompts[i] for i in text], GREEDY)
                 assert [collect(o)[0] for o in solo] == [results[loop][i] for i in text]
-            assert c.engine.kv_pool.free_count == c.engine.kv_pool.size
+            assert c.engine.kv_all_free()
         finally:
             c.close()
     assert results["overlap"] == results["normal"]
@@ -225,7 +225,7 @@ def test_bad_images_fail_only_their_request(loop, tiny_llava_dir, tok):
             c.engine.build_request("mismatch", tok.encode("<image><image>"), GREEDY, mm(IMAGES[0]))
         with pytest.raises(RequestError, match="1 image placeholder token.*0 image"):
             c.engine.build_request("no-images", tok.encode("<image>"), GREEDY)
-        assert c.engine.kv_pool.free_count == c.engine.kv_pool.size
+        assert c.engine.kv_all_free()
     finally:
         c.close()
 
