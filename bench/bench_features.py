@@ -16,8 +16,9 @@ throughput ratio and the forward-busy fraction of each.
 constrained: every request constrained by a JSON schema whose outputs all have
 the same length (fixed-size integer array: max_new_tokens tokens with EOS), vs
 the same requests unconstrained for as many tokens; one engine, the two
-alternating `--repeats` times, under the overlap loop (`--loop` to change it);
-prints the median ratio of the pairs, the mask fill time per row, grammar
+alternating `--repeats` times (ABBA order), under the overlap loop (`--loop` to
+change it); prints the median ratio of the pairs, the process CPU time per
+token of each, the mask fill time per row, grammar
 compile time cold vs cached and the per-request schema costs.
 """
 
@@ -171,7 +172,7 @@ def bench_constrained(model_dir, args) -> None:
     constrained = [{"constrained": dict(kind="json_schema", text=json.dumps(schema))}] * len(prompts)
     greedy = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens) for _ in prompts]
     plain_params = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True) for _ in prompts]
-    # One engine; the two configurations alternate (C, U, C, U, ...) so that a shared machine's
+    # One engine; the two configurations alternate (C U, U C, C U, ...) so that a shared machine's
     # load drifts into both alike; the grammar compiles in the untimed warm-up (a cached schema).
     client = SyncClient(
         ServerArgs(max_running_requests=len(prompts), kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
@@ -181,14 +182,18 @@ def bench_constrained(model_dir, args) -> None:
         client.generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=4))
         client.generate(prompts[:2], greedy[:2], constrained[:2])
         runs: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
-        for _ in range(args.repeats):
-            for name, params, feats in (("constrained", greedy, constrained), ("unconstrained", plain_params, [None] * len(prompts))):
-                start = time.perf_counter()
+        cpu: dict[str, list[float]] = {"constrained": [], "unconstrained": []}  # process CPU s per 1k tokens
+        configs = [("constrained", greedy, constrained), ("unconstrained", plain_params, [None] * len(prompts))]
+        for i in range(args.repeats):
+            for name, params, feats in configs if i % 2 == 0 else configs[::-1]:  # ABBA: no side always first
+                start, start_cpu = time.perf_counter(), time.process_time()
                 outs = client.generate(prompts, params, feats)
-                elapsed = time.perf_counter() - start
+                elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
                 if name == "constrained":
                     lengths.extend(len(collect(o)[0]) for o in outs)
-                runs[name].append(sum(len(collect(o)[0]) for o in outs) / elapsed)
+                tokens = sum(len(collect(o)[0]) for o in outs)
+                runs[name].append(tokens / elapsed)
+                cpu[name].append(used / tokens * 1e3)
         grab(client, [])
         mode = client.engine.mode
     finally:
@@ -197,7 +202,8 @@ def bench_constrained(model_dir, args) -> None:
     print(f"workload: {len(prompts)} requests; constrained outputs average {n} tokens (incl. EOS), unconstrained "
           f"{args.max_new_tokens}; loop={mode}; {args.repeats} alternating runs each, load average {os.getloadavg()[0]:.1f}")
     for name, xs in runs.items():
-        print(f"{name:>14}: median {statistics.median(xs):7.1f} tok/s  runs " + " ".join(f"{x:.1f}" for x in xs))
+        print(f"{name:>14}: median {statistics.median(xs):7.1f} tok/s, {statistics.median(cpu[name]):.2f} CPU s per 1k tokens"
+              f" (all threads); runs " + " ".join(f"{x:.1f}" for x in xs))
     ratios = [c / u for c, u in zip(runs["constrained"], runs["unconstrained"])]
     print(f"constrained / unconstrained throughput: {statistics.median(ratios):.3f}x (median of pairs; pairs "
           + " ".join(f"{r:.3f}" for r in ratios) + ")")
