@@ -10,7 +10,8 @@ This module makes what the grammar enforces explicit:
   into one schema, sibling keywords distributed into `anyOf`/`oneOf` branches,
   `$ref` with siblings (2019-09+), anchor / `$id` / absolute refs retargeted to JSON
   pointers, draft-7 `items` arrays to `prefixItems`, integer bounds to whole numbers,
-  `enum` filtered by `type`, `required` names missing from `properties` added, ...
+  `enum` filtered by `type`, `required` names missing from `properties` added,
+  `format: date` / `date-time` as calendar-exact patterns (the backend admits 02-31), ...
 - `unenforced` walks the normalised schema for what the grammar still cannot
   enforce, each issue naming the JSON pointer and the keyword.
 - `relax` drops what the backend would reject (lenient mode).
@@ -67,8 +68,8 @@ _LEAP_2 = r"(?:0[48]|[2468][048]|[13579][26])"  # two digits, a multiple of 4 ot
 _MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
               r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
 DATE_RE = rf"(?:{_YEAR}-{_MONTH_DAY}|(?:[0-9]{{2}}{_LEAP_2}|{_LEAP_2}00)-02-29)"
-# RFC 3339 date-time with that date, upper-case T/Z, seconds 00-59 (no leap second): the part of
-# RFC 3339 every checker accepts (rfc3339-validator's language).
+# RFC 3339 date-time with that date, exactly as rfc3339-validator (jsonschema's date-time checker)
+# reads it: upper-case T/Z, seconds 00-59 (no leap second), offsets up to 23:59.
 _HOUR = r"(?:[01][0-9]|2[0-3])"
 DATE_TIME_RE = rf"{DATE_RE}T{_HOUR}:[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-]{_HOUR}:[0-5][0-9])"
 FORMAT_PATTERNS = {"date": f"^{DATE_RE}$", "date-time": f"^{DATE_TIME_RE}$"}
@@ -506,7 +507,7 @@ class _Normaliser:
             return node
         out = {k: v for k, v in node.items() if k != "format"}
         out["pattern"] = FORMAT_PATTERNS[fmt]
-        exact = "" if fmt == "date" else " (upper-case T/Z, seconds 00-59: what every RFC 3339 checker accepts)"
+        exact = "" if fmt == "date" else " (as rfc3339-validator reads RFC 3339: upper-case T/Z, no leap second)"
         self.note(ptr(at, "format"), "format", f"{fmt} as a pattern of real calendar days{exact}")
         return out
 
