@@ -14,15 +14,18 @@ output logprobs) on every request, both under the overlap loop; prints the
 throughput ratio and the forward-busy fraction of each.
 
 constrained: every request constrained by a JSON schema whose outputs all have
-the same length (fixed-size integer array), vs the same requests unconstrained
-with max_new_tokens set to that length, under the overlap loop; prints the
-throughput ratio, the per-row mask fill time (median/p99) and grammar compile
-time cold vs cached.
+the same length (fixed-size integer array: max_new_tokens tokens with EOS), vs
+the same requests unconstrained for as many tokens; one engine, the two
+alternating `--repeats` times (ABBA order), under the overlap loop (`--loop` to
+change it); prints the median ratio of the pairs, the process CPU time per
+token of each, the mask fill time per row, grammar
+compile time cold vs cached and the per-request schema costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -64,7 +67,7 @@ def measure(model_dir, args, prompts, params, feats, on_client=None, **server_ar
 def measure_once(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
     client = SyncClient(
         ServerArgs(**{"max_running_requests": len(prompts), "kv_cache_tokens": len(prompts) * (args.max_new_tokens + 64),
-                      "dtype": args.dtype, "loop": "overlap", **server_args}),
+                      "dtype": args.dtype, "loop": args.loop, **server_args}),
         model_dir,
         features=fake_features(),
     )
@@ -145,7 +148,6 @@ def bench_constrained(model_dir, args) -> None:
     stats: dict = {}
 
     def grab(client, outs):
-        lengths.extend(len(collect(o)[0]) for o in outs)
         feature = client.engine.features.features["constrained"]
         stats["fill"] = feature.mask_fill_stats_us()
         backend = feature.backend
@@ -169,15 +171,43 @@ def bench_constrained(model_dir, args) -> None:
 
     constrained = [{"constrained": dict(kind="json_schema", text=json.dumps(schema))}] * len(prompts)
     greedy = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens) for _ in prompts]
-    with_c = measure(model_dir, args, prompts, greedy, constrained, on_client=grab)
+    plain_params = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True) for _ in prompts]
+    # One engine; the two configurations alternate (C U, U C, C U, ...) so that a shared machine's
+    # load drifts into both alike; the grammar compiles in the untimed warm-up (a cached schema).
+    client = SyncClient(
+        ServerArgs(max_running_requests=len(prompts), kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
+                   dtype=args.dtype, loop=args.loop),
+        model_dir, features=fake_features())
+    try:
+        client.generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=4))
+        client.generate(prompts[:2], greedy[:2], constrained[:2])
+        runs: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+        cpu: dict[str, list[float]] = {"constrained": [], "unconstrained": []}  # process CPU s per 1k tokens
+        configs = [("constrained", greedy, constrained), ("unconstrained", plain_params, [None] * len(prompts))]
+        for i in range(args.repeats):
+            for name, params, feats in configs if i % 2 == 0 else configs[::-1]:  # ABBA: no side always first
+                start, start_cpu = time.perf_counter(), time.process_time()
+                outs = client.generate(prompts, params, feats)
+                elapsed, used = time.perf_counter() - start, time.process_time() - start_cpu
+                if name == "constrained":
+                    lengths.extend(len(collect(o)[0]) for o in outs)
+                tokens = sum(len(collect(o)[0]) for o in outs)
+                runs[name].append(tokens / elapsed)
+                cpu[name].append(used / tokens * 1e3)
+        grab(client, [])
+        mode = client.engine.mode
+    finally:
+        client.close()
     n = round(sum(lengths) / len(lengths))
-    print(f"workload: {len(prompts)} requests; constrained outputs average {n} tokens (incl. EOS)")
-    report("constrained", with_c, "constrained")
-    plain_params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for _ in prompts]
-    plain = measure(model_dir, args, prompts, plain_params, [None] * len(prompts))
-    report("unconstrained", plain, "constrained")
-    print(f"constrained / unconstrained throughput: {with_c.tokens_per_s / plain.tokens_per_s:.3f}x")
-    print(f"mask fill per row: median {stats['fill'][0]:.1f} us, p99 {stats['fill'][1]:.1f} us")
+    print(f"workload: {len(prompts)} requests; constrained outputs average {n} tokens (incl. EOS), unconstrained "
+          f"{args.max_new_tokens}; loop={mode}; {args.repeats} alternating runs each, load average {os.getloadavg()[0]:.1f}")
+    for name, xs in runs.items():
+        print(f"{name:>14}: median {statistics.median(xs):7.1f} tok/s, {statistics.median(cpu[name]):.2f} CPU s per 1k tokens"
+              f" (all threads); runs " + " ".join(f"{x:.1f}" for x in xs))
+    ratios = [c / u for c, u in zip(runs["constrained"], runs["unconstrained"])]
+    print(f"constrained / unconstrained throughput: {statistics.median(ratios):.3f}x (median of pairs; pairs "
+          + " ".join(f"{r:.3f}" for r in ratios) + ")")
+    print(f"mask fill per row (one call per batch): median {stats['fill'][0]:.1f} us, p99 {stats['fill'][1]:.1f} us")
     print(f"grammar compile: cold {stats['cold'] * 1e3:.1f} ms, cached {stats['cached'] * 1e3:.3f} ms")
     print(f"output check at finish (decode + jsonschema): median {stats['check'][0]:.0f} us, p99 {stats['check'][1]:.0f} us per request")
     for name, secs in stats["prepare"]:
@@ -199,6 +229,8 @@ def main() -> None:
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
+    p.add_argument("--loop", default="overlap", choices=["overlap", "normal", "auto"],
+                   help="the scheduler loop of every configuration (auto: normal on CPU, overlap on CUDA)")
     args = p.parse_args()
     model_dir = resolve_model_path(args.model)
     {"fallback": bench_fallback, "logprobs": bench_logprobs, "constrained": bench_constrained}[args.scenario](model_dir, args)

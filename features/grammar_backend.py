@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+import torch
 import xgrammar as xgr
 
 from features.json_schema import clean_backend_message
@@ -278,8 +280,10 @@ class GrammarBackend:
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
 
-    def allocate_bitmask(self, rows: int):
-        return xgr.allocate_token_bitmask(rows, self.vocab_size)
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """xgrammar's bitmask (int32 [rows, ceil(vocab / 32)], all ones: every token allowed), filled
+        by numpy: torch.full runs a thread team, which a busy machine can stall for milliseconds."""
+        return torch.from_numpy(np.full(xgr.get_bitmask_shape(rows, self.vocab_size), -1, dtype=np.int32))
 
     def accepts_nothing(self, compiled: xgr.CompiledGrammar) -> bool:
         """Whether no token (not even a stop token) may come first: the grammar matches no string."""

@@ -10,7 +10,8 @@ This module makes what the grammar enforces explicit:
   into one schema, sibling keywords distributed into `anyOf`/`oneOf` branches,
   `$ref` with siblings (2019-09+), anchor / `$id` / absolute refs retargeted to JSON
   pointers, draft-7 `items` arrays to `prefixItems`, integer bounds to whole numbers,
-  `enum` filtered by `type`, `required` names missing from `properties` added, ...
+  `enum` filtered by `type`, `required` names missing from `properties` added,
+  `format: date` / `date-time` as calendar-exact patterns (the backend admits 02-31), ...
 - `unenforced` walks the normalised schema for what the grammar still cannot
   enforce, each issue naming the JSON pointer and the keyword.
 - `relax` drops what the backend would reject (lenient mode).
@@ -58,6 +59,20 @@ GRAMMAR_FORMATS = frozenset({
     "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
     "uuid", "uri-template", "json-pointer", "relative-json-pointer",
 })
+# Calendar-exact patterns for the formats whose backend grammar admits impossible days (xgrammar
+# 0.2.9's `date` takes 2021-02-31, 2021-04-31 and year 0000): what `datetime.date.fromisoformat`
+# accepts after jsonschema's 4-2-2 digit check — years 0001-9999, each month's days, Feb 29 in leap
+# years (multiples of 4 but not of 100, or of 400).
+_YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_2 = r"(?:0[48]|[2468][048]|[13579][26])"  # two digits, a multiple of 4 other than 00
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+DATE_RE = rf"(?:{_YEAR}-{_MONTH_DAY}|(?:[0-9]{{2}}{_LEAP_2}|{_LEAP_2}00)-02-29)"
+# RFC 3339 date-time with that date, exactly as rfc3339-validator (jsonschema's date-time checker)
+# reads it: upper-case T/Z, seconds 00-59 (no leap second), offsets up to 23:59.
+_HOUR = r"(?:[01][0-9]|2[0-3])"
+DATE_TIME_RE = rf"{DATE_RE}T{_HOUR}:[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-]{_HOUR}:[0-5][0-9])"
+FORMAT_PATTERNS = {"date": f"^{DATE_RE}$", "date-time": f"^{DATE_TIME_RE}$"}
 NUMERIC_KW = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING_KW = ("minLength", "maxLength", "pattern", "format")
 ARRAY_KW = ("minItems", "maxItems", "items", "prefixItems", "uniqueItems", "contains")
@@ -305,6 +320,7 @@ class _Normaliser:
         node = self._false_properties(node, at)
         node = self._backend_defaults(node, at)
         node = self._pattern_controls(node, at)
+        node = self._format_patterns(node, at)
         return node
 
     def _draft4_exclusive(self, node: dict, at: str) -> dict:
@@ -480,6 +496,20 @@ class _Normaliser:
             return node
         self.note(ptr(at, "pattern"), "pattern", "literal control characters escaped")
         return {**node, "pattern": p.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")}
+
+
+    def _format_patterns(self, node: dict, at: str) -> dict:
+        """`format: date` / `date-time` as a pattern of real calendar days (FORMAT_PATTERNS): the
+        backend's own grammar admits 02-31. Beside a pattern of its own the format stays (the walk
+        then names it)."""
+        fmt = node.get("format")
+        if fmt not in FORMAT_PATTERNS or "pattern" in node:
+            return node
+        out = {k: v for k, v in node.items() if k != "format"}
+        out["pattern"] = FORMAT_PATTERNS[fmt]
+        exact = "" if fmt == "date" else " (as rfc3339-validator reads RFC 3339: upper-case T/Z, no leap second)"
+        self.note(ptr(at, "format"), "format", f"{fmt} as a pattern of real calendar days{exact}")
+        return out
 
 
 def property_schema(node: dict, name: str) -> Schema:
@@ -713,6 +743,8 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
         fmt = node.get("format")
         if isinstance(fmt, str) and fmt in checked_formats and fmt not in GRAMMAR_FORMATS:
             flag("format", f"format {fmt!r} not enforced")
+        elif fmt in FORMAT_PATTERNS:  # left by the normaliser: a pattern beside it
+            flag("format", f"format {fmt!r} enforced loosely beside a pattern (impossible days such as 02-31 pass)")
         if types is None and not any(k in node for k in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
             for kw in NUMERIC_KW + STRING_KW:
                 if kw in node:

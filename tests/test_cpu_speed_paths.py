@@ -1,6 +1,7 @@
 """The CPU fast paths equal their pure-torch references.
 
-Native kernels (paged attention, argmax, fused add+RMSNorm / RoPE / SiLU*mul),
+Native kernels (paged attention, argmax, fused add+RMSNorm / RoPE / SiLU*mul, the
+grammar-mask apply against xgrammar's own),
 oneDNN-packed linears, per-request extend attention, the greedy fast path and
 `--dtype auto`; end to end, the fast engine and the pure-torch engine give the
 same greedy tokens.
@@ -78,6 +79,31 @@ def test_argmax_rows_matches_torch_including_ties_and_nan(dtype):
     x[4, 700] = x[4, 1800] = float("nan")
     x[5, 0] = float("nan")
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [3000, 3001 + 30])  # whole words; a partial last word
+def test_grammar_mask_kernel_matches_xgrammar(dtype, vocab):
+    """logits = -inf where the bitmask forbids, for the listed rows only (strided logits rows,
+    words all ones / all zeros / mixed), exactly as xgrammar's CPU kernel does it."""
+    import xgrammar as xgr
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(7, vocab + 5, generator=g).to(dtype)[:, :vocab]  # row stride != vocab
+    mask = xgr.allocate_token_bitmask(7, vocab)
+    mask.copy_(torch.randint(-(2**31), 2**31 - 1, mask.shape, generator=g, dtype=torch.int64).to(torch.int32))
+    mask[1] = -1
+    mask[2] = 0
+    mask[3, : mask.shape[1] // 2] = -1
+    rows = [0, 2, 3, 5, 6]
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, mask, indices=rows)
+    got = logits.clone()
+    assert cpu_kernels.apply_token_bitmask_(got, mask, torch.tensor(rows, dtype=torch.int64))
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 4]], logits[[1, 4]])  # unlisted rows untouched
+    assert not cpu_kernels.apply_token_bitmask_(got.to(torch.float16), mask, torch.tensor(rows))  # no kernel: caller falls back
 
 
 @needs_kernels

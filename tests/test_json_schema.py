@@ -5,6 +5,7 @@ and outputs are validated (features/json_schema.py)."""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import jsonschema
@@ -175,6 +176,47 @@ def test_output_validator_uses_the_schema_draft_and_formats():
     bad = v.violations('{"n": "x", "d": "2024-13-45"}')
     assert {(i.pointer, i.keyword) for i in bad} == {("/n", "type"), ("/d", "format")}
     assert v.violations('{"n": 1')[0].keyword == "json"
+
+
+@pytest.mark.parametrize("year", [0, 1, 4, 99, 100, 400, 1600, 1700, 1900, 1996, 2000, 2021, 2024, 2100, 2400, 9996, 9999])
+def test_date_pattern_is_exactly_the_date_format(year):
+    """`format: date` becomes a pattern admitting exactly what jsonschema's date check admits
+    (real calendar days, leap years, years 0001-9999), every month and day number 00-32 tried."""
+    date = re.compile(js.FORMAT_PATTERNS["date"])
+    checker = jsonschema.FormatChecker()
+    for month in range(14):
+        for day in range(33):
+            s = f"{year:04d}-{month:02d}-{day:02d}"
+            assert bool(date.fullmatch(s)) == checker.conforms(s, "date"), s
+            dt = f"{s}T12:30:59.25+05:30"
+            assert bool(re.fullmatch(js.FORMAT_PATTERNS["date-time"], dt)) == checker.conforms(s, "date"), dt
+    for bad in ("2021-02-28T24:00:00Z", "2021-02-28T10:60:00Z", "2021-02-28T10:00:60Z", "2021-02-28T10:00:00",
+                "2021-02-28 10:00:00Z", "2021-02-28T10:00:00+24:00", "21-02-28", "2021-2-28", "2021-02-28\n"):
+        assert not re.fullmatch(js.FORMAT_PATTERNS["date-time"], bad) and not date.fullmatch(bad), bad
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2020-02-29", "2000-02-29", "2021-12-31"], ["2021-02-31", "2021-04-31", "2021-02-29", "1900-02-29", "0000-01-01"]),
+    ("date-time", ["2020-02-29T23:59:59Z", "2021-01-31T00:00:00.5-08:00"], ["2021-02-31T10:00:00Z", "2021-02-28T10:00:60Z"]),
+])
+def test_date_formats_admit_only_real_days(fmt, good, bad):
+    """xgrammar's own `date` / `date-time` grammars take 2021-02-31; the normalised schema's grammar
+    cannot produce an impossible day (the pinned gap shows when an upgrade closes it)."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": fmt}}, "required": ["d"]}
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(raw, json.dumps({"d": bad[0]}))
+    normalised, rewrites, problems = js.normalise(schema)
+    assert [(r.pointer, r.keyword) for r in rewrites] == [("/properties/d/format", "format")]
+    assert not js.unenforced(normalised, problems)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(normalised), any_whitespace=False)
+    for value in good:
+        assert _is_grammar_accept_string(grammar, json.dumps({"d": value})), value
+    for value in bad:
+        assert not _is_grammar_accept_string(grammar, json.dumps({"d": value})), value
+    # Beside a pattern of its own the format stays, and strict mode names it.
+    both = {"type": "string", "format": fmt, "pattern": "^[0-9]"}
+    normalised, _, problems = js.normalise(both)
+    assert ("/format", "format") in {(i.pointer, i.keyword) for i in js.unenforced(normalised, problems)}
 
 
 def test_corpus_outcomes_are_pinned():

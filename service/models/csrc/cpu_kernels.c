@@ -380,3 +380,47 @@ DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROPE(rope_f32, float, LOAD_F32, STORE_F32)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)
+
+/* ---- grammar masks (constrained decoding) ----------------------------------------------------
+ * logits[r, c] = -inf where bit c % 32 of word c / 32 of mask row r is 0, for each listed row r
+ * (the same row in logits and mask; xgrammar's bitmask layout), over the first `cols` columns.
+ * A word of all ones (the token range is allowed) is skipped; with AVX-512 any other word is one
+ * masked store of -inf (bf16: 32 lanes, f32: 2 x 16), the word's complement as the lane mask.
+ * Rows in parallel. */
+#define BF16_NEG_INF 0xff80u
+
+static inline void mask_word_bf16(uint16_t *x, uint32_t w) {
+#if defined(__AVX512BW__)
+    _mm512_mask_storeu_epi16(x, (__mmask32)~w, _mm512_set1_epi16((short)BF16_NEG_INF));
+#else
+    for (int b = 0; b < 32; b++) if (!((w >> b) & 1u)) x[b] = BF16_NEG_INF;
+#endif
+}
+
+static inline void mask_word_f32(float *x, uint32_t w) {
+#if defined(__AVX512F__)
+    const __m512 neg = _mm512_set1_ps(-INFINITY);
+    _mm512_mask_storeu_ps(x, (__mmask16)~w, neg);
+    _mm512_mask_storeu_ps(x + 16, (__mmask16)(~w >> 16), neg);
+#else
+    for (int b = 0; b < 32; b++) if (!((w >> b) & 1u)) x[b] = -INFINITY;
+#endif
+}
+
+#define DEFINE_APPLY_BITMASK(NAME, T, MASK_WORD, NEG_INF)                                             \
+    void NAME(T *logits, int64_t row_stride, const int32_t *mask, int64_t mask_stride,              \
+              const int64_t *rows, int64_t n_rows, int64_t cols, int nthreads) {                    \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                           \
+        for (int64_t i = 0; i < n_rows; i++) {                                                        \
+            T *x = logits + rows[i] * row_stride;                                                     \
+            const uint32_t *m = (const uint32_t *)(mask + rows[i] * mask_stride);                     \
+            const int64_t full = cols / 32;                                                           \
+            for (int64_t k = 0; k < full; k++)                                                        \
+                if (m[k] != 0xffffffffu) MASK_WORD(x + 32 * k, m[k]);                                 \
+            for (int64_t c = 32 * full; c < cols; c++) /* a partial last word */                      \
+                if (!((m[full] >> (c - 32 * full)) & 1u)) x[c] = NEG_INF;                             \
+        }                                                                                             \
+    }
+
+DEFINE_APPLY_BITMASK(apply_token_bitmask_bf16, uint16_t, mask_word_bf16, BF16_NEG_INF)
+DEFINE_APPLY_BITMASK(apply_token_bitmask_f32, float, mask_word_f32, -INFINITY)
