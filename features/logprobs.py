@@ -136,9 +136,9 @@ class LogprobsFeature(Feature):
         owners: list[int] = []  # index into `rows` of each scored position
         spans: dict[int, tuple[int, int, int]] = {}  # row -> (first position, offset, count)
         for j, (r, p) in enumerate(zip(rows, params)):
-            if p.logprob_start_len < 0:
-                continue
             req = batch.reqs[r]
+            if p.logprob_start_len < 0 or req.output_ids:  # a re-prefill after a retraction: sent already
+                continue
             chunk_start = fb.extend_prefix_lens_cpu[r]  # host copies: no device read
             chunk_len = fb.extend_lens[r]
             packed_start = fb.extend_start_loc_cpu[r]

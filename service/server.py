@@ -285,6 +285,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             forward_busy_fraction=s.forward_busy_fraction,
             median_forward_gap_s=s.median_forward_gap_s,
             forward_steps=s.forward_steps,
+            admission_policy=s.admission_policy,
+            retractions=s.retractions,
+            retraction_sync_points=s.retraction_sync_points,
+            new_token_ratio=s.new_token_ratio,
         )
 
     async def GetFeatureMatrix(self, request, context):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from features import Feature, FeatureRegistry, builtin_features
+from features.retraction import AdmissionPolicy, RetractionConfig
 from service.config import ServerArgs, resolve_dtype
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.device import Device
@@ -44,6 +45,10 @@ class EngineStats:
     forward_busy_fraction: float
     median_forward_gap_s: float
     forward_steps: int
+    admission_policy: str = "reserve"
+    retractions: int = 0
+    retraction_sync_points: int = 0
+    new_token_ratio: float = 1.0
 
 
 def _host_memory_bytes() -> int:
@@ -105,6 +110,7 @@ class Engine:
             features=self.features,
             future_map_size=args.future_map_size,
             max_skip_ahead=args.max_skip_ahead,
+            admission=self._admission_policy(args),
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
@@ -117,6 +123,13 @@ class Engine:
             time.perf_counter() - t0, shape.architecture, str(self.dtype).removeprefix('torch.'), dev, self.attention_backend,
             self.worker.graphs is not None, kv_tokens, self.mode,
         )
+
+    def _admission_policy(self, args: ServerArgs) -> AdmissionPolicy:
+        """--admission-policy; a disabled retraction module means `reserve` (nothing is ever retracted)."""
+        policy = args.admission_policy if self.features.enabled_feature("retraction") else "reserve"
+        return AdmissionPolicy(RetractionConfig(
+            policy=policy, init_ratio=args.init_new_token_ratio, min_ratio=args.min_new_token_ratio,
+            decay_steps=args.new_token_ratio_decay_steps, max_retractions=args.max_retractions))
 
     @property
     def mode(self) -> str:
@@ -217,6 +230,10 @@ class Engine:
             forward_busy_fraction=busy,
             median_forward_gap_s=gap,
             forward_steps=self.timeline.forward_steps,
+            admission_policy=s.admission.config.policy,
+            retractions=s.admission.stats.retractions,
+            retraction_sync_points=s.admission.stats.sync_points,
+            new_token_ratio=s.admission.ratio if s.admission.optimistic else 1.0,
         )
 
     def shutdown(self) -> None:

@@ -128,7 +128,7 @@ def build_extend_batch(
     req_pool.write_host(token_slots, positions, locs)
     for r, p, n in zip(reqs, prefix, lens):
         r.kv_len = p + n
-        r.launched = 1
+        r.launched = len(r.output_ids) + 1  # kept tokens (a retracted request's re-prefill) + the one sampled now
     bs, lq = len(reqs), max(lens)
     j = torch.arange(lq).unsqueeze(0)
     valid = j < q_lens.unsqueeze(1)

@@ -18,12 +18,13 @@ import torch
 
 from features.base import OverlapSupport
 from features.registry import FeatureRegistry, support_of
+from features.retraction import AdmissionPolicy, RetractionConfig, Retracted
 from service.engine.forward_batch import BatchResult
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.overlap_worker import FutureMap, FutureMapFull, LaunchedBatch, OverlapWorker
 from service.engine.request import FinishReason, OutputSink, Req, RequestError, RequestOutput
-from service.engine.schedule_batch import ScheduleBatch, build_decode_batch, build_extend_batch
+from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_decode_batch, build_extend_batch
 from service.engine.timeline import SCHEDULER_TID, Timeline
 
 log = logging.getLogger("zerogap.scheduler")
@@ -46,6 +47,7 @@ class Scheduler:
         features: FeatureRegistry,
         future_map_size: int | None = None,
         max_skip_ahead: int = 32,
+        admission: AdmissionPolicy | None = None,
     ):
         self.worker = worker
         self.req_pool = req_pool
@@ -80,6 +82,8 @@ class Scheduler:
         self.last_error: str | None = None
         self.sync_points = 0  # overlap loop: launches that had to wait for an older result
         self.fault_hook = None  # test hook: called per request while processing results
+        # Retraction (features/retraction.py): KV set aside at admission, victims under memory pressure.
+        self.admission = admission or AdmissionPolicy(RetractionConfig(policy="reserve"))
 
     # ---- thread-safe entry points -------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -222,6 +226,7 @@ class Scheduler:
         admitted: list[Req] = []
         tokens = 0
         blocked: Req | None = None  # the oldest waiting request that does not fit yet
+        room = self.admission.room(self.running, self.kv_pool.free_count, self.reserved_tokens, self.kv_pool.size)
         for req in list(self.waiting):
             if len(self.running) + len(admitted) >= self.max_running:
                 break
@@ -232,10 +237,11 @@ class Scheduler:
                 except RequestError as e:
                     self.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
                     continue
-            n = len(req.prompt_ids)
+            n = len(req.prompt_ids) + len(req.output_ids)  # a retracted request re-prefills its kept tokens
             if admitted and tokens + n > self.max_prefill_tokens:
                 break
-            if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
+            cost = self.admission.cost(req)
+            if cost > room:
                 blocked = blocked or req
                 continue  # it waits until running requests free KV; smaller ones may fit meanwhile
             if blocked is not None:
@@ -243,6 +249,7 @@ class Scheduler:
                     break  # it waited long enough: what frees up is kept for it
                 blocked.skipped_by += 1
             self.waiting.remove(req)
+            room -= cost
             self.reserved_tokens += req.budget_tokens
             req.slot = self.req_pool.alloc()
             admitted.append(req)
@@ -250,13 +257,66 @@ class Scheduler:
         if not admitted:
             return None
         self.running.extend(admitted)
-        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device)
+        self.admission.admitted(len(self.running))
+        rows = [ExtendRow(r, r.prompt_ids + r.output_ids) for r in admitted]  # kept tokens of retracted ones
+        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device, rows=rows)
 
     def form_decode_batch(self) -> ScheduleBatch | None:
+        self.make_room_for_decode()  # retraction: every request below gets a KV row
         reqs = [r for r in self.running if r.launched < r.max_new_tokens]
         if not reqs:
             return None
+        self.admission.on_decode_step()
         return build_decode_batch(reqs, self.req_pool, self.kv_pool, self.vocab_size, self.device)
+
+    # ---- retraction (features/retraction.py) ------------------------------------------
+    def make_room_for_decode(self) -> None:
+        """Before a decode batch: each running request that launches a token needs a KV row. When the
+        pool is short, process every result in flight first (a counted sync point: victims then have no
+        batch on the forward thread, their last token was appended exactly once, no placeholder of theirs
+        is read again and no in-flight batch can write their KV rows), then retract victims."""
+        decoding = [r for r in self.running if not r.finished and r.launched < r.max_new_tokens]
+        if self.kv_pool.free_count >= len(decoding):
+            return
+        start = time.perf_counter()
+        synced = bool(self.in_flight)
+        while self.in_flight:
+            self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+            self.run_deferred_after_launch()
+        self.running = [r for r in self.running if not r.finished]
+        decoding = [r for r in self.running if r.launched < r.max_new_tokens]
+        victims = self.admission.victims(decoding, self.kv_pool.free_count)
+        for req in sorted(victims, key=lambda r: r.arrival, reverse=True):  # the oldest ends up first in the queue
+            self.retract(req)
+        stats = self.admission.stats
+        stats.sync_points += synced
+        stats.events += bool(victims)
+        if victims:
+            self.admission.after_retraction([r for r in self.running if r.launched < r.max_new_tokens])
+        self.timeline.add(SCHEDULER_TID, "retract" if victims else "retract check", start, time.perf_counter(),
+                          {"retracted": len(victims), "synced": synced, "free": self.kv_pool.free_count})
+
+    def retract(self, req: Req) -> None:
+        """Free a settled running request's KV and slot; it waits at the head of the queue to be
+        re-prefilled from prompt + kept output tokens (its features rebuild their state from those)."""
+        self.kv_pool.free(self.req_pool.rows(req.slot, req.kv_len))
+        self.req_pool.free(req.slot)
+        self.reserved_tokens -= req.budget_tokens
+        req.slot, req.kv_len, req.next_input, req.skipped_by = -1, 0, -1, 0
+        req.launched = len(req.output_ids)
+        self.running.remove(req)
+        state = req.features.get("retraction")
+        state = state if isinstance(state, Retracted) else Retracted()
+        state.count += 1
+        self.features.attach(req, "retraction", state)
+        self.admission.stats.retractions += 1
+        self.admission.stats.reprefill_tokens += len(req.prompt_ids) + len(req.output_ids)
+        self.waiting.appendleft(req)
+        try:
+            self.features.on_retract(req)
+        except Exception as e:
+            log.exception("on_retract failed for %s", req.rid)
+            self.finish(req, FinishReason.ERROR, error=f"rebuilding state after a retraction failed: {e!r}")
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult | BaseException:
         """Normal loop: forward on this thread (on the forward stream) and wait for the tokens."""
