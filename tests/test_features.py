@@ -18,7 +18,7 @@ from service.engine.engine import SyncClient, collect
 from service.engine.request import RequestError, SamplingParams
 from service.matrix import README, readme_with_matrix
 from service.server import BackgroundServer
-from tests.feature_workloads import WORKLOADS
+from tests.feature_workloads import SERVER_ARGS, WORKLOADS
 
 pb2, pb2_grpc = protos.load()
 ALL_FEATURES = builtin_features() + [f for f in fake_features() if f.name in WORKLOADS]
@@ -72,7 +72,7 @@ def references(tiny_llama_dir):
     """Normal-loop outputs of each feature's workload: what every cell must equal."""
     refs = {}
     for f in ALL_FEATURES:
-        ids, outs, _, _ = run(tiny_llama_dir, *feature_workload(f.name), disable_overlap=True)
+        ids, outs, _, _ = run(tiny_llama_dir, *feature_workload(f.name), disable_overlap=True, **SERVER_ARGS.get(f.name, {}))
         refs[f.name] = (ids, extras_of(outs))
     return refs
 
@@ -89,7 +89,7 @@ def test_every_registered_feature_has_a_matrix_workload():
 def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references):
     f = next(x for x in ALL_FEATURES if x.name == feature)
     others = [x.name for x in fake_features() if x.name != feature]  # the cell's feature alone is enabled
-    args = dict(loop=loop, overlap_policy=policy, disabled_features=others)
+    args = dict(loop=loop, overlap_policy=policy, disabled_features=others, **SERVER_ARGS.get(feature, {}))
     if loop == "overlap" and policy == "strict" and f.support is not OverlapSupport.FULL:
         with pytest.raises(ValueError, match=feature):
             run(tiny_llama_dir, *feature_workload(feature), **args)
