@@ -17,6 +17,7 @@ from service.engine.request import FinishReason, Req, RequestError, SamplingPara
 from service.metrics import EngineCollector
 from service.server import BackgroundServer
 from tests.feature_workloads import WORKLOADS
+from tests.test_features import assert_close
 from tests.helpers import wait_until
 
 pb2, pb2_grpc = protos.load()
@@ -86,21 +87,6 @@ def assert_same(got, ref):
         assert g[:4] == r[:4], f"request {i}"
         assert g[5] == r[5], f"request {i}: grammar check"
         assert_close(g[4], r[4], f"request {i} logprobs")
-
-
-def assert_close(a, b, path):
-    if isinstance(a, float) or isinstance(b, float):
-        assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), f"{path}: {a} != {b}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            assert_close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_close(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def assert_initial(client: SyncClient) -> None:
