@@ -54,6 +54,28 @@ def workload(n: int = 16, seed: int = 0):
     return prompts, params, feats
 
 
+WORKLOAD = workload()
+
+
+def grpc_request(i: int, rid: str = "") -> pb2.GenerateRequest:
+    """Request i of workload() as a GenerateRequest."""
+    prompts, params, feats = WORKLOAD
+    sp = params[i]
+    sampling = pb2.SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                  min_new_tokens=sp.min_new_tokens, repetition_penalty=sp.repetition_penalty,
+                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+                                  ignore_eos=sp.ignore_eos, stop=sp.stop)
+    if sp.seed is not None:
+        sampling.seed = sp.seed
+    req = pb2.GenerateRequest(request_id=rid, token_ids=pb2.TokenIds(ids=prompts[i]), sampling=sampling)
+    f = feats[i] or {}
+    if "constrained" in f:
+        req.constraint.regex = REGEX
+    if "logprobs" in f:
+        req.return_logprob = True
+    return req
+
+
 def make_client(model_dir, loop: str, kv: int = POOL, **args) -> SyncClient:
     base = dict(dtype="float32", loop=loop, kv_cache_tokens=kv, max_running_requests=16, **PRESSURE)
     return SyncClient(ServerArgs(**{**base, **args}), model_dir)
@@ -107,7 +129,7 @@ def reference(tiny_llama_dir):
     """The workload with ample memory (reserve: nothing can be retracted)."""
     client = make_client(tiny_llama_dir, "normal", kv=16384, admission_policy="reserve")
     try:
-        return summary(generate_all(client, *workload()))
+        return summary(generate_all(client, *WORKLOAD))
     finally:
         client.close()
 
@@ -251,6 +273,43 @@ def test_abort_while_retracted(loop, tiny_llama_dir, reference):
         client.close()
 
 
+def test_client_cancel_while_retracted(tiny_llama_dir, reference):
+    """Through gRPC: the first victim's client cancels its call while the request waits to be re-prefilled
+    (the scheduler holds until the abort is queued); it ends CANCELLED, the others equal the reference,
+    and the pool is whole again."""
+    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", port=0, model=str(tiny_llama_dir), kv_cache_tokens=POOL,
+                                      max_running_requests=16, **PRESSURE))
+    s = srv.engine.scheduler
+    calls: dict[str, grpc.Future] = {}
+    cancelled: list[str] = []
+    retract = s.retract
+
+    def retract_and_cancel(req: Req) -> None:
+        retract(req)
+        if not cancelled and req.rid in calls:
+            cancelled.append(req.rid)
+            calls[req.rid].cancel()
+            assert wait_until(lambda: s.inbox.qsize() > 0, 10)  # the server's abort, before re-admission
+
+    s.retract = retract_and_cancel
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb2_grpc.GenerationStub(ch)
+            for i in range(len(WORKLOAD[0])):
+                calls[f"g-{i}"] = stub.Generate.future(grpc_request(i, f"g-{i}"))
+            for rid, fut in calls.items():
+                if rid in cancelled:
+                    with pytest.raises(grpc.FutureCancelledError):
+                        fut.result(timeout=60)
+                else:
+                    assert list(fut.result(timeout=60).token_ids) == reference[int(rid[2:])][0], rid
+        assert cancelled, "no victim among the calls"
+        assert wait_until(lambda: srv.engine.num_live() == 0 and srv.engine.kv_pool.free_count == srv.engine.kv_pool.size, 10)
+        assert srv.engine.req_pool.free_count == srv.engine.req_pool.num_slots and not s.waiting
+    finally:
+        srv.stop()
+
+
 def test_request_that_cannot_fit_alone_is_refused(tiny_llama_dir):
     """Optimistic admission never admits what could not finish alone: RESOURCE_EXHAUSTED at once."""
     client = make_client(tiny_llama_dir, "normal", kv=64)
@@ -266,34 +325,18 @@ def test_request_that_cannot_fit_alone_is_refused(tiny_llama_dir):
 def test_grpc_stream_and_unary_under_retraction(tiny_llama_dir, reference):
     """Through gRPC: concurrent streams and unary calls under retraction pressure; each stream's deltas
     concatenate to the reference (no gap, repeat or reorder); usage.retractions and ServerInfo agree."""
-    prompts, params, feats = workload()
+    prompts = WORKLOAD[0]
     srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", port=0, model=str(tiny_llama_dir), kv_cache_tokens=POOL,
                                       max_running_requests=16, **PRESSURE))
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb2_grpc.GenerationStub(ch)
 
-            def request(i: int):
-                sp = params[i]
-                sampling = pb2.SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                              min_new_tokens=sp.min_new_tokens, repetition_penalty=sp.repetition_penalty,
-                                              frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                              ignore_eos=sp.ignore_eos, stop=sp.stop)
-                if sp.seed is not None:
-                    sampling.seed = sp.seed
-                req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=prompts[i]), sampling=sampling)
-                f = feats[i] or {}
-                if "constrained" in f:
-                    req.constraint.regex = REGEX
-                if "logprobs" in f:
-                    req.return_logprob = True
-                return req
-
             def run(i: int):
                 if i % 2:
-                    r = stub.Generate(request(i))
+                    r = stub.Generate(grpc_request(i))
                     return list(r.token_ids), r.text, r.usage.retractions
-                parts = list(stub.GenerateStream(request(i)))
+                parts = list(stub.GenerateStream(grpc_request(i)))
                 return [t for p in parts for t in p.token_ids], "".join(p.text for p in parts), parts[-1].usage.retractions
 
             with ThreadPoolExecutor(16) as pool:
