@@ -1,6 +1,7 @@
 """Optimistic admission with retraction vs reserve admission, on the same KV pool.
 
     .venv/bin/python bench/bench_retraction.py [--n 48] [--max-new-tokens 256] [--kv-tokens 4096]
+    .venv/bin/python bench/bench_retraction.py --n 32 --median-len 160 --kv-tokens 2048 --low-ratio 0.05 --only low-normal,low-overlap
 
 Every request declares the same long `max_new_tokens` (what the scheduler sees),
 while its actual length is drawn from a long-tailed distribution (log-normal,
@@ -106,6 +107,8 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=4096)
     p.add_argument("--low-ratio", type=float, default=0.2,
                    help="initial new-token ratio of the configurations that run under retraction pressure")
+    p.add_argument("--only", default="reserve,optimistic,low-normal,low-overlap",
+                   help="configurations to run (comma list of reserve, optimistic, low-normal, low-overlap)")
     args = p.parse_args()
     model_dir = resolve_model_path(args.model)
     prompts, lengths = make_workload(args.n, args.max_new_tokens, args.median_len)
@@ -113,21 +116,23 @@ def main() -> None:
     print(f"{args.n} requests, prompts 16-63 tokens, max_new_tokens {args.max_new_tokens}, actual lengths: "
           f"median {s[len(s) // 2]}, p90 {s[int(0.9 * len(s))]}, max {s[-1]}, total {sum(s)}; KV pool {args.kv_tokens} tokens")
     low = dict(init_new_token_ratio=args.low_ratio, min_new_token_ratio=min(0.1, args.low_ratio))
-    configs = [("reserve, normal", dict(admission_policy="reserve", loop="normal")),
-               ("optimistic, normal", dict(admission_policy="optimistic", loop="normal")),
-               (f"optimistic {args.low_ratio:g}, normal", dict(admission_policy="optimistic", loop="normal", **low)),
-               (f"optimistic {args.low_ratio:g}, overlap", dict(admission_policy="optimistic", loop="overlap", **low))]
+    configs = [("reserve", "reserve, normal", dict(admission_policy="reserve", loop="normal")),
+               ("optimistic", "optimistic, normal", dict(admission_policy="optimistic", loop="normal")),
+               ("low-normal", f"optimistic {args.low_ratio:g}, normal", dict(admission_policy="optimistic", loop="normal", **low)),
+               ("low-overlap", f"optimistic {args.low_ratio:g}, overlap", dict(admission_policy="optimistic", loop="overlap", **low))]
+    configs = [c for c in configs if c[0] in args.only.split(",")]
     print(f"{'admission, loop':26} {'req/s':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'retract':>7} {'syncs':>5} "
           f"{'peak':>4} {'re-prefill':>10} {'ratio':>5} {'busy':>5}")
     results = {}
-    for name, cfg in configs:
-        r = results[name] = run(model_dir, args, prompts, lengths, **cfg)
+    for key, name, cfg in configs:
+        r = results[key] = run(model_dir, args, prompts, lengths, **cfg)
         print(f"{name:26} {r['req_s']:6.2f} {r['tok_s']:7.1f} {r['p50']:6.1f} {r['p99']:6.1f} {r['retractions']:7d} "
               f"{r['sync_points']:5d} {r['peak']:4d} {r['reprefill']:10d} {r['ratio']:5.2f} {r['busy']:5.2f}", flush=True)
-    rs, o, lo, ov = (results[name] for name, _ in configs)
-    print(f"optimistic / reserve: {o['req_s'] / rs['req_s']:.2f}x req/s, p99 {o['p99'] / rs['p99']:.2f}x; "
-          f"optimistic {args.low_ratio:g} / reserve: {lo['req_s'] / rs['req_s']:.2f}x req/s, p99 {lo['p99'] / rs['p99']:.2f}x; "
-          f"overlap / normal under retraction: {ov['req_s'] / lo['req_s']:.2f}x req/s")
+    for a, b, what in (("optimistic", "reserve", "optimistic / reserve"), ("low-normal", "reserve", f"optimistic {args.low_ratio:g} / reserve"),
+                       ("low-overlap", "low-normal", f"overlap / normal at ratio {args.low_ratio:g}")):
+        if a in results and b in results:
+            x, y = results[a], results[b]
+            print(f"{what}: {x['req_s'] / y['req_s']:.2f}x req/s, p99 latency {x['p99'] / y['p99']:.2f}x")
 
 
 if __name__ == "__main__":
