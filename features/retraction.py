@@ -138,7 +138,10 @@ class AdmissionPolicy:
         self.ratio = max(c.min_ratio, self.ratio - (c.init_ratio - c.min_ratio) / c.decay_steps)
 
     def victims(self, decoding: list[Req], free_rows: int) -> list[Req]:
-        """Whom to retract so that the others each get a row for `headroom_steps` steps (at least one)."""
+        """None when each decoding request gets a row now; else whom to retract so that the others each
+        get a row for `headroom_steps` steps (fewer victims if the candidates run out: at least one step)."""
+        if free_rows >= len(decoding):
+            return []
         want = self.config.headroom_steps
         candidates = sorted((r for r in decoding if not self.reserved(r)), key=lambda r: (len(r.output_ids), -r.arrival))
         out: list[Req] = []

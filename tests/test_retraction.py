@@ -374,6 +374,7 @@ def test_victims_fewest_output_tokens_first_never_a_reserved_one():
     assert [r.rid for r in p.victims([a, b, d], 0)] == ["b"]  # b frees 15 rows >= 2 x 2
     assert [r.rid for r in p.victims([d, a], 0)] == ["a"]  # never d
     assert p.victims([a], 0) == []  # the last one runs alone (it fits: its budget <= pool)
+    assert p.victims([a, b, c], 3) == []  # a row each: no retraction (headroom is only sought once short)
 
 
 def test_new_token_ratio_decays_and_backs_off():
