@@ -148,6 +148,8 @@ class LogprobsFeature(Feature):
         partial = getattr(batch, "partial_rows", frozenset())
         for j, (r, p) in enumerate(zip(rows, params)):
             req = batch.reqs[r]
+            if p.logprob_start_len < 0 or req.output_ids:  # a re-prefill after a retraction: sent already
+                continue
             chunk_start = fb.extend_prefix_lens_cpu[r]  # host copies: no device read
             if p.logprob_start_len < 0 or chunk_start >= len(req.prompt_ids):
                 continue  # no input logprobs asked, or a decode row of a mixed batch

@@ -40,6 +40,9 @@ def builtin_features() -> list[Feature]:
     features.append(ChunkedPrefill())
     features.append(MultimodalFeature())
     features.append(PrefixCacheFeature())
+    from features.retraction import RetractionFeature
+
+    features.append(RetractionFeature())
     return features
 
 
@@ -194,6 +197,23 @@ class FeatureRegistry:
         for f, _ in plan:
             c = self.counters[f.name]
             setattr(c, how, getattr(c, how) + 1)
+
+    # ---- scheduler-attached features (retraction) -------------------------------------------
+    def enabled_feature(self, name: str) -> Feature | None:
+        f = self.features.get(name)
+        return f if f is not None and self.enabled[name] else None
+
+    def attach(self, req: "Req", name: str, payload: Any) -> None:
+        """The scheduler gives an admitted request a feature's payload (e.g. once it was retracted):
+        from now on it is live for that feature, as if it had been admitted with it."""
+        if name not in req.features and name in self.counters:
+            self.counters[name].live_requests += 1
+        req.features[name] = payload
+
+    def on_retract(self, req: "Req") -> None:
+        """The request lost its KV and will be re-prefilled from prompt + kept tokens."""
+        for f in self.features_of(req):
+            f.on_retract(req)
 
     # ---- the matrix --------------------------------------------------------------------
     def matrix(self) -> list[MatrixRow]:

@@ -63,6 +63,12 @@ class ServerArgs:
     max_images_per_request: int = 8
     image_workers: int = 2  # threads decoding and preprocessing images (the vision tower has its own)
     image_encoder_cache_mb: int = 256  # image embeddings kept by content hash (LRU)
+    # Retraction (features/retraction.py)
+    admission_policy: str = "optimistic"  # optimistic | reserve (reserve: prompt + max_new_tokens set aside)
+    init_new_token_ratio: float = 0.7  # optimistic: share of max_new_tokens set aside at admission, at first
+    min_new_token_ratio: float = 0.1  # ... decaying to this
+    new_token_ratio_decay_steps: int = 600  # decode steps from the initial ratio to the minimum
+    max_retractions: int = 3  # per request; then it is re-admitted with its whole budget reserved
 
     def use_overlap(self, device_type: str) -> bool:
         """Whether the engine on this device runs the overlap loop (`--loop`, `--disable-overlap`)."""
@@ -188,6 +194,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="threads that decode and preprocess images (off the scheduler thread)")
     p.add_argument("--image-encoder-cache-mb", type=int, default=d.image_encoder_cache_mb,
                    help="image embeddings kept by content hash, so a repeated image is not encoded again (LRU)")
+    p.add_argument("--admission-policy", choices=["optimistic", "reserve"], default=d.admission_policy,
+                   help="optimistic: admit on an estimate of the tokens requests will generate and retract requests "
+                        "when the KV pool runs short; reserve: set aside prompt + max_new_tokens per request")
+    p.add_argument("--init-new-token-ratio", type=float, default=d.init_new_token_ratio,
+                   help="optimistic admission: share of max_new_tokens set aside per request at first")
+    p.add_argument("--min-new-token-ratio", type=float, default=d.min_new_token_ratio,
+                   help="optimistic admission: the share decays to this over steps without retraction")
+    p.add_argument("--new-token-ratio-decay-steps", type=int, default=d.new_token_ratio_decay_steps)
+    p.add_argument("--max-retractions", type=int, default=d.max_retractions,
+                   help="a request retracted this often is re-admitted with its whole budget reserved (never retracted again)")
     return p
 
 

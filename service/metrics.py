@@ -38,6 +38,11 @@ class EngineCollector:
         yield CounterMetricFamily("zerogap_forward_steps", "Forward passes run", value=s.forward_steps)
         yield CounterMetricFamily("zerogap_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.prefix_cache.hit_tokens)
         yield CounterMetricFamily("zerogap_prefix_cache_prompt_tokens", "Prompt tokens admitted", value=s.prefix_cache.prompt_tokens)
+        yield CounterMetricFamily("zerogap_retractions", "Requests retracted under KV memory pressure", value=s.retractions)
+        yield CounterMetricFamily("zerogap_retraction_sync_points", "Retractions that processed the results in flight first",
+                                  value=s.retraction_sync_points)
+        yield GaugeMetricFamily("zerogap_new_token_ratio", "Share of max_new_tokens admission sets aside per request",
+                                value=s.new_token_ratio)
         yield CounterMetricFamily("zerogap_completion_tokens", "Output tokens delivered", value=self.router.completion_tokens)
         finished = CounterMetricFamily("zerogap_requests_finished", "Finished requests by reason", labels=["reason"])
         for reason, n in sorted(self.router.finished_by_reason.items()):

@@ -315,6 +315,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             prefix_cache_hit_tokens=s.prefix_cache.hit_tokens,
             prefix_cache_hit_rate=s.prefix_cache.hit_rate,
             prefix_cache_evicted_tokens=s.prefix_cache.evicted_tokens,
+            admission_policy=s.admission_policy,
+            retractions=s.retractions,
+            retraction_sync_points=s.retraction_sync_points,
+            new_token_ratio=s.new_token_ratio,
         )
 
     async def GetFeatureMatrix(self, request, context):

@@ -18,6 +18,12 @@ WORKLOADS["logprobs"] = lambda i: (
     dict(return_logprob=True, top_logprobs_num=i % 6, token_ids_logprob=(5, 17) if i % 3 == 0 else (), logprob_start_len=i % 3 - 1)
     if i % 2 == 0 else None
 )
+# Retraction: no client payload (the scheduler attaches one to the requests it retracts); a tiny
+# KV pool and a low new-token ratio make the workload retract.
+WORKLOADS["retraction"] = lambda i: None
+SERVER_ARGS: dict[str, dict[str, Any]] = {
+    "retraction": dict(kv_cache_tokens=160, init_new_token_ratio=0.1, min_new_token_ratio=0.05),
+}
 WORKLOADS["constrained"] = lambda i: (
     [dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?"), dict(kind="json_object"),
      dict(kind="ebnf", text='root ::= "yes" | "no" | "maybe " [0-9]')][i % 3]

@@ -18,7 +18,7 @@ from service.engine.engine import SyncClient, collect
 from service.engine.request import RequestError, SamplingParams
 from service.matrix import README, readme_with_matrix
 from service.server import BackgroundServer
-from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, WORKLOADS
+from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WORKLOADS
 
 pb2, pb2_grpc = protos.load()
 # Engine-level modules (per_request = False, e.g. the prefix cache) have their own equivalence tests.
@@ -76,7 +76,7 @@ def references(tiny_llama_dir, request):
     refs = {}
     for f in ALL_FEATURES:
         model_dir = request.getfixturevalue(MODELS[f.name]) if f.name in MODELS else tiny_llama_dir
-        ids, outs, _, _ = run(model_dir, *feature_workload(f.name), disable_overlap=True)
+        ids, outs, _, _ = run(model_dir, *feature_workload(f.name), disable_overlap=True, **SERVER_ARGS.get(f.name, {}))
         refs[f.name] = (ids, extras_of(outs))
     return refs
 
@@ -95,7 +95,8 @@ def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references, request)
     if feature in MODELS:
         tiny_llama_dir = request.getfixturevalue(MODELS[feature])  # the model this feature's cells run on
     others = [x.name for x in fake_features() if x.name != feature]  # the cell's feature alone is enabled
-    args = dict(loop=loop, overlap_policy=policy, disabled_features=others, **CELL_ARGS.get(feature, {}))
+    args = dict(loop=loop, overlap_policy=policy, disabled_features=others,
+                **SERVER_ARGS.get(feature, {}), **CELL_ARGS.get(feature, {}))
     if loop == "overlap" and policy == "strict" and f.support is not OverlapSupport.FULL:
         with pytest.raises(ValueError, match=feature):
             run(tiny_llama_dir, *feature_workload(feature), **args)

@@ -360,8 +360,9 @@ def long_request(n: int, prompt: int = 10) -> pb2.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def kv_server(tiny_llama_dir):
+    # Reserve admission: requests wait for their whole budget (optimistic admission would run them all).
     srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=8,
-                                      max_skip_ahead=2))
+                                      max_skip_ahead=2, admission_policy="reserve"))
     yield srv
     srv.stop()
 

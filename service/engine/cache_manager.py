@@ -65,7 +65,7 @@ class PrefixCacheManager:
     # ---- admission ------------------------------------------------------------------
     def match_limit(self, req: Req, feature_limit: int | None) -> int:
         """At least one prompt token is left to prefill (its logits are sampled)."""
-        limit = len(req.prompt_ids) - 1
+        limit = len(req.prefill_ids) - 1
         return limit if feature_limit is None else min(limit, feature_limit)
 
     def should_wait(self, req: Req, limit: int) -> bool:
@@ -80,13 +80,13 @@ class PrefixCacheManager:
         head = key[:want]
         return any(len(o.prompt_ids) >= want and cache_key(o)[:want] == head for o in self.prefilling.values())
 
-    def admit(self, req: Req, limit: int, room: int) -> int | None:
+    def admit(self, req: Req, limit: int, room: int, cost: int | None = None) -> int | None:
         """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
         own rows fit in `room` (pool rows not reserved by running requests). Returns the matched
         length, or None (nothing kept locked) when the request does not fit yet."""
-        match = self.tree.match(cache_key(req), limit)
+        match = self.tree.match(cache_key(req) + req.output_ids, limit)  # a retracted request's kept tokens too
         self.tree.lock(match.node)
-        need = req.budget_tokens - match.length
+        need = (req.budget_tokens if cost is None else cost) - match.length
         short = need - (room - self.tree.total_tokens)
         if short > 0 and self.tree.evict(short) < short:
             self.tree.unlock(match.node)

@@ -51,10 +51,11 @@ class ChunkStep:
     def add(self, req: Req, start: int, fresh: bool) -> None:
         """The request's prompt from `start` on (tokens before it are in its KV: earlier chunks, or a
         cached prefix of a `fresh` request, whose sampling state starts now), as much as the budget leaves."""
-        take = min(len(req.prompt_ids) - start, self.budget - self.used)
-        self.rows.append(ExtendRow(req, req.prompt_ids[start : start + take], prefix_len=start, new_slot=fresh))
+        seq = req.prefill_ids  # a retracted request re-prefills its kept output tokens too
+        take = min(len(seq) - start, self.budget - self.used)
+        self.rows.append(ExtendRow(req, seq[start : start + take], prefix_len=start, new_slot=fresh))
         self.used += take
-        self.split = start + take < len(req.prompt_ids)
+        self.split = start + take < len(seq)
 
 
 class PrefillChunker:
@@ -101,7 +102,7 @@ class PrefillChunker:
         cut = [row.req for row in step.rows if row.partial]
         self.partial = cut[0] if cut else None
         done = [row.req for row in step.rows if not row.partial]
-        decode_rows = [ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False) for r in step.decodes]
+        decode_rows = [ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False, decodes=True) for r in step.decodes]
         rows = step.rows + decode_rows
         chunk_rows = [i for i, row in enumerate(step.rows) if row.partial or not row.new_slot]
         batch = build_extend_batch([row.req for row in rows], req_pool, kv_pool, vocab_size, device, rows=rows)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from features import Feature, FeatureRegistry, builtin_features
+from features.retraction import AdmissionPolicy, RetractionConfig
 from service.config import ServerArgs, resolve_dtype
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.cuda_graph import build_decode_graphs
@@ -47,6 +48,10 @@ class EngineStats:
     median_forward_gap_s: float
     forward_steps: int
     prefix_cache: PrefixCacheInfo  # kv_pool_free_tokens above counts only rows on the free list
+    admission_policy: str = "reserve"
+    retractions: int = 0
+    retraction_sync_points: int = 0
+    new_token_ratio: float = 1.0
 
 
 def _host_memory_bytes() -> int:
@@ -112,6 +117,7 @@ class Engine:
             chunked_prefill_size=args.chunked_prefill_size,
             enable_mixed_chunk=args.enable_mixed_chunk,
             prefix_cache=self._prefix_cache(),
+            admission=self._admission_policy(args),
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()
@@ -130,6 +136,12 @@ class Engine:
         if self.args.disable_prefix_cache or not self.features.enabled.get("prefix_cache", False):
             return None
         return PrefixCacheManager(self.req_pool, self.kv_pool, self.device)
+    def _admission_policy(self, args: ServerArgs) -> AdmissionPolicy:
+        """--admission-policy; a disabled retraction module means `reserve` (nothing is ever retracted)."""
+        policy = args.admission_policy if self.features.enabled_feature("retraction") else "reserve"
+        return AdmissionPolicy(RetractionConfig(
+            policy=policy, init_ratio=args.init_new_token_ratio, min_ratio=args.min_new_token_ratio,
+            decay_steps=args.new_token_ratio_decay_steps, max_retractions=args.max_retractions))
 
     @property
     def mode(self) -> str:
@@ -232,6 +244,10 @@ class Engine:
             median_forward_gap_s=gap,
             forward_steps=self.timeline.forward_steps,
             prefix_cache=s.prefix_cache.info() if s.prefix_cache is not None else PrefixCacheInfo(False),
+            admission_policy=s.admission.config.policy,
+            retractions=s.admission.stats.retractions,
+            retraction_sync_points=s.admission.stats.sync_points,
+            new_token_ratio=s.admission.ratio if s.admission.optimistic else 1.0,
         )
 
     # ---- prefix cache --------------------------------------------------------------

@@ -178,5 +178,10 @@ class Req:
         """KV rows this request may need at most (reserved at admission)."""
         return len(self.prompt_ids) + self.max_new_tokens
 
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a (re-)prefill writes to the KV: the prompt, and a retracted request's kept output."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, fin={self.finished})"

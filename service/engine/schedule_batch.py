@@ -111,17 +111,15 @@ class ExtendRow:
     token_ids: list[int]
     prefix_len: int = 0
     new_slot: bool = True  # the request's per-slot sampling state starts with this step
-
-    @property
-    def decodes(self) -> bool:
-        """The row continues the output (a running request's next token in a mixed batch): its
-        counters advance as in a decode batch."""
-        return self.prefix_len >= len(self.req.prompt_ids)
+    # The row continues the output (a running request's next token in a mixed batch): its counters
+    # advance as in a decode batch.
+    decodes: bool = False
 
     @property
     def partial(self) -> bool:
-        """A prompt chunk that is not the prompt's last: the token sampled after it is not the request's."""
-        return not self.decodes and self.prefix_len + len(self.token_ids) < len(self.req.prompt_ids)
+        """A prefill chunk that is not the last (of the prompt, or of a retracted request's prompt and
+        kept tokens): the token sampled after it is not the request's."""
+        return not self.decodes and self.prefix_len + len(self.token_ids) < len(self.req.prefill_ids)
 
 
 def build_extend_batch(
@@ -145,7 +143,9 @@ def build_extend_batch(
     req_pool.write_host(token_slots, positions, locs)
     for row, p, n in zip(rows, prefix, lens):
         row.req.kv_len = p + n
-        row.req.launched = row.req.launched + 1 if row.decodes else 1
+        # A decode row advances by one; a prefill row samples the output token after its kept ones
+        # (none, or a retracted request's: its re-prefill continues the seeded sampling steps).
+        row.req.launched = row.req.launched + 1 if row.decodes else len(row.req.output_ids) + 1
     bs, lq = len(reqs), max(lens)
     j = torch.arange(lq).unsqueeze(0)
     valid = j < q_lens.unsqueeze(1)

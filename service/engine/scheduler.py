@@ -19,9 +19,9 @@ import torch
 
 from features.base import OverlapSupport
 from features.registry import FeatureRegistry, support_of
-from service.engine.chunking import PrefillChunker, run_chunk_hooks
-
+from features.retraction import AdmissionPolicy, RetractionConfig, Retracted
 from service.engine.cache_manager import PrefixCacheManager
+from service.engine.chunking import PrefillChunker, run_chunk_hooks
 from service.engine.forward_batch import BatchResult, ForwardMode
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -53,6 +53,7 @@ class Scheduler:
         chunked_prefill_size: int = 0,
         enable_mixed_chunk: bool = False,
         prefix_cache: PrefixCacheManager | None = None,
+        admission: AdmissionPolicy | None = None,
     ):
         self.worker = worker
         self.req_pool = req_pool
@@ -93,6 +94,8 @@ class Scheduler:
         if chunked_prefill_size > 0 and chunk_feature is not None and features.enabled[chunk_feature.name]:
             self.chunker = PrefillChunker(chunked_prefill_size, enable_mixed_chunk, chunk_feature)  # type: ignore[arg-type]
         self.prefix_cache = prefix_cache  # None: --disable-prefix-cache
+        # Retraction (features/retraction.py): KV set aside at admission, victims under memory pressure.
+        self.admission = admission or AdmissionPolicy(RetractionConfig(policy="reserve"))
 
     # ---- thread-safe entry points -------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -247,6 +250,7 @@ class Scheduler:
         admitted: list[Req] = []
         tokens = 0
         blocked: Req | None = None  # the oldest waiting request that does not fit yet
+        room = self.admission.room(self.running, self.kv_pool.free_count, self.reserved_tokens, self.kv_pool.size)
         for req in list(self.waiting):
             if step is not None and not step.room():
                 break
@@ -259,12 +263,13 @@ class Scheduler:
                 except RequestError as e:
                     self.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
                     continue
-            n = len(req.prompt_ids)
+            n = len(req.prompt_ids) + len(req.output_ids)  # a retracted request re-prefills its kept tokens
             if step is None and admitted and tokens + n > self.max_prefill_tokens:
                 break
             if self.prefix_cache is not None and self.prefix_cache.should_wait(req, self.cache_limit(req)):
                 continue  # a running request's prefill will cache much of its prompt: next step
-            if not self.reserve_kv(req):
+            need = self.reserve_kv(req, room)
+            if need is None:
                 blocked = blocked or req
                 continue  # it waits until running requests free KV; smaller ones may fit meanwhile
             if blocked is not None:
@@ -273,6 +278,7 @@ class Scheduler:
                     break  # it waited long enough: what frees up is kept for it
                 blocked.skipped_by += 1
             self.waiting.remove(req)
+            room -= need
             req.slot = self.req_pool.alloc()
             admitted.append(req)
             tokens += n
@@ -287,21 +293,27 @@ class Scheduler:
         if not admitted:
             return None
         self.running.extend(admitted)
+        self.admission.admitted(len(self.running))
         rows = self.cached_prefix_rows(admitted)
         return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device, rows=rows)
 
     # ---- prefix cache (service/engine/cache_manager.py) ------------------------------
-    def reserve_kv(self, req: Req) -> bool:
-        """Reserve the request's own KV rows (its budget less a cached prefix, matched and
-        locked here), evicting unlocked cached prefixes first; False when it does not fit yet."""
+    def reserve_kv(self, req: Req, room: int) -> int | None:
+        """Set aside the request's KV rows as the admission policy costs them (`reserve`: its whole
+        budget; `optimistic`: an estimate), less a cached prefix (matched and locked here), evicting
+        unlocked cached prefixes first. `room`: the policy's rows left for admissions this step.
+        Returns the rows taken from `room`, or None when it does not fit yet."""
+        cost = self.admission.cost(req)
         if self.prefix_cache is None:
-            if self.reserved_tokens + req.budget_tokens > self.kv_pool.size:
-                return False
+            if cost > room:
+                return None
         else:
-            if self.prefix_cache.admit(req, self.cache_limit(req), self.kv_pool.size - self.reserved_tokens) is None:
-                return False
+            # The tree's rows count as room: unlocked ones are evicted when the request needs them.
+            tree_room = room if not self.admission.optimistic else room + self.prefix_cache.tree.total_tokens
+            if self.prefix_cache.admit(req, self.cache_limit(req), tree_room, cost) is None:
+                return None
         self.reserved_tokens += req.budget_tokens - req.cache_owned
-        return True
+        return cost - req.cache_owned
 
     def cache_limit(self, req: Req) -> int:
         """The most prompt tokens the request may take from the cache (its features may cap it)."""
@@ -314,14 +326,13 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.cancel(req)
 
-    def cached_prefix_rows(self, admitted: list[Req]) -> list[ExtendRow] | None:
-        """Slotted requests: their cached rows go into the request-to-token table, the rest of
-        each prompt is extended on top of them."""
-        if self.prefix_cache is None:
-            return None
-        for req in admitted:
-            self.prefix_cache.start(req)
-        return [ExtendRow(r, r.prompt_ids[r.cache_owned:], prefix_len=r.cache_owned) for r in admitted]
+    def cached_prefix_rows(self, admitted: list[Req]) -> list[ExtendRow]:
+        """Slotted requests: their cached rows go into the request-to-token table, the rest of each
+        prompt (and a retracted request's kept output tokens) is extended on top of them."""
+        if self.prefix_cache is not None:
+            for req in admitted:
+                self.prefix_cache.start(req)
+        return [ExtendRow(r, r.prefill_ids[r.cache_owned:], prefix_len=r.cache_owned) for r in admitted]
 
     def cache_prefilled(self, batch: ScheduleBatch) -> None:
         """An extend batch's result was processed: its prompts' KV is written and may be shared."""
@@ -331,10 +342,73 @@ class Scheduler:
             self.reserved_tokens -= self.prefix_cache.prefilled(req)
 
     def form_decode_batch(self) -> ScheduleBatch | None:
+        self.make_room_for_decode()  # retraction: every request below gets a KV row
         reqs = [r for r in self.running if r.launched < r.max_new_tokens]
         if not reqs:
             return None
+        self.admission.on_decode_step()
         return build_decode_batch(reqs, self.req_pool, self.kv_pool, self.vocab_size, self.device)
+
+    # ---- retraction (features/retraction.py) ------------------------------------------
+    def make_room_for_decode(self) -> None:
+        """Before a decode batch: each running request that launches a token needs a KV row. When the
+        pool is short, unreferenced cached prefixes are evicted first; if that is not enough, every
+        result in flight is processed (a counted sync point: victims then have no batch on the forward
+        thread, their last token was appended exactly once, no placeholder of theirs is read again and
+        no in-flight batch can write their KV rows), then victims are retracted."""
+        decoding = [r for r in self.running if not r.finished and r.launched < r.max_new_tokens]
+        if self.free_rows(len(decoding)) >= len(decoding):
+            return
+        start = time.perf_counter()
+        synced = bool(self.in_flight)
+        while self.in_flight:
+            self.process_batch_result(*self.wait_result(self.in_flight.popleft()))
+            self.run_deferred_after_launch()
+        self.running = [r for r in self.running if not r.finished]
+        victims: list[Req] = []
+        while True:  # a victim's rows may stay in use (a cached prefix others share): then one more
+            decoding = [r for r in self.running if r.launched < r.max_new_tokens]
+            more = self.admission.victims(decoding, self.free_rows(len(decoding)))
+            if not more:
+                break
+            for req in sorted(more, key=lambda r: r.arrival, reverse=True):  # the oldest ends up first in the queue
+                self.retract(req)
+            victims += more
+        stats = self.admission.stats
+        stats.sync_points += synced
+        stats.events += bool(victims)
+        if victims:
+            self.admission.after_retraction([r for r in self.running if r.launched < r.max_new_tokens])
+        self.timeline.add(SCHEDULER_TID, "retract" if victims else "retract check", start, time.perf_counter(),
+                          {"retracted": len(victims), "synced": synced, "free": self.kv_pool.free_count})
+
+    def free_rows(self, want: int) -> int:
+        """Free KV rows, after evicting unreferenced cached prefixes to reach `want` if needed."""
+        short = want - self.kv_pool.free_count
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.tree.evict(short)
+        return self.kv_pool.free_count
+
+    def retract(self, req: Req) -> None:
+        """Free a settled running request's KV and slot; it waits at the head of the queue to be
+        re-prefilled from prompt + kept output tokens (its features rebuild their state from those).
+        With the prefix cache its written KV goes into the tree, so the re-prefill mostly hits it."""
+        self.free_slot(req)
+        req.next_input, req.skipped_by = -1, 0
+        req.launched = len(req.output_ids)
+        self.running.remove(req)
+        state = req.features.get("retraction")
+        state = state if isinstance(state, Retracted) else Retracted()
+        state.count += 1
+        self.features.attach(req, "retraction", state)
+        self.admission.stats.retractions += 1
+        self.admission.stats.reprefill_tokens += len(req.prompt_ids) + len(req.output_ids)
+        self.waiting.appendleft(req)
+        try:
+            self.features.on_retract(req)
+        except Exception as e:
+            log.exception("on_retract failed for %s", req.rid)
+            self.finish(req, FinishReason.ERROR, error=f"rebuilding state after a retraction failed: {e!r}")
 
     def run_batch(self, batch: ScheduleBatch) -> BatchResult | BaseException:
         """Normal loop: forward on this thread (on the forward stream) and wait for the tokens."""
@@ -479,20 +553,24 @@ class Scheduler:
 
     def release(self, req: Req) -> None:
         if req.slot >= 0:
-            self.reserved_tokens -= req.budget_tokens - req.cache_owned
-            if self.prefix_cache is not None:  # inserts what its processed batches wrote, frees the rest
-                self.prefix_cache.release(req)
-            else:
-                self.kv_pool.free(self.req_pool.rows(req.slot, req.kv_len))
-            self.req_pool.free(req.slot)
-            req.slot = -1
-            req.kv_len = 0
+            self.free_slot(req)
         else:
             try:
                 self.waiting.remove(req)
             except ValueError:
                 pass
         self.reqs.pop(req.rid, None)
+
+    def free_slot(self, req: Req) -> None:
+        """The request's KV rows (into the prefix cache what its processed batches wrote, the rest to
+        the pool), its reservation and its request slot."""
+        self.reserved_tokens -= req.budget_tokens - req.cache_owned
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req)
+        else:
+            self.kv_pool.free(self.req_pool.rows(req.slot, req.kv_len))
+        self.req_pool.free(req.slot)
+        req.slot, req.kv_len = -1, 0
 
     def emit(
         self,
