@@ -117,3 +117,30 @@ def test_chunked_prefill_through_image_spans(tiny_llava_dir, loop):
         assert c.engine.kv_all_free()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_retraction_with_prefix_cache_and_chunked_prefill(tiny_llama_dir, loop):
+    """A tiny pool, prompts sharing a prefix, chunks of 7 mixed with decodes: requests are retracted
+    (their KV goes into the cache, their re-prefill of prompt + kept tokens hits it and is chunked),
+    and every output equals an ample pool without cache or chunks; everything is free at the end."""
+    from tests.test_retraction import assert_initial, assert_same, generate_all, make_client, summary, workload
+
+    prompts, params, feats = workload()
+    shared = list(range(1000, 1024))
+    prompts = [shared + p for p in prompts]
+    ref = make_client(tiny_llama_dir, "normal", kv=16384, admission_policy="reserve", disable_prefix_cache=True)
+    try:
+        want = summary(generate_all(ref, prompts, params, feats))
+    finally:
+        ref.close()
+    c = make_client(tiny_llama_dir, loop, kv=260, chunked_prefill_size=7, enable_mixed_chunk=True)
+    try:
+        outs = generate_all(c, prompts, params, feats)
+        assert_same(summary(outs), want)
+        stats = c.engine.stats()
+        assert stats.retractions >= 2
+        assert stats.prefix_cache.hit_tokens > 0
+        assert_initial(c)
+    finally:
+        c.close()

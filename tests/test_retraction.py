@@ -115,7 +115,7 @@ def assert_initial(client: SyncClient) -> None:
     e = client.engine
     assert wait_until(lambda: e.num_live() == 0, 10)
     s = e.scheduler
-    assert e.kv_pool.free_count == e.kv_pool.size
+    assert e.kv_all_free()  # the prefix cache flushed first
     assert e.req_pool.free_count == e.req_pool.num_slots
     assert s.reserved_tokens == 0 and all(r.finished for r in s.running) and not s.waiting and not s.reqs
     ow = s.overlap_worker
@@ -304,7 +304,7 @@ def test_client_cancel_while_retracted(tiny_llama_dir, reference):
                 else:
                     assert list(fut.result(timeout=60).token_ids) == reference[int(rid[2:])][0], rid
         assert cancelled, "no victim among the calls"
-        assert wait_until(lambda: srv.engine.num_live() == 0 and srv.engine.kv_pool.free_count == srv.engine.kv_pool.size, 10)
+        assert wait_until(lambda: srv.engine.num_live() == 0 and srv.engine.kv_all_free(), 10)
         assert srv.engine.req_pool.free_count == srv.engine.req_pool.num_slots and not s.waiting
     finally:
         srv.stop()
@@ -348,7 +348,7 @@ def test_grpc_stream_and_unary_under_retraction(tiny_llama_dir, reference):
         assert sum(r[2] for r in results) == info.retractions
         metrics = {m.name: m.samples[0].value for m in EngineCollector(srv.engine, srv.running.router).collect()}
         assert metrics["zerogap_retractions"] == info.retractions and 0 < metrics["zerogap_new_token_ratio"] <= 1
-        assert wait_until(lambda: srv.engine.kv_pool.free_count == srv.engine.kv_pool.size, 10)
+        assert wait_until(lambda: srv.engine.kv_all_free(), 10)
     finally:
         srv.stop()
 

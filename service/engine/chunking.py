@@ -76,8 +76,9 @@ class PrefillChunker:
         """Requests admitted but neither running nor waiting (the one part-way through its prompt)."""
         return 1 if self.partial is not None and not self.partial.finished else 0
 
-    def begin_step(self, running: list[Req]) -> ChunkStep:
-        """This step's budget: the decodes' share (mixed) and the continuing chunk are taken first."""
+    def begin_step(self, running: list[Req], free_rows: int) -> ChunkStep:
+        """This step's budget (at most the KV rows free now): the decodes' share (mixed) and the
+        continuing chunk are taken first."""
         if self.partial is not None and self.partial.finished:
             self.partial = None  # aborted or failed mid-prefill: finish() freed its KV and slot
         decodable = [r for r in running if not r.finished and r.launched < r.max_new_tokens]
@@ -85,11 +86,11 @@ class PrefillChunker:
             self.decode_turn = False
             if decodable:
                 return ChunkStep(budget=0)
-        step = ChunkStep(budget=self.size)
-        if self.mixed and len(decodable) < self.size:
+        step = ChunkStep(budget=min(self.size, free_rows))
+        if self.mixed and len(decodable) < step.budget:
             step.decodes = decodable
             step.used = len(decodable)
-        if self.partial is not None:
+        if self.partial is not None and step.room():
             step.add(self.partial, self.partial.kv_len, fresh=False)
         return step
 

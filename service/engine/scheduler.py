@@ -245,7 +245,11 @@ class Scheduler:
     def form_prefill_batch(self) -> ScheduleBatch | None:
         """Admit waiting requests in order. One that does not fit the KV pool yet does not block the
         smaller ones behind it, but only `max_skip_ahead` of them may pass it: then it gets the room."""
-        step = self.chunker.begin_step(self.running) if self.chunker is not None else None  # chunked prefill
+        step = None
+        if self.chunker is not None:  # chunked prefill: a budget the free KV rows can hold
+            if self.chunker.mixed:
+                self.make_room_for_decode()  # the decodes ride in this step: their rows first
+            step = self.chunker.begin_step(self.running, self.free_rows(self.chunker.size))
         held = self.chunker.holding if self.chunker is not None else 0
         admitted: list[Req] = []
         tokens = 0
