@@ -135,9 +135,9 @@ def main() -> None:
     p.add_argument("--sizes", default="256", help="comma list of --chunked-prefill-size values to run")
     a = p.parse_args()
     model_dir = resolve_model_path(a.model)
-    configs: list[tuple[str, dict]] = [("off", {})]
+    configs: list[tuple[str, dict]] = [("off", dict(chunked_prefill_size=0, enable_mixed_chunk=False))]
     for size in (int(s) for s in a.sizes.split(",")):
-        configs.append((f"chunked {size}", dict(chunked_prefill_size=size)))
+        configs.append((f"chunked {size}", dict(chunked_prefill_size=size, enable_mixed_chunk=False)))
         configs.append((f"chunked {size} + mixed", dict(chunked_prefill_size=size, enable_mixed_chunk=True)))
     print(f"model={model_dir.name} dtype={a.dtype} loop={a.loop} streams={a.streams} long={a.long} "
           f"max_new={a.max_new_tokens} load={os.getloadavg()[0]:.2f}")

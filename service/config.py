@@ -25,8 +25,8 @@ class ServerArgs:
     kv_mem_fraction: float = 0.05  # of total host memory (CUDA: of free GPU memory), when kv_cache_tokens is None
     context_length: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096  # tokens per prefill batch
-    chunked_prefill_size: int = 0  # prompt tokens per step, prompts split across steps; 0 = off
-    enable_mixed_chunk: bool = False  # the prefill chunk and the running decodes in one batch
+    chunked_prefill_size: int = 256  # prompt tokens per step, prompts split across steps; 0 = off (measured: README)
+    enable_mixed_chunk: bool = True  # the prefill chunk and the running decodes in one batch
     loop: str = "auto"  # auto | overlap | normal (auto: see default_loop)
     disable_overlap: bool = False  # = loop "normal"
     overlap_policy: str = "per-batch"  # per-batch | global | strict
@@ -125,8 +125,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="tokens per step for prefill: longer prompts are split across steps (0 = off; README: Chunked prefill)")
-    p.add_argument("--enable-mixed-chunk", action="store_true",
-                   help="run the prefill chunk and the running decodes in one batch (needs --chunked-prefill-size)")
+    p.add_argument("--enable-mixed-chunk", action=argparse.BooleanOptionalAction, default=d.enable_mixed_chunk,
+                   help="run the prefill chunk and the running decodes in one batch (needs --chunked-prefill-size; "
+                        "on by default, --no-enable-mixed-chunk turns it off)")
     p.add_argument("--loop", choices=["auto", "overlap", "normal"], default=d.loop,
                    help="scheduler loop; auto picks the faster one on this machine (README: Scheduler loops)")
     p.add_argument("--disable-overlap", action="store_true", help="the normal (serial) loop: same as --loop normal")

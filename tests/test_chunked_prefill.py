@@ -27,7 +27,9 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def client(model_dir, guard: bool = True, **args) -> SyncClient:
     """guard: any future placeholder reaching the model fails the forward (a host read itself)."""
-    c = SyncClient(ServerArgs(**{"dtype": "float32", "loop": "normal", "kv_cache_tokens": 3000, "max_running_requests": 8, **args}),
+    base = {"dtype": "float32", "loop": "normal", "kv_cache_tokens": 3000, "max_running_requests": 8,
+            "chunked_prefill_size": 0, "enable_mixed_chunk": False}  # the reference: whole-prompt prefill
+    c = SyncClient(ServerArgs(**{**base, **args}),
                    model_dir)
     if guard:
         forbid_placeholders(c)

@@ -77,7 +77,9 @@ def grpc_request(i: int, rid: str = "") -> pb2.GenerateRequest:
 
 
 def make_client(model_dir, loop: str, kv: int = POOL, **args) -> SyncClient:
-    base = dict(dtype="float32", loop=loop, kv_cache_tokens=kv, max_running_requests=16, **PRESSURE)
+    # Scenarios are tuned to whole-prompt prefill steps (chunked prefill: tests/test_module_combinations.py).
+    base = dict(dtype="float32", loop=loop, kv_cache_tokens=kv, max_running_requests=16, chunked_prefill_size=0,
+                enable_mixed_chunk=False, **PRESSURE)
     return SyncClient(ServerArgs(**{**base, **args}), model_dir)
 
 
@@ -278,6 +280,7 @@ def test_client_cancel_while_retracted(tiny_llama_dir, reference):
     (the scheduler holds until the abort is queued); it ends CANCELLED, the others equal the reference,
     and the pool is whole again."""
     srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", port=0, model=str(tiny_llama_dir), kv_cache_tokens=POOL,
+                                      chunked_prefill_size=0, enable_mixed_chunk=False,
                                       max_running_requests=16, **PRESSURE))
     s = srv.engine.scheduler
     calls: dict[str, grpc.Future] = {}
@@ -327,6 +330,7 @@ def test_grpc_stream_and_unary_under_retraction(tiny_llama_dir, reference):
     concatenate to the reference (no gap, repeat or reorder); usage.retractions and ServerInfo agree."""
     prompts = WORKLOAD[0]
     srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", port=0, model=str(tiny_llama_dir), kv_cache_tokens=POOL,
+                                      chunked_prefill_size=0, enable_mixed_chunk=False,
                                       max_running_requests=16, **PRESSURE))
     try:
         with grpc.insecure_channel(srv.address) as ch:
