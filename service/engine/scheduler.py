@@ -254,7 +254,8 @@ class Scheduler:
         admitted: list[Req] = []
         tokens = 0
         blocked: Req | None = None  # the oldest waiting request that does not fit yet
-        room = self.admission.room(self.running, self.kv_pool.free_count, self.reserved_tokens, self.kv_pool.size)
+        # KV rows the admission policy leaves for new requests (summed over running requests: only when some wait)
+        room = self.admission.room(self.running, self.kv_pool.free_count, self.reserved_tokens, self.kv_pool.size) if self.waiting else 0
         for req in list(self.waiting):
             if step is not None and not step.room():
                 break
@@ -267,7 +268,7 @@ class Scheduler:
                 except RequestError as e:
                     self.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
                     continue
-            n = len(req.prompt_ids) + len(req.output_ids)  # a retracted request re-prefills its kept tokens
+            n = len(req.prefill_ids)  # a retracted request re-prefills its kept tokens
             if step is None and admitted and tokens + n > self.max_prefill_tokens:
                 break
             if self.prefix_cache is not None and self.prefix_cache.should_wait(req, self.cache_limit(req)):
