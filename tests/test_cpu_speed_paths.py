@@ -44,8 +44,12 @@ def _reference_attention(q, k_cache, v_cache, table, lens, positions_per_req, wi
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (4, 4, 128)])
-def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (4, 4, 128), (40, 8, 64)])
+@pytest.mark.parametrize("few_rows", [False, True])
+def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few_rows):
+    """Both bf16 code paths: one work item per query row (many rows; all heads of a token's row
+    read at once, q.k on bf16 pairs) and one per (row, kv head) (few rows, or more heads than the
+    row item holds)."""
     g = torch.Generator().manual_seed(hq * d)
     pool, bs = 700, 5
     k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
@@ -61,8 +65,17 @@ def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d):
     positions = [list(range(max(0, n - 3), n)) for n in lens]
     req_of = torch.tensor([r for r, ps in enumerate(positions) for _ in ps])
     pos_of = torch.tensor([p for ps in positions for p in ps])
+    if few_rows:  # fewer query rows than 4 per thread: the (row, kv head) items
+        keep = [1, 7]
+        positions = [ps[:1] if r in (1, 3) else [] for r, ps in enumerate(positions)]
+        req_of, pos_of = req_of[keep], pos_of[keep]
     q = torch.randn(len(pos_of), hq, d, generator=g).to(dtype)
-    out = cpu_kernels.paged_attention(q, k_cache, v_cache, table, req_of, pos_of, 0.125, window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel picks its path by rows per thread
+    try:
+        out = cpu_kernels.paged_attention(q, k_cache, v_cache, table, req_of, pos_of, 0.125, window)
+    finally:
+        torch.set_num_threads(threads)
     ref = _reference_attention(q, k_cache, v_cache, table, lens, positions, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

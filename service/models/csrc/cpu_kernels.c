@@ -9,8 +9,9 @@
  * pos_of[i]; it attends to kv positions max(0, pos-window+1) .. pos (causal;
  * window <= 0: no window). Decode is the case of one query row per request.
  *
- * Work items are (query row, kv head): the g = hq / hkv query heads of a
- * group share each K/V row load. Scores are computed block by block with an
+ * bf16 with AVX-512 BF16 and many query rows: one work item per query row
+ * (all heads; see bf16_rows_attention). Otherwise work items are (query row,
+ * kv head): the g = hq / hkv query heads of a group share each K/V row load. Scores are computed block by block with an
  * online softmax in float32. Element type: bf16 (uint16 bits) or float32.
  * OpenMP threads come from the runtime torch already loaded (libgomp).
  */
@@ -187,9 +188,155 @@ AVX512_DISPATCH(avx512_f32)
 #define AVX512_ITEM(PREFIX, ...) 0
 #endif
 
+
+#if defined(__AVX512BF16__)
+/* Decode-shaped bf16 path (AVX-512 BF16): one work item per query row, all its heads.
+ * A token's K (and V) row for every kv head is one contiguous run of hkv * d values, read
+ * once (prefetched whole, PF_ROWS tokens ahead: the rows of a request's decoded tokens lie
+ * far apart in the pool); q.k runs on bf16 pairs (vdpbf16ps, float32 sums) and 16 tokens'
+ * partial sums are reduced together (one transpose-add tree, not 16 horizontal sums).
+ * Softmax and P.V are float32 as in the other paths. Taken when d is 64 or 128 and the
+ * heads fit the item's buffers; else the (row, kv head) items below run. */
+#define ROW_BLOCK 64
+#define ROW_MAX_HQ 32
+#define PF_ROWS 16
+
+/* r[t] = sum of the 16 lanes of v[t], t < 16. */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int t = 0; t < 8; t++)
+        a[t] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * t], v[2 * t + 1]), _mm512_unpackhi_ps(v[2 * t], v[2 * t + 1]));
+    for (int t = 0; t < 4; t++)
+        b[t] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * t]), _mm512_castps_pd(a[2 * t + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * t]), _mm512_castps_pd(a[2 * t + 1]))));
+    for (int t = 0; t < 2; t++)
+        c[t] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * t], b[2 * t + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * t], b[2 * t + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+static inline void prefetch_row(const uint16_t *p, int64_t elems) {
+    for (int64_t e = 0; e < elems; e += 32) __builtin_prefetch(p + e);
+}
+
+
+/* P.V for NH heads (a0 ..) of kv head h over the block's n tokens; their accumulators stay in
+ * registers for the block (NH * D / 16 <= 16 of them). */
+#define PV_PASS(NH)                                                                                         \
+    do {                                                                                                    \
+        __m512 ac[NH][D / 16];                                                                              \
+        for (int b = 0; b < NH; b++)                                                                        \
+            for (int x = 0; x < D / 16; x++) ac[b][x] = _mm512_loadu_ps(&acc[a0 + b][16 * x]);              \
+        for (int64_t t = 0; t < n; t++) {                                                                   \
+            const uint16_t *vr = v + rows[j0 + t] * row_elems + h * D;                                      \
+            __m512 vf[D / 16];                                                                              \
+            for (int x = 0; x < D / 16; x++) vf[x] = LOADV_BF16(vr + 16 * x);                               \
+            for (int b = 0; b < NH; b++) {                                                                  \
+                const __m512 p = _mm512_set1_ps(s[a0 + b][t]);                                              \
+                for (int x = 0; x < D / 16; x++) ac[b][x] = _mm512_fmadd_ps(p, vf[x], ac[b][x]);            \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int b = 0; b < NH; b++)                                                                        \
+            for (int x = 0; x < D / 16; x++) _mm512_storeu_ps(&acc[a0 + b][16 * x], ac[b][x]);              \
+    } while (0)
+
+#define DEFINE_ROW_ITEM(NAME, DV)                                                                             \
+    static void NAME(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *rows,         \
+                     int64_t start, int64_t pos, int64_t hq, int64_t hkv, float scale, uint16_t *out) {       \
+        enum { D = DV * 32, PV_HEADS = DV == 2 ? 4 : 2 };                                                \
+        const int64_t g = hq / hkv, row_elems = hkv * D;                                                    \
+        __m512bh qv[ROW_MAX_HQ][DV];                                                                        \
+        __m512 part[ROW_MAX_HQ][16];                                                                        \
+        float acc[ROW_MAX_HQ][D], m[ROW_MAX_HQ], l[ROW_MAX_HQ], s[ROW_MAX_HQ][ROW_BLOCK];                \
+        for (int64_t a = 0; a < hq; a++) {                                                                  \
+            for (int x = 0; x < DV; x++) qv[a][x] = (__m512bh)_mm512_loadu_si512(q + a * D + 32 * x);      \
+            for (int t = 0; t < 16; t++) part[a][t] = _mm512_setzero_ps();                                  \
+            for (int e = 0; e < D; e++) acc[a][e] = 0.f;                                                    \
+            m[a] = -INFINITY;                                                                               \
+            l[a] = 0.f;                                                                                     \
+        }                                                                                                   \
+        const __m512 vscale = _mm512_set1_ps(scale);                                                        \
+        for (int64_t j0 = start; j0 <= pos; j0 += ROW_BLOCK) {                                              \
+            const int64_t n = (pos + 1 - j0) < ROW_BLOCK ? (pos + 1 - j0) : ROW_BLOCK;                      \
+            for (int64_t jb = 0; jb < n; jb += 16) {                                                        \
+                const int64_t nn = (n - jb) < 16 ? (n - jb) : 16;                                           \
+                for (int64_t t = 0; t < nn; t++) {                                                          \
+                    const int64_t j = j0 + jb + t;                                                          \
+                    if (j + PF_ROWS <= pos) {                                                               \
+                        prefetch_row(k + rows[j + PF_ROWS] * row_elems, row_elems);                         \
+                        prefetch_row(v + rows[j + PF_ROWS] * row_elems, row_elems);                         \
+                    }                                                                                       \
+                    const uint16_t *kr = k + rows[j] * row_elems;                                           \
+                    for (int64_t h = 0; h < hkv; h++) {                                                     \
+                        __m512bh kv[DV];                                                                    \
+                        for (int x = 0; x < DV; x++) kv[x] = (__m512bh)_mm512_loadu_si512(kr + h * D + 32 * x); \
+                        for (int64_t a = h * g; a < (h + 1) * g; a++) {                                     \
+                            __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[a][0], kv[0]);            \
+                            for (int x = 1; x < DV; x++) dot = _mm512_dpbf16_ps(dot, qv[a][x], kv[x]);      \
+                            part[a][t] = dot;                                                               \
+                        }                                                                                   \
+                    }                                                                                       \
+                }                                                                                           \
+                for (int64_t a = 0; a < hq; a++) {                                                          \
+                    float tmp[16];                                                                          \
+                    _mm512_storeu_ps(tmp, _mm512_mul_ps(reduce16(part[a]), vscale));                       \
+                    memcpy(&s[a][jb], tmp, nn * sizeof(float));                                             \
+                }                                                                                           \
+            }                                                                                               \
+            for (int64_t a = 0; a < hq; a++) {                                                              \
+                const __m512 corr = _mm512_set1_ps(online_softmax_block(s[a], n, &m[a], &l[a]));            \
+                for (int x = 0; x < D / 16; x++)                                                            \
+                    _mm512_storeu_ps(&acc[a][16 * x], _mm512_mul_ps(_mm512_loadu_ps(&acc[a][16 * x]), corr)); \
+            }                                                                                               \
+            for (int64_t h = 0; h < hkv; h++) {                                                             \
+                for (int64_t a0 = h * g; a0 < (h + 1) * g; a0 += PV_HEADS) {                                \
+                    const int64_t nh = (h + 1) * g - a0 < PV_HEADS ? (h + 1) * g - a0 : PV_HEADS;          \
+                    switch (nh) {                                                                           \
+                        case 1: PV_PASS(1); break;                                                          \
+                        case 2: PV_PASS(2); break;                                                          \
+                        case 3: PV_PASS(3); break;                                                          \
+                        default: PV_PASS(4); break;                                                         \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int64_t a = 0; a < hq; a++) {                                                                  \
+            const float inv = 1.f / l[a];                                                                   \
+            for (int e = 0; e < D; e++) out[a * D + e] = f32_to_bf16(acc[a][e] * inv);                      \
+        }                                                                                                   \
+    }
+
+DEFINE_ROW_ITEM(bf16_row_item_d64, 2)
+DEFINE_ROW_ITEM(bf16_row_item_d128, 4)
+
+/* 1 if the row path ran (every query row), 0 if it does not apply. */
+static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                               const int64_t *table, int64_t table_stride, const int64_t *req_of,
+                               const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d,
+                               float scale, int64_t window, uint16_t *out, int nthreads) {
+    if ((d != 64 && d != 128) || hq > ROW_MAX_HQ || n_q < 4 * (int64_t)nthreads) return 0;
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")
+    for (int64_t i = 0; i < n_q; i++) {
+        const int64_t pos = pos_of[i];
+        const int64_t *rows = table + req_of[i] * table_stride;
+        const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+        if (d == 64)
+            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, out + i * hq * d);
+        else
+            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, out + i * hq * d);
+    }
+    return 1;
+}
+#define ROWS_bf16(...) bf16_rows_attention(__VA_ARGS__)
+#else
+#define ROWS_bf16(...) 0
+#endif
+#define ROWS_f32(...) 0
+
 /* One work item: query row i, kv head h; `d` is a compile-time constant in the
  * specialised calls (64, 128), so the inner loops unroll into whole vectors. */
-#define DEFINE_ATTENTION(NAME, T, LOAD, STORE, AVX)                                                              \
+#define DEFINE_ATTENTION(NAME, T, LOAD, STORE, AVX, ROWS)                                                              \
     static inline __attribute__((always_inline)) void NAME##_item(                                          \
         const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
         int64_t pos, int64_t i, int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, \
@@ -249,6 +396,8 @@ AVX512_DISPATCH(avx512_f32)
             memcpy(k + new_loc[r] * hkv * d, k_new + r * new_stride, hkv * d * sizeof(T));                  \
             memcpy(v + new_loc[r] * hkv * d, v_new + r * new_stride, hkv * d * sizeof(T));                  \
         }                                                                                                   \
+        if (ROWS(q, q_stride, k, v, table, table_stride, req_of, pos_of, n_q, hq, hkv, d, scale, window, out, nthreads)) \
+            return 0;                                                                                       \
         const int64_t g = hq / hkv;                                                                         \
         const int64_t items = n_q * hkv;                                                                    \
         _Pragma("omp parallel for schedule(dynamic, 4) num_threads(nthreads)")                             \
@@ -270,8 +419,8 @@ AVX512_DISPATCH(avx512_f32)
     }
 
 
-DEFINE_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, avx512_bf16)
-DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, avx512_f32)
+DEFINE_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, avx512_bf16, ROWS_bf16)
+DEFINE_ATTENTION(paged_attention_f32, float, LOAD_F32, STORE_F32, avx512_f32, ROWS_f32)
 
 /* Greedy sampling: the index of each row's largest logit (the first on ties;
  * NaN counts as largest, like torch.argmax). Rows in parallel; within a row a
