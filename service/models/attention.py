@@ -42,6 +42,7 @@ class AttentionMeta:
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
     req_of: torch.Tensor | None = None  # [T] request row of each query token (kernel)
+    kernel: cpu_kernels.PagedAttention | None = None  # the batch's kernel calls, arguments converted once
     # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
     # short rows' queries (packed indices, their request rows), SDPA the long rows.
     short_q: torch.Tensor | None = None
@@ -90,6 +91,7 @@ class TorchAttention:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
             meta.req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
+            meta.kernel = cpu_kernels.PagedAttention(fb.kv_indices, meta.req_of, fb.positions, sliding_window, fb.out_cache_loc)
         elif self.use_kernel and on_cpu and not decode and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available():
             self._split_short_rows(meta)
         return meta
@@ -117,8 +119,7 @@ class TorchAttention:
         fb = meta.fb
         if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             assert meta.req_of is not None
-            out = cpu_kernels.paged_attention(q, k_cache, v_cache, fb.kv_indices, meta.req_of, fb.positions, scale,
-                                              meta.sliding_window, k, v, fb.out_cache_loc)
+            out = meta.kernel(q, k_cache, v_cache, scale, k, v)
             return out.view(q.shape[0], -1)
         k_cache[fb.out_cache_loc] = k
         v_cache[fb.out_cache_loc] = v

@@ -31,6 +31,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # (kernel, dtype) -> its function, filled with _lib
 _failed: str | None = None
 
 
@@ -62,9 +63,10 @@ def _build() -> ctypes.CDLL:
             os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(out))
     for name, (restype, argtypes) in _SIGNATURES.items():
-        for suffix in ("bf16", "f32"):
+        for dtype, suffix in _SUFFIX.items():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
+            _fns[name, dtype] = fn
     return lib
 
 
@@ -108,43 +110,74 @@ def has_kernel(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in _SUFFIX and head_dim <= MAX_HEAD_DIM
 
 
+class PagedAttention:
+    """One batch's paged-attention calls: the batch's arguments (its table, each query's request
+    row and position, the rows this step writes) converted once; every layer then passes only
+    its own tensors. Attention of each query row over its request's pool rows up to its
+    position (causal, optional sliding window), after storing this step's K/V rows."""
+
+    def __init__(
+        self,
+        table: torch.Tensor,  # [bs, L] int64 pool rows per kv position
+        req_of: torch.Tensor,  # [n] int64 request row of each query
+        pos_of: torch.Tensor,  # [n] int64 absolute position of each query
+        window: int | None,
+        new_loc: torch.Tensor | None = None,  # [m] int64: where this step's K/V rows go
+    ):
+        assert load() is not None
+        self._keep = (table, req_of, pos_of, new_loc)  # the pointers below stay valid while this lives
+        self.n = req_of.shape[0]
+        self.m = 0 if new_loc is None else new_loc.shape[0]
+        self._batch_args = (table.data_ptr(), table.stride(0), req_of.data_ptr(), pos_of.data_ptr(), self.n)
+        self._window = window or 0
+        self._new_loc = new_loc.data_ptr() if self.m else None
+        self._threads = torch.get_num_threads()
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [n, Hq, D], rows may be strided (a view of the fused qkv output)
+        k_cache: torch.Tensor,  # [pool, Hkv, D]
+        v_cache: torch.Tensor,
+        scale: float,
+        k_new: torch.Tensor | None = None,  # [m, Hkv, D], stored at new_loc first (same row stride as v_new)
+        v_new: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        _, hq, d = q.shape
+        if q.dtype not in _SUFFIX or d > MAX_HEAD_DIM:
+            raise ValueError(f"paged_attention: no kernel for {q.dtype} with head_dim {d}")
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        out = torch.empty(self.n, hq, d, dtype=q.dtype)
+        m = self.m
+        if m:
+            assert k_new is not None and v_new is not None and k_new.stride(0) == v_new.stride(0)
+            assert k_new.stride(2) == 1 and k_new.stride(1) == d and v_new.stride(2) == 1 and v_new.stride(1) == d
+        rc = _fns["paged_attention", q.dtype](
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *self._batch_args,
+            hq, k_cache.shape[1], d, scale, self._window, out.data_ptr(), self._threads,
+            k_new.data_ptr() if m else None, v_new.data_ptr() if m else None, k_new.stride(0) if m else 0,
+            self._new_loc, m,
+        )
+        if rc != 0:
+            raise ValueError(f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
+        return out
+
+
 def paged_attention(
-    q: torch.Tensor,  # [n, Hq, D], rows may be strided (a view of the fused qkv output)
-    k_cache: torch.Tensor,  # [pool, Hkv, D]
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    table: torch.Tensor,  # [bs, L] int64 pool rows per kv position
-    req_of: torch.Tensor,  # [n] int64 request row of each query
-    pos_of: torch.Tensor,  # [n] int64 absolute position of each query
+    table: torch.Tensor,
+    req_of: torch.Tensor,
+    pos_of: torch.Tensor,
     scale: float,
     window: int | None,
-    k_new: torch.Tensor | None = None,  # [m, Hkv, D]: rows stored at new_loc first (same row stride as v_new)
+    k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
-    new_loc: torch.Tensor | None = None,  # [m] int64
+    new_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each query row over its request's pool rows up to its position
-    (causal, optional sliding window), after storing this step's K/V rows."""
-    lib = load()
-    assert lib is not None
-    if not has_kernel(q.dtype, q.shape[-1]):
-        raise ValueError(f"paged_attention: no kernel for {q.dtype} with head_dim {q.shape[-1]}")
-    n, hq, d = q.shape
-    if q.stride(2) != 1 or q.stride(1) != d:
-        q = q.contiguous()
-    out = torch.empty(n, hq, d, dtype=q.dtype)
-    m = 0 if new_loc is None else new_loc.shape[0]
-    if m:
-        assert k_new is not None and v_new is not None and k_new.stride(0) == v_new.stride(0)
-        assert k_new.stride(2) == 1 and k_new.stride(1) == d and v_new.stride(2) == 1 and v_new.stride(1) == d
-    rc = getattr(lib, f"paged_attention_{_SUFFIX[q.dtype]}")(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
-        req_of.data_ptr(), pos_of.data_ptr(), n, hq, k_cache.shape[1], d, scale, window or 0,
-        out.data_ptr(), torch.get_num_threads(),
-        k_new.data_ptr() if m else None, v_new.data_ptr() if m else None, k_new.stride(0) if m else 0,
-        new_loc.data_ptr() if m else None, m,
-    )
-    if rc != 0:
-        raise ValueError(f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
-    return out
+    """One call of `PagedAttention` (a batch used once)."""
+    return PagedAttention(table, req_of, pos_of, window, new_loc)(q, k_cache, v_cache, scale, k_new, v_new)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +188,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    getattr(lib, f"argmax_rows_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
+    _fns["argmax_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
     return out
 
 
@@ -169,35 +202,30 @@ def fused_ok(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """(h, normed): h = x + residual (x itself without one), normed = RMSNorm(h) * weight."""
-    lib = load()
-    assert lib is not None
     x = x.contiguous()
     rows, cols = x.shape
     normed = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
     res_ptr = residual.contiguous().data_ptr() if residual is not None else None
-    getattr(lib, f"rms_norm_{_SUFFIX[x.dtype]}")(
+    _fns["rms_norm", x.dtype](
         x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows, cols))
     return h, normed
 
 
 def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate the first `heads` heads of each row of x [T, >= heads * head_dim] in place."""
-    lib = load()
-    assert lib is not None and x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
-    getattr(lib, f"rope_{_SUFFIX[x.dtype]}")(
+    assert x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
+    _fns["rope", x.dtype](
         x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         _threads(x.shape[0], heads * head_dim))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows [gate | up]."""
-    lib = load()
-    assert lib is not None
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    getattr(lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows, 2 * inter))
+    _fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows, 2 * inter))
     return out
 
 
@@ -227,7 +255,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
         return False
     assert rows.dtype == torch.int64 and rows.is_contiguous()
     cols = min(logits.shape[1], bitmask.shape[1] * 32)
-    getattr(lib, f"apply_token_bitmask_{_SUFFIX[logits.dtype]}")(
+    _fns["apply_token_bitmask", logits.dtype](
         logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), rows.data_ptr(), rows.shape[0],
         cols, 1)
     return True

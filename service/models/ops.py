@@ -45,8 +45,8 @@ def split_qkv_rope(
     if cpu_kernels.fused_ok(qkv) and cos_table.dtype == torch.float32:  # q and k heads are adjacent: rotate both in place, in one pass
         qkv = qkv.contiguous()
         cpu_kernels.rope_(qkv, hq + hkv, d, positions, cos_table, sin_table)
-        q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-        return q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
+        heads = qkv.view(t, hq + 2 * hkv, d)  # views: no copies, one call each
+        return heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     cos, sin = cos_table[positions], sin_table[positions]
     return rope_eager(q.reshape(t, hq, d), cos, sin), rope_eager(k.reshape(t, hkv, d), cos, sin), v.reshape(t, hkv, d)
