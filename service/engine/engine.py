@@ -22,6 +22,7 @@ from features import Feature, FeatureRegistry, builtin_features
 from features.retraction import AdmissionPolicy, RetractionConfig
 from service.config import ServerArgs, resolve_dtype
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
+from service.engine.cpu_threads import on_passing_thread
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -78,29 +79,8 @@ class Engine:
         self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.hf_config, self.device.device, args.load_format)
+        kv_tokens = on_passing_thread(self._load)  # the forward's thread keeps the only OpenMP team
         shape = self.model.shape
-        self.vocab_size = shape.vocab_size
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
-        self.features.bind(self)
-        kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
-        dev = self.device.device
-        self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev)
-        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, dev)
-        self.timeline = Timeline(keep_trace=bool(args.trace_file))
-        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
-        self.worker = ModelWorker(
-            self.model,
-            self.kv_pool,
-            Sampler(args.max_running_requests, self.vocab_size, dev),
-            get_attention_backend(self.attention_backend),
-            self.timeline,
-            self.device,
-        )
-        if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
-            max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
-            self.worker.graphs = build_decode_graphs(self.model, self.kv_pool, self.worker.attention, dev, max_bs,
-                                                     self.context_length)
         self.scheduler = Scheduler(
             self.worker,
             self.req_pool,
@@ -127,9 +107,37 @@ class Engine:
         self._thread.start()
         log.info(
             "engine ready in %.1fs: %s, %s on %s, attention=%s, cuda graphs=%s, kv=%d tokens, mode=%s",
-            time.perf_counter() - t0, shape.architecture, str(self.dtype).removeprefix('torch.'), dev, self.attention_backend,
+            time.perf_counter() - t0, shape.architecture, str(self.dtype).removeprefix('torch.'), self.device.device, self.attention_backend,
             self.worker.graphs is not None, kv_tokens, self.mode,
         )
+
+    def _load(self) -> int:
+        """Weights, pools, sampler and worker (the one-time parallel CPU work); the KV pool's size."""
+        args = self.args
+        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.hf_config, self.device.device, args.load_format)
+        shape = self.model.shape
+        self.vocab_size = shape.vocab_size
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
+        self.features.bind(self)
+        kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
+        dev = self.device.device
+        self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev)
+        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, dev)
+        self.timeline = Timeline(keep_trace=bool(args.trace_file))
+        self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
+        self.worker = ModelWorker(
+            self.model,
+            self.kv_pool,
+            Sampler(args.max_running_requests, self.vocab_size, dev),
+            get_attention_backend(self.attention_backend),
+            self.timeline,
+            self.device,
+        )
+        if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
+            max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+            self.worker.graphs = build_decode_graphs(self.model, self.kv_pool, self.worker.attention, dev, max_bs,
+                                                     self.context_length)
+        return kv_tokens
 
     def _prefix_cache(self) -> PrefixCacheManager | None:
         """On unless --disable-prefix-cache (or --disable-feature prefix_cache)."""

@@ -1,0 +1,39 @@
+"""Which threads run parallel CPU work, and why it matters.
+
+torch's CPU ops run their parallel regions on OpenMP (libgomp). libgomp gives
+every thread that ever opened a parallel region its own team of worker threads,
+kept for that thread's whole life. Once the process holds more such threads
+than cores, libgomp throttles the workers' spin-wait (to ~100 iterations), so
+each worker sleeps right after a region and the next region pays a futex wake
+of a halted vCPU: on a 2-core VM a bs-1 decode step went from 21 to 30 ms when
+the weights had been loaded on one thread and the forward ran on another.
+
+So the engine does its one-time parallel work (loading and packing weights,
+filling the pools) on a thread that then exits, taking its team with it: the
+thread that runs forwards keeps the only team.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def on_passing_thread(fn: Callable[[], T], name: str = "zerogap-setup") -> T:
+    """fn() run on a new thread that exits when it returns; its result, or its exception."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
