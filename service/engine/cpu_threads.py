@@ -37,3 +37,26 @@ def on_passing_thread(fn: Callable[[], T], name: str = "zerogap-setup") -> T:
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["result"]  # type: ignore[return-value]
+
+
+def _libgomp():
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libgomp.so.1")  # the copy torch loaded (same soname)
+    except OSError:
+        return None
+
+
+def serial_cpu_ops_on_this_thread() -> bool:
+    """Make this thread's torch CPU ops run without OpenMP workers (a team of one), so a thread
+    beside the forward's (the overlap loop's scheduler) adds no second team. False where torch
+    does not run on libgomp (nothing changed)."""
+    import torch
+
+    lib = _libgomp()
+    if lib is None or not torch.backends.openmp.is_available():
+        return False
+    torch.zeros(2).add_(1)  # torch's per-thread OpenMP set-up first (it would set the team size back)
+    lib.omp_set_num_threads(1)
+    return True

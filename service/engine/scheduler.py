@@ -22,6 +22,7 @@ from features.registry import FeatureRegistry, support_of
 from features.retraction import AdmissionPolicy, RetractionConfig, Retracted
 from service.engine.cache_manager import PrefixCacheManager
 from service.engine.chunking import PrefillChunker, run_chunk_hooks
+from service.engine.cpu_threads import serial_cpu_ops_on_this_thread
 from service.engine.forward_batch import BatchResult, ForwardMode
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -123,6 +124,8 @@ class Scheduler:
     def run(self) -> None:
         if self.device.is_cuda:
             torch.cuda.set_device(self.device.device)
+        elif self.overlap:  # the forward thread runs the model: it keeps the only OpenMP team
+            serial_cpu_ops_on_this_thread()
         with self.device.use_stream(self.schedule_stream):
             self._run()
 
