@@ -47,3 +47,32 @@ def test_engine_loads_weights_and_pools_on_a_thread_that_is_gone(tiny_llama_dir,
         assert loaders[0] is not client.engine._thread
     finally:
         client.close()
+
+
+def test_a_thread_beside_the_forward_runs_its_ops_on_a_team_of_one():
+    """The overlap loop's scheduler thread: its OpenMP team size is one (no worker threads),
+    the calling threads' (the forward's) stays as torch set it; its ops still compute right."""
+    import ctypes
+
+    import torch
+
+    from service.engine.cpu_threads import serial_cpu_ops_on_this_thread
+
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch without OpenMP")
+    gomp = ctypes.CDLL("libgomp.so.1")
+    before = gomp.omp_get_max_threads()
+    seen: dict[str, object] = {}
+
+    def scheduler_like() -> None:
+        seen["changed"] = serial_cpu_ops_on_this_thread()
+        seen["team"] = gomp.omp_get_max_threads()
+        x = torch.arange(1 << 18, dtype=torch.float32)  # large enough for a parallel region
+        seen["sum"] = float((x * 2).sum())
+
+    t = threading.Thread(target=scheduler_like)
+    t.start()
+    t.join()
+    assert seen["changed"] is True and seen["team"] == 1
+    assert seen["sum"] == float(torch.arange(1 << 18, dtype=torch.float64).sum() * 2)
+    assert gomp.omp_get_max_threads() == before
