@@ -18,7 +18,7 @@ from service.engine.engine import SyncClient, collect
 from service.engine.forward_batch import ForwardBatch, ForwardMode
 from service.engine.request import SamplingParams
 from service.models import cpu_kernels, ops
-from service.models.attention import TorchAttention
+from service.models.attention import TorchAttention, masked_sdpa
 from service.models.linear import packed_if_exact
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler: native kernels not built")
@@ -231,3 +231,24 @@ def test_fast_engine_and_pure_torch_engine_give_the_same_greedy_tokens(tiny_llam
         assert fast_ids == slow_ids
     else:  # bf16 roundings differ between SDPA and the kernel: a random model's near-ties may flip later on
         assert [ids[0] for ids in fast_ids] == [ids[0] for ids in slow_ids]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_masked_sdpa_matches_the_reference(dtype, window):
+    """A prompt chunk over its prefix (the extend path for long chunks): the CPU flash kernel
+    with an additive mask, against float64 attention with the boolean mask."""
+    g = torch.Generator().manual_seed(3)
+    n, length, heads, d = 40, 100, 4, 32
+    q, k, v = (torch.randn(heads, m, d, generator=g).to(dtype) for m in (n, length, length))
+    q_pos = torch.arange(length - n, length).view(-1, 1)
+    kv_pos = torch.arange(length).view(1, -1)
+    allowed = kv_pos <= q_pos
+    if window:
+        allowed &= kv_pos > q_pos - window
+    additive = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+    out = masked_sdpa(q, k, v, additive, 0.2)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed, scale=0.2)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
