@@ -79,7 +79,9 @@ class Engine:
         self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
-        kv_tokens = on_passing_thread(self._load)  # the forward's thread keeps the only OpenMP team
+        # CPU: the one-time parallel work on a thread that exits, so the forward's thread keeps the only
+        # OpenMP team (cpu_threads.py); CUDA: here (graph capture and the current device stay on this thread).
+        kv_tokens = self._load() if self.device.is_cuda else on_passing_thread(self._load)
         shape = self.model.shape
         self.scheduler = Scheduler(
             self.worker,
