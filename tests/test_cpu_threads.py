@@ -60,7 +60,10 @@ def test_a_thread_beside_the_forward_runs_its_ops_on_a_team_of_one():
 
     if not torch.backends.openmp.is_available():
         pytest.skip("torch without OpenMP")
-    gomp = ctypes.CDLL("libgomp.so.1")
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        pytest.skip("no libgomp.so.1 to load")
     before = gomp.omp_get_max_threads()
     seen: dict[str, object] = {}
 
