@@ -85,7 +85,7 @@ def default_loop(device_type: str) -> str:
     overlap on CUDA (1.4-1.8x the normal loop on an H200: the device idles while Python
     schedules); normal on CPU, where the forward already uses every core, so the scheduler and
     gRPC threads running beside it slow it about as much as overlapping saves (through gRPC on a
-    2-core Sapphire Rapids, overlap/normal across five runs: 0.74x-1.19x at 64 streams,
+    2-core Sapphire Rapids, overlap/normal across six runs: 0.74x-1.19x at 64 streams,
     0.75x-1.02x on one stream)."""
     return "overlap" if device_type == "cuda" else "normal"
 
