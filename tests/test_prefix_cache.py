@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Callable, TypeVar
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from service.engine.kv_cache import TokenToKVPool
 from service.engine.prefix_cache import RadixCache
 from service.engine.request import FinishReason, SamplingParams
 from tests.helpers import wait_until
+
+T = TypeVar("T")
 
 pb2, pb2_grpc = protos.load()
 LOOPS = ["normal", "overlap"]
@@ -71,6 +74,18 @@ def _client(model_dir, loop: str, cache: bool, **kw) -> SyncClient:
     return SyncClient(ServerArgs(**{**args, **kw}), model_dir)
 
 
+def _off_and_on(model_dir, loop: str, run: Callable[[SyncClient], T], **kw) -> dict[bool, T]:
+    """run(client) on an engine without the cache, then on one with it: {cache: result}."""
+    results = {}
+    for cache in (False, True):
+        client = _client(model_dir, loop, cache, **kw)
+        try:
+            results[cache] = run(client)
+        finally:
+            client.close()
+    return results
+
+
 def _params(i: int, n: int = 8) -> SamplingParams:
     if i % 2:
         return SamplingParams(temperature=0.9, top_k=50, seed=1000 + i, max_new_tokens=n, ignore_eos=True)
@@ -111,18 +126,14 @@ def _multi_turn(client: SyncClient, rng: random.Random, convs: int = 3, turns: i
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_outputs_equal_with_and_without_cache(tiny_llama_dir, loop):
-    results = {}
-    for cache in (False, True):
-        client = _client(tiny_llama_dir, loop, cache)
-        try:
-            shared = _run_waves(client, _shared_prefix_waves(random.Random(1)))
-            turns = _multi_turn(client, random.Random(2))
-            info = client.engine.stats().prefix_cache
-            assert client.engine.kv_all_free()
-            assert client.engine.scheduler.reserved_tokens == 0
-        finally:
-            client.close()
-        results[cache] = (shared, turns, info)
+    def run(client):
+        shared = _run_waves(client, _shared_prefix_waves(random.Random(1)))
+        turns = _multi_turn(client, random.Random(2))
+        assert client.engine.kv_all_free()
+        assert client.engine.scheduler.reserved_tokens == 0
+        return shared, turns, client.engine.stats().prefix_cache
+
+    results = _off_and_on(tiny_llama_dir, loop, run)
     (shared_off, turns_off, info_off), (shared_on, turns_on, info_on) = results[False], results[True]
     assert [ids for ids, _ in shared_on] == [ids for ids, _ in shared_off]
     assert [ids for ids, _, _ in turns_on] == [ids for ids, _, _ in turns_off]
@@ -142,18 +153,14 @@ def test_concurrent_sharers_hit_the_first_ones_prefill(tiny_llama_dir):
     rng = random.Random(3)
     system = [rng.randrange(3, 49000) for _ in range(48)]
     prompts = [system + [rng.randrange(3, 49000) for _ in range(3)] for _ in range(6)]
-    outs = {}
-    for cache in (False, True):
-        client = _client(tiny_llama_dir, "overlap", cache)
-        try:
-            res = client.generate(prompts, [_params(i) for i in range(6)])
-            outs[cache] = [collect(r)[0] for r in res]
-            hits = sorted(collect(r)[2].cached_tokens for r in res)
-            assert client.engine.kv_all_free()
-        finally:
-            client.close()
-    assert outs[True] == outs[False]
-    assert hits == [0] + [48] * 5
+    def run(client):
+        res = client.generate(prompts, [_params(i) for i in range(6)])
+        assert client.engine.kv_all_free()
+        return [collect(r)[0] for r in res], sorted(collect(r)[2].cached_tokens for r in res)
+
+    outs = _off_and_on(tiny_llama_dir, "overlap", run)
+    assert outs[True][0] == outs[False][0]
+    assert outs[True][1] == [0] + [48] * 5
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -163,21 +170,19 @@ def test_eviction_under_a_tiny_pool_while_requests_run(tiny_llama_dir, loop):
     waves = [[(p + [rng.randrange(3, 49000) for _ in range(4)], _params(i, 12)) for i, p in enumerate(prefixes[k:k + 2])]
              for k in range(0, 6, 2)]
     waves.append([(prefixes[0] + [7, 8], _params(0, 12)), (prefixes[5] + [9], _params(1, 12))])
-    results = {}
-    for cache in (False, True):
-        client = _client(tiny_llama_dir, loop, cache, kv_cache_tokens=200, max_running_requests=4)
-        try:
-            results[cache] = [ids for ids, _ in _run_waves(client, waves)]
-            # All at once: two run, and each admission evicts what finished ones left while the other runs.
-            results[cache] += [ids for ids, _ in _run_waves(client, [[r for w in waves for r in w]])]
-            info = client.engine.stats().prefix_cache
-            tree = client.engine.scheduler.prefix_cache
-            if tree is not None:
-                tree.tree.check()
-                assert info.evicted_tokens > 0 and info.cached_tokens <= 200
-            assert client.engine.kv_all_free()
-        finally:
-            client.close()
+    def run(client):
+        out = [ids for ids, _ in _run_waves(client, waves)]
+        # All at once: two run, and each admission evicts what finished ones left while the other runs.
+        out += [ids for ids, _ in _run_waves(client, [[r for w in waves for r in w]])]
+        info = client.engine.stats().prefix_cache
+        tree = client.engine.scheduler.prefix_cache
+        if tree is not None:
+            tree.tree.check()
+            assert info.evicted_tokens > 0 and info.cached_tokens <= 200
+        assert client.engine.kv_all_free()
+        return out
+
+    results = _off_and_on(tiny_llama_dir, loop, run, kv_cache_tokens=200, max_running_requests=4)
     assert results[True] == results[False]
 
 
@@ -223,15 +228,11 @@ def test_input_logprobs_never_come_from_the_cache(tiny_llama_dir):
     prompt = [rng.randrange(3, 49000) for _ in range(30)]
     greedy = SamplingParams(temperature=0, max_new_tokens=4)
     lp = {"logprobs": dict(return_logprob=True, logprob_start_len=10)}
-    got = {}
-    for cache in (False, True):
-        client = _client(tiny_llama_dir, "overlap", cache)
-        try:
-            client.generate([prompt], greedy)  # cache the prompt
-            res = client.generate([prompt], greedy, [lp])[0]
-            got[cache] = res
-        finally:
-            client.close()
+    def run(client):
+        client.generate([prompt], greedy)  # cache the prompt
+        return client.generate([prompt], greedy, [lp])[0]
+
+    got = _off_and_on(tiny_llama_dir, "overlap", run)
     on, off = got[True], got[False]
     assert collect(on)[2].cached_tokens == 9 and collect(off)[2].cached_tokens == 0
     first_on = next(o.extras["logprobs"] for o in on if "input" in o.extras.get("logprobs", {}))
@@ -308,15 +309,12 @@ def test_constrained_requests_hit_and_equal(tiny_llama_dir):
     prompt = [rng.randrange(3, 49000) for _ in range(40)]
     feats = [{"constrained": dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?")}]
     sp = SamplingParams(temperature=0.8, seed=3, max_new_tokens=12)
-    got = {}
-    for cache in (False, True):
-        client = _client(tiny_llama_dir, "overlap", cache)
-        try:
-            first = collect(client.generate([prompt], sp, feats)[0])
-            second = collect(client.generate([prompt], sp, feats)[0])
-            assert client.engine.kv_all_free()
-        finally:
-            client.close()
+    def run(client):
+        first = collect(client.generate([prompt], sp, feats)[0])
+        second = collect(client.generate([prompt], sp, feats)[0])
+        assert client.engine.kv_all_free()
         assert first[0] == second[0] and first[2].extras["constrained"]["satisfied"]
-        got[cache] = (first[0], second[2].cached_tokens)
+        return first[0], second[2].cached_tokens
+
+    got = _off_and_on(tiny_llama_dir, "overlap", run)
     assert got[True][0] == got[False][0] and got[True][1] == len(prompt) - 1 and got[False][1] == 0

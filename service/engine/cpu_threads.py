@@ -15,33 +15,22 @@ thread that runs forwards keeps the only team.
 
 from __future__ import annotations
 
-import threading
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
 
 def on_passing_thread(fn: Callable[[], T], name: str = "zerogap-setup") -> T:
     """fn() run on a new thread that exits when it returns; its result, or its exception."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # re-raised on the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name=name)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:  # leaving joins the thread
+        return pool.submit(fn).result()
 
 
-def _libgomp():
-    import ctypes
-
+def _libgomp() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libgomp.so.1")  # the copy torch loaded (same soname)
     except OSError:
@@ -52,8 +41,6 @@ def serial_cpu_ops_on_this_thread() -> bool:
     """Make this thread's torch CPU ops run without OpenMP workers (a team of one), so a thread
     beside the forward's (the overlap loop's scheduler) adds no second team. False where torch
     does not run on libgomp (nothing changed)."""
-    import torch
-
     lib = _libgomp()
     if lib is None or not torch.backends.openmp.is_available():
         return False

@@ -41,12 +41,11 @@ class AttentionMeta:
     group: int
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
-    req_of: torch.Tensor | None = None  # [T] request row of each query token (kernel)
     kernel: cpu_kernels.PagedAttention | None = None  # the batch's kernel calls, arguments converted once
     # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
-    # short rows' queries (packed indices, their request rows), SDPA the long rows.
+    # short rows' queries (packed indices; `short_kernel` knows their requests and positions), SDPA the long rows.
     short_q: torch.Tensor | None = None
-    short_req_of: torch.Tensor | None = None
+    short_kernel: cpu_kernels.PagedAttention | None = None
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # extend_mask's, per forward
 
     @cached_property
@@ -104,8 +103,8 @@ class TorchAttention:
         if use_kernel:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
-            meta.req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
-            meta.kernel = cpu_kernels.PagedAttention(fb.kv_indices, meta.req_of, fb.positions, sliding_window, fb.out_cache_loc)
+            req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
+            meta.kernel = cpu_kernels.PagedAttention(fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc)
         elif self.use_kernel and on_cpu and not decode and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available():
             self._split_short_rows(meta)
         return meta
@@ -118,7 +117,9 @@ class TorchAttention:
             return
         starts = meta.fb.extend_start_loc_cpu or [sum(lens[:r]) for r in range(len(lens))]
         meta.short_q = torch.tensor([starts[r] + j for r in short for j in range(lens[r])], dtype=torch.int64)
-        meta.short_req_of = torch.tensor([r for r in short for _ in range(lens[r])], dtype=torch.int64)
+        req_of = torch.tensor([r for r in short for _ in range(lens[r])], dtype=torch.int64)
+        meta.short_kernel = cpu_kernels.PagedAttention(meta.fb.kv_indices, req_of, meta.fb.positions.index_select(0, meta.short_q),
+                                                       meta.sliding_window)
 
     def forward(
         self,
@@ -132,7 +133,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         fb = meta.fb
         if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
-            assert meta.req_of is not None
+            assert meta.kernel is not None
             out = meta.kernel(q, k_cache, v_cache, scale, k, v)
             return out.view(q.shape[0], -1)
         k_cache[fb.out_cache_loc] = k
@@ -140,10 +141,9 @@ class TorchAttention:
         if fb.mode is ForwardMode.DECODE:
             return self._decode_gathered(q, k_cache, v_cache, meta, scale)
         out = self._extend_per_request(q, k_cache, v_cache, meta, scale, long_only=meta.short_q is not None)
-        if meta.short_q is not None and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+        if meta.short_kernel is not None and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             idx = meta.short_q
-            short = cpu_kernels.paged_attention(q.index_select(0, idx), k_cache, v_cache, fb.kv_indices, meta.short_req_of,
-                                                fb.positions.index_select(0, idx), scale, meta.sliding_window)
+            short = meta.short_kernel(q.index_select(0, idx), k_cache, v_cache, scale)
             out.index_copy_(0, idx, short.view(idx.shape[0], -1))
         return out
 
