@@ -129,11 +129,12 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m service serve ...` in its own process group, logging to a temp file."""
 
-    def __init__(self, cmd: list[str], port: int, timeout_s: float = 300.0):
+    def __init__(self, cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None):
         self.cmd, self.port = cmd, port
         self.log = tempfile.NamedTemporaryFile("w+", prefix="zerogap-bench-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=None if env is None else {**os.environ, **env},
         )
         _LIVE.add(self)
         try:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from service.models.cpu_features import cpu_features
+
 
 @dataclass
 class ServerArgs:
@@ -34,7 +36,8 @@ class ServerArgs:
     attention_backend: str = "auto"  # torch | triton | auto (triton on CUDA, torch on CPU)
     disable_cuda_graph: bool = False  # CUDA + triton: decode runs as captured CUDA graphs unless set
     cuda_graph_max_bs: int | None = None  # None: max_running_requests
-    num_threads: int | None = None  # torch intra-op threads for the forward; None = all cores
+    num_threads: int | None = None  # torch intra-op threads for the forward; None = one per CPU granted (affinity, cgroup quota)
+    adapt_cpu_team: bool = True  # shrink the forward's OpenMP team to one thread while the CPUs are contended
     trace_file: str | None = None
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
@@ -91,9 +94,9 @@ def default_loop(device_type: str) -> str:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AMX tiles or AVX-512 BF16: bf16 matmuls run natively (else they are emulated and ~5x slower than fp32)."""
-    cpu = torch.cpu
-    return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
+    """AMX tiles or AVX-512 BF16 (under the ZEROGAP_CPU_ISA cap): bf16 matmuls run natively (else
+    they are emulated and ~5x slower than fp32)."""
+    return cpu_features().native_bf16
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
@@ -149,7 +152,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="CUDA: run decode eagerly instead of as captured CUDA graphs (graphs need --attention-backend triton)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
                    help="largest decode batch captured as a CUDA graph (default: --max-running-requests)")
-    p.add_argument("--num-threads", type=int, default=d.num_threads, help="torch intra-op threads for the forward pass")
+    p.add_argument("--num-threads", type=int, default=d.num_threads,
+                   help="torch intra-op threads for the forward pass (default: one per CPU granted: affinity mask, cgroup quota)")
+    p.add_argument("--adapt-cpu-team", action=argparse.BooleanOptionalAction, default=d.adapt_cpu_team,
+                   help="while other processes contend for the granted CPUs, run the forward on one thread (CPU)")
     p.add_argument("--trace-file", default=d.trace_file, help="write a Chrome trace (Perfetto) of the scheduler and forward threads here")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="serve Prometheus metrics over HTTP on this port")
     p.add_argument("--grace-period-s", type=float, default=d.grace_period_s)

@@ -18,6 +18,7 @@ import pytest
 from service.config import ServerArgs
 from service.engine.engine import SyncClient
 from service.model_prep import prepare_default_model
+from tests.helpers import NEEDS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -145,3 +146,32 @@ def make_tiny_llava(smol: Path, out: Path, feature_layer=-2, strategy: str = "de
 @pytest.fixture(scope="session")
 def tiny_llava_dir(smol_dir, tmp_path_factory) -> Path:
     return make_tiny_llava(smol_dir, tmp_path_factory.mktemp("tiny-llava"))
+
+
+# ---- missing tools: one line per group on a plain machine, a failure under CI ---------------------
+
+_MISSING: dict[str, int] = {}  # skip reason -> tests skipped for it (this run's, printed at its end)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2].removeprefix("Skipped: ") if isinstance(longrepr, tuple) and len(longrepr) == 3 else ""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    reason = _skip_reason(report) if report.skipped else ""
+    if reason.startswith(NEEDS):
+        if os.environ.get("CI"):  # CI installs every tool (.ci/run): a missing one fails the run
+            report.outcome, report.longrepr = "failed", f"{reason} (under CI nothing is skipped for a missing tool)"
+        else:
+            _MISSING[reason] = _MISSING.get(reason, 0) + 1
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MISSING:
+        terminalreporter.section("skipped for a missing tool: install it to run them (.ci/run does)")
+        for reason, n in sorted(_MISSING.items()):
+            terminalreporter.line(f"{n:4d} test{'s' if n > 1 else ' '} skipped: {reason}")

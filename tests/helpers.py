@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
+import pytest
 
 from service import protos
 from service.config import ServerArgs
@@ -22,6 +24,17 @@ PERSON_SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+
+
+NEEDS = "needs "  # how a missing tool's skip reason starts: conftest's summary lists one line per tool group
+
+
+def need_tools(tools: list[str], install: str) -> None:
+    """Skip the test when one of `tools` is not on PATH, naming how to install it (under CI, conftest
+    turns such a skip into a failure: CI installs every tool, so a missing one is a broken set-up)."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"{NEEDS}{', '.join(missing)}: {install}")
 
 
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:

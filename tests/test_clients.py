@@ -27,7 +27,7 @@ import pytest
 from service.config import ServerArgs
 from service.model_prep import cache_root
 from service.server import BackgroundServer
-from tests.helpers import PERSON_SCHEMA, kv_idle, wait_until
+from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT / "clients"
@@ -40,22 +40,13 @@ def build_dir(lang: str) -> Path:
     return cache_root() / "clients" / f"{lang}-{key}"
 
 
-def need(tools: list[str], install: str) -> None:
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        msg = f"{', '.join(missing)} not installed: {install} (.ci/run installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
 def run(cmd: list[str], cwd: Path) -> None:
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
 
 def build_node() -> list[str]:
-    need(["node", "npm"], "apt-get install nodejs npm")
+    need_tools(["node", "npm"], "apt-get install nodejs npm")
     here = CLIENTS / "node"
     installed = here / "node_modules" / ".package-lock.json"
     if not installed.exists() or installed.stat().st_mtime < (here / "package-lock.json").stat().st_mtime:
@@ -64,7 +55,7 @@ def build_node() -> list[str]:
 
 
 def build_go() -> list[str]:
-    need(
+    need_tools(
         ["go", "protoc", "protoc-gen-go", "protoc-gen-go-grpc"],
         "apt-get install golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev "
         "protoc-gen-go protoc-gen-go-grpc protobuf-compiler",
@@ -75,7 +66,7 @@ def build_go() -> list[str]:
 
 
 def build_cpp() -> list[str]:
-    need(
+    need_tools(
         ["cmake", "g++", "pkg-config", "protoc", "grpc_cpp_plugin"],
         "apt-get install cmake g++ pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev",
     )

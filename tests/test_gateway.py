@@ -25,7 +25,7 @@ from service.config import ServerArgs
 from service.gateway import protocol
 from service.gateway.errors import APIError
 from service.server import BackgroundServer
-from tests.helpers import PERSON_SCHEMA, kv_idle, wait_until
+from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
 from zerogap.client import GREEDY, Client, Logprobs, ZerogapError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -406,9 +406,7 @@ def test_cancel_through_the_lb_aborts_the_request(server, zg, model, tmp_path):
 
     binary = _nginx_binary()
     if binary is None:
-        pytest.skip(
-            "nginx binary not installed (Debian/Ubuntu: apt-get install -y nginx; .ci/run installs it)"
-        )
+        need_tools(["nginx"], "apt-get install nginx")
     port = free_port()
     lb = _Nginx(binary, render_nginx_conf([server.port], port, tmp_path), tmp_path, port)
     try:

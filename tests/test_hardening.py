@@ -1,7 +1,8 @@
 """What a hostile or careless client found (issue 17), each case through gRPC on a real server.
 
 Every case asserts the status the client gets, that other requests are unaffected (their tokens, and
-their latency as a ratio to an unloaded run), and that the KV pool is back to its initial state.
+the order in which things complete), and that the KV pool is back to its initial state. No case
+asserts a duration: a loaded machine stretches every one of them (durations are the benchmarks').
 """
 
 from __future__ import annotations
@@ -119,8 +120,9 @@ def test_slow_compile_is_stopped_and_small_grammars_are_not_starved(grammar_serv
         plain_before = stub.Generate(PLAIN).token_ids
         stopped_before = sum(backend_of(srv).stats.stopped.values())
         bigs = [stub.Generate.future(constrained(pb2.Constraint(json_schema=slow_schema(t)))) for t in ("a", "b", "c")]
-        time.sleep(0.5)
-        # Three large compiles are waiting or running: a tiny regex still compiles at once, plain requests run.
+        assert wait_until(lambda: any(s.job is not None for s in backend_of(srv)._slots), 30)
+        # Large compiles are waiting or running: a tiny regex still compiles, plain requests run, and both
+        # are answered while the large ones are still compiling (they end only at their deadline).
         small = stub.Generate(constrained(pb2.Constraint(regex="[0-9]{3}")))
         assert len(small.text) == 3 and small.text.isdigit()
         assert stub.Generate(PLAIN).token_ids == plain_before
@@ -144,9 +146,9 @@ def test_cancelled_request_stops_its_compile(grammar_server):
             # 3 s: the schema is prepared (~0.6 s) and compiling when the client gives up
             stub.Generate(constrained(pb2.Constraint(json_schema=slow_schema("cancel"))), timeout=3.0)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # Nobody waits for it any more: its worker is killed before the 6 s compile deadline.
-        assert wait_until(lambda: b.stats.stopped.get("CANCELLED", 0) == cancelled_before + 1, 2)
-        assert wait_until(lambda: compiles_idle(srv) and kv_idle(srv), 5)
+        # Nobody waits for it any more: its worker is killed for that reason, not left to its deadline.
+        assert wait_until(lambda: b.stats.stopped.get("CANCELLED", 0) == cancelled_before + 1, 20)
+        assert wait_until(lambda: compiles_idle(srv) and kv_idle(srv), 20)
         assert len(stub.Generate(constrained(pb2.Constraint(regex="[a-c]{2}"))).text) == 2
 
 
@@ -187,14 +189,12 @@ def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
             time.sleep(1.0)  # compiling now (it would take minutes)
             workers = _descendants(proc.pid)
             assert workers, "compile workers are child processes"
-            start = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=grace + 10) == 0
-            took = time.monotonic() - start
+            # It exits cleanly, long before the 300 s compile could have ended (a hang guard, not a timing).
+            assert proc.wait(timeout=120) == 0
             with pytest.raises(grpc.RpcError) as e:
                 big.result()
             assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        assert took < grace + 5, took
         assert wait_until(lambda: not any(_alive(p) for p in workers), 10), "no compile worker outlives the server"
     finally:
         if proc.poll() is None:
@@ -273,30 +273,30 @@ def test_undecodable_request_body_is_invalid_argument(server, stub, method):
 # ---- 4. input handling never stalls other RPCs ----------------------------------------------------
 
 
-def _latencies_during(stub, call) -> tuple[float, list[float]]:
-    """(seconds `call` took, latencies of GetServerInfo calls made back to back meanwhile)."""
+def _answered_during(stub, call) -> int:
+    """How many GetServerInfo calls, made back to back on another thread, were answered after `call`
+    started and before it returned (one answered at most if `call` held up the server's event loop)."""
     import threading
 
-    lat: list[float] = []
-    done = threading.Event()
+    answered: list[bool] = []  # per answer: did `call` run at the time
+    running, done = threading.Event(), threading.Event()
 
     def poll():
         while not done.is_set():
-            t = time.perf_counter()
             stub.GetServerInfo(pb2.GetServerInfoRequest())
-            lat.append(time.perf_counter() - t)
+            answered.append(running.is_set())
 
     th = threading.Thread(target=poll)
     th.start()
-    time.sleep(0.05)
-    t = time.perf_counter()
+    assert wait_until(lambda: answered, 30)
+    running.set()
     try:
         call()
     finally:
-        took = time.perf_counter() - t
+        running.clear()
         done.set()
         th.join()
-    return took, lat
+    return sum(answered)
 
 
 @pytest.mark.parametrize("size, says", [(5 << 20, "bytes cannot fit"), (60_000, "tokens in its first")])
@@ -319,10 +319,10 @@ def test_tokenizing_a_large_text_does_not_stall_other_rpcs(server, stub, hf_toke
         resp = stub.Tokenize(pb2.TokenizeRequest(text=text[:2000]))  # warm
         resp = stub.Tokenize(pb2.TokenizeRequest(text=text))
 
-    took, lat = _latencies_during(stub, tokenize)
+    during = _answered_during(stub, tokenize)
     assert list(resp.token_ids) == hf_tokenizer.encode(text)
-    # Others are served while it tokenizes: no call waits for a sizeable part of it.
-    assert len(lat) >= 3 and max(lat) < 0.3 * took, (took, sorted(lat)[-3:])
+    # Others are served while it tokenizes (seconds of work): many calls are answered in the meantime.
+    assert during >= 5, during
 
 
 # ---- 5. admission does not stop at the first request that does not fit ------------------------------
@@ -449,21 +449,47 @@ def test_mixed_prompt_lengths_give_the_same_tokens(server, stub):
     assert wait_until(lambda: kv_idle(server), 10)
 
 
-def test_mixed_prompt_lengths_cost_about_their_tokens(smol_dir):
-    """One 1,000-token prompt with 16 one-token prompts was 10x the long prompt alone (35.2 s vs 3.6 s)."""
-    long_req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[(7 * i) % 40000 + 100 for i in range(1000)]), sampling=greedy(1))
-    # The same long prompt thrice: without the prefix cache each run prefills it (what is measured).
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(smol_dir), port=0, kv_cache_tokens=4000, max_running_requests=32,
-                                      disable_prefix_cache=True))
-    try:
-        with grpc.insecure_channel(srv.address) as ch:
-            stub = pb2_grpc.GenerationStub(ch)
-            stub.Generate(long_req)  # warm
-            alone, _ = _prefill_together(srv, stub, [long_req])
-            mixed, _ = _prefill_together(srv, stub, [long_req, *MIXED_SHORT])
-        assert mixed < 1.5 * alone, (mixed, alone)  # 1,016 tokens cost about what 1,000 do
-    finally:
-        srv.stop()
+class AttentionWork:
+    """Query-key pairs (times query heads) that attention computed, over every path the torch backend
+    takes: SDPA per request, the masked flash call, the native paged kernel."""
+
+    def __init__(self, monkeypatch):
+        from service.models import attention, cpu_kernels
+
+        self.pairs = 0
+        sdpa, masked, kernel = attention.F.scaled_dot_product_attention, attention.masked_sdpa, cpu_kernels.PagedAttention.__call__
+
+        def counted_sdpa(q, k, v, *args, **kwargs):
+            self.pairs += q.shape[:-1].numel() * k.shape[-2]
+            return sdpa(q, k, v, *args, **kwargs)
+
+        def counted_masked(q, k, v, mask, scale):
+            self.pairs += q.shape[0] * q.shape[1] * k.shape[1]
+            return masked(q, k, v, mask, scale)
+
+        def counted_kernel(call, q, *args, **kwargs):
+            self.pairs += q.shape[1] * int((call._keep[2] + 1).sum())  # each query row: its position + 1 keys
+            return kernel(call, q, *args, **kwargs)
+
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted_sdpa)
+        monkeypatch.setattr(attention, "masked_sdpa", counted_masked)
+        monkeypatch.setattr(cpu_kernels.PagedAttention, "__call__", counted_kernel)
+
+
+def test_mixed_prompt_lengths_cost_about_their_tokens(server, stub, monkeypatch):
+    """One 480-token prompt with 16 one-token prompts once cost 10x the long prompt alone: the batch was
+    padded to its longest row. The attention work done (query-key pairs) is what their tokens need."""
+    work = AttentionWork(monkeypatch)
+    alone_req, mixed_req = long_request(1, prompt=480), long_request(1, prompt=480)
+    mixed_req.token_ids.ids[:] = [600 + i for i in range(480)]  # another prompt: no prefix-cache hit
+    work.pairs = 0
+    _prefill_together(server, stub, [alone_req])
+    alone = work.pairs
+    work.pairs = 0
+    _prefill_together(server, stub, [mixed_req, *MIXED_SHORT])
+    mixed = work.pairs
+    assert alone > 0 and mixed < 1.1 * alone, (mixed, alone)  # padded to the longest: ~17x
+    assert wait_until(lambda: kv_idle(server), 10)
 
 
 # ---- 7. input limits, compact JSON ------------------------------------------------------------------

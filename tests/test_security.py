@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +14,15 @@ from service import healthcheck, protos
 from service.config import ServerArgs
 from service.healthcheck import Security
 from service.server import BackgroundServer, StartupError
+from tests.helpers import need_tools
 
 pb2, pb2_grpc = protos.load()
 TOKEN = "t0k3n-for-tests-only-0123456789"
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+
+
+@pytest.fixture(autouse=True)
+def _openssl():
+    need_tools(["openssl"], "apt-get install openssl")
 
 
 @dataclass

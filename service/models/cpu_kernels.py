@@ -4,8 +4,9 @@
 row argmax for greedy sampling, the fused elementwise ops of a decoder layer
 and the grammar-mask apply of constrained decoding. It is compiled on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
-(keyed by the source, the flags and the CPU's feature flags, so a cache copied
-to another CPU is rebuilt) and linked against the libgomp torch already
+(less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
+source, the flags and the CPU's feature flags, so a cache copied to another CPU
+is rebuilt) and linked against the libgomp torch already
 loaded, so both share one OpenMP thread pool. Without a C compiler the
 attention backend falls back to pure torch ops (`available()` is False).
 ctypes releases the GIL for the call, like a torch op.
@@ -25,10 +26,12 @@ from pathlib import Path
 
 import torch
 
+from service.models.cpu_features import cpu_features
+
 log = logging.getLogger("zerogap.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # + the target flags of cpu_features()
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # (kernel, dtype) -> its function, filled with _lib
@@ -39,27 +42,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ZEROGAP_CACHE", Path.home() / ".cache" / "zerogap")) / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) found")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    cpu = cpu_features()
+    flags = [*cpu.compile_flags(), *FLAGS]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu.flags)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True, text=True)
             os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(out))
     for name, (restype, argtypes) in _SIGNATURES.items():

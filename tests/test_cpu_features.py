@@ -1,0 +1,205 @@
+"""Every CPU path checks what it needs (service/models/cpu_features.py, service/engine/cpu_threads.py).
+
+The CPU-specific tests run once more with AVX-512 forced off (ZEROGAP_CPU_ISA=avx2, torch's and
+oneDNN's own caps too), so an AVX2-only machine's paths (plain bf16 linears, the portable kernel
+variant, `--dtype auto` -> float32) are covered on any machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.config import ServerArgs, resolve_dtype
+from service.engine.cpu_threads import CpuGrant, _cgroup_quota, cpu_grant
+from service.engine.engine import SyncClient, collect
+from service.engine.request import SamplingParams
+from service.models import cpu_features as cf
+from service.models.linear import packed_if_exact
+
+ROOT = Path(__file__).resolve().parents[1]
+ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+SPR = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}
+AVX2_ENV = {"ZEROGAP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def features(flags: set[str], cap: str = "native", onednn: str = "") -> cf.CpuFeatures:
+    return cf.CpuFeatures(model="test", flags=cf._capped(set(flags), cap), cap=cap, onednn_cap=onednn)
+
+
+def test_caps_remove_what_they_name():
+    spr, zen3 = features(SPR), features({"avx2", "fma"})
+    assert spr.native_bf16 and spr.onednn_packs_bf16 and spr.amx_bf16
+    assert not zen3.native_bf16 and not zen3.onednn_packs_bf16 and zen3.avx2
+    as_zen3 = features(SPR, "avx2")
+    assert not as_zen3.avx512 and not as_zen3.native_bf16 and not as_zen3.onednn_packs_bf16
+    assert as_zen3.compile_flags() == ["-march=native", "-mno-avx512f"]
+    as_icelake = features(SPR, "avx512")
+    assert as_icelake.avx512 and not as_icelake.avx512_bf16 and not as_icelake.amx_bf16
+    assert as_icelake.onednn_packs_bf16 and not as_icelake.native_bf16
+    assert "-mno-avx512bf16" in as_icelake.compile_flags()
+    assert not features(SPR, onednn="AVX2").onednn_packs_bf16  # oneDNN capped below AVX512_CORE
+    assert features(SPR, onednn="AVX512_CORE").onednn_packs_bf16
+    assert features({"avx2", "fma", "avx_ne_convert"}).onednn_packs_bf16  # Intel client CPUs with AVX-NE-CONVERT
+    with pytest.raises(ValueError, match="ZEROGAP_CPU_ISA='sse9'"):
+        cf.parse_cap("sse9")
+
+
+def test_this_machine_is_described_by_its_flags_and_caps():
+    cpu = cf.cpu_features()
+    assert cpu.cap in cf.ISA_CAPS and cpu.model in cpu.describe()
+    if cpu.cap == "avx2":
+        assert not cpu.avx512 and "-mno-avx512f" in cpu.compile_flags()
+    assert resolve_dtype("auto") == (torch.bfloat16 if cpu.native_bf16 else torch.float32)
+
+
+def test_bf16_linears_pack_only_where_onednn_can():
+    """oneDNN raises on bf16 packing without AVX-512 BW/VL/DQ (a Zen 3): the layer then stays plain."""
+    w = torch.randn(48, 32).bfloat16()
+    packed = packed_if_exact(w)
+    assert (packed is not None) == cf.cpu_features().onednn_packs_bf16
+
+
+# ---- the CPUs actually granted -------------------------------------------------------------------
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_quota_is_the_tightest_on_the_path(tmp_path):
+    _write(tmp_path / "cpu.max", "max 100000\n")
+    _write(tmp_path / "kubepods" / "cpu.max", "400000 100000\n")
+    _write(tmp_path / "kubepods" / "pod1" / "cpu.max", "150000 100000\n")
+    _write(tmp_path / "kubepods" / "pod1" / "c1" / "cpu.max", "max 100000\n")
+    assert _cgroup_quota(tmp_path, "0::/kubepods/pod1/c1\n") == 1.5
+    assert _cgroup_quota(tmp_path, "0::/\n") is None
+    # In a container's own cgroup namespace the path is "/" and its limit lies at the root.
+    _write(tmp_path / "ns" / "cpu.max", "200000 100000\n")
+    assert _cgroup_quota(tmp_path / "ns", "0::/\n") == 2.0
+
+
+def test_cgroup_v1_quota(tmp_path):
+    _write(tmp_path / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us", "50000\n")
+    _write(tmp_path / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us", "100000\n")
+    _write(tmp_path / "cpu,cpuacct" / "cpu.cfs_quota_us", "-1\n")
+    _write(tmp_path / "cpu,cpuacct" / "cpu.cfs_period_us", "100000\n")
+    text = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert _cgroup_quota(tmp_path, text) == 0.5
+    assert _cgroup_quota(tmp_path, "3:cpu,cpuacct:/\n") is None
+
+
+def test_threads_follow_the_grant():
+    assert CpuGrant(affinity=64, quota=2.0, online=64).threads == 2  # a 2-CPU pod on a 64-core node
+    assert CpuGrant(affinity=64, quota=1.5, online=64).threads == 2
+    assert CpuGrant(affinity=64, quota=0.5, online=64).threads == 1
+    assert CpuGrant(affinity=3, quota=None, online=64).threads == 3  # taskset / cpuset
+    assert CpuGrant(affinity=2, quota=8.0, online=2).threads == 2
+    assert "2 threads" in CpuGrant(affinity=64, quota=2.0, online=64).describe()
+    real = cpu_grant()
+    assert 1 <= real.threads <= real.online
+
+
+def test_engine_says_what_it_runs_on(tiny_llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="zerogap"):
+        client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir)
+    try:
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: "))
+        assert cf.cpu_features().describe() in line and "threads" in line
+        assert torch.get_num_threads() == cpu_grant().threads
+    finally:
+        client.close()
+
+
+def test_bfloat16_runs_where_it_is_emulated_and_says_so(tiny_llama_dir, caplog):
+    """`--dtype bfloat16` serves on any x86-64 CPU: here with the CPU's bf16 support as it is; the
+    same on a CPU without it is run by the AVX-512-off pass below."""
+    with caplog.at_level(logging.WARNING, logger="zerogap"):
+        client = SyncClient(ServerArgs(dtype="bfloat16", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir)
+    try:
+        ids = collect(client.generate([list(range(5, 15))], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0])[0]
+        assert len(ids) == 6
+        emulated = any("runs emulated" in r.getMessage() for r in caplog.records)
+        assert emulated == (not cf.cpu_features().native_bf16)
+    finally:
+        client.close()
+
+
+# ---- the CPU-specific tests once more, as an AVX2-only machine runs them -------------------------
+
+AVX2_PASS = [
+    "tests/test_cpu_features.py",
+    "tests/test_cpu_speed_paths.py",
+    "tests/test_extend_rows.py",
+    "tests/test_multimodal.py::test_bfloat16_engine_serves_images",
+]
+
+
+@pytest.mark.skipif(os.environ.get("ZEROGAP_CPU_ISA") == "avx2", reason="this is the AVX-512-off pass itself")
+def test_cpu_paths_pass_with_avx512_forced_off(tmp_path):
+    env = {**os.environ, **AVX2_ENV}  # the kernels' cache key holds their flags: an AVX2 build of its own
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *AVX2_PASS],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    tail = r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0, tail
+    assert " failed" not in r.stdout.splitlines()[-1], tail
+
+
+class FakeClocks:
+    """Wall and process-CPU clocks that a test advances: each forward takes `wall` seconds and the
+    process gets `share` of the team's threads over it."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+        self.sizes: list[int] = []
+
+    def forward(self, team, wall: float, share: float) -> None:
+        team.forward_started()
+        self.wall += wall
+        self.cpu += wall * share * team.size
+        team.forward_ended()
+
+
+def make_team(threads: int = 2):
+    from service.engine.cpu_threads import AdaptiveTeam
+
+    clocks = FakeClocks()
+    team = AdaptiveTeam(threads, clock=lambda: clocks.wall, cpu_clock=lambda: clocks.cpu, set_threads=clocks.sizes.append)
+    return team, clocks
+
+
+def test_team_stays_full_while_the_cpus_are_quiet():
+    team, clocks = make_team()
+    for _ in range(200):
+        clocks.forward(team, 0.02, 0.97)
+    assert team.size == 2 and clocks.sizes == [] and team.last_share == pytest.approx(0.97)
+
+
+def test_team_shrinks_under_contention_and_probes_back():
+    team, clocks = make_team()
+    for _ in range(30):
+        clocks.forward(team, 0.05, 0.35)  # a hog on each core: the team waits for its members' slices
+    assert team.size == 1 and clocks.sizes == [1]
+    # Contended still: every probe (a window at full size) finds it so, and they grow rarer.
+    for _ in range(600):
+        clocks.forward(team, 0.05, 0.5 if team.size == 1 else 0.35)
+    probes = clocks.sizes.count(2)
+    assert team.size == 1 and 2 <= probes <= 5, clocks.sizes  # 30 s: probes after 4, 8, 16 s (not every window)
+    # The hogs are gone: the next probe finds the full share and stays.
+    for _ in range(2000):
+        clocks.forward(team, 0.05, 0.97)
+    assert team.size == 2 and clocks.sizes[-1] == 2
+
+
+def test_a_single_thread_team_never_changes():
+    team, clocks = make_team(1)
+    for _ in range(100):
+        clocks.forward(team, 0.05, 0.2)
+    assert team.size == 1 and clocks.sizes == []
