@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from service.config import ServerArgs
 from service.engine.engine import Engine
-from service.engine.request import RequestOutput, SamplingParams
+from service.core.request import RequestOutput, SamplingParams
 from service.model_prep import resolve_model_path
 
 

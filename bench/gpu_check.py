@@ -202,7 +202,7 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
     is under CUDA's sync debug mode and each synchronizing call is logged (thread, stack)."""
     from service.config import ServerArgs
     from service.engine.engine import SyncClient, collect
-    from service.engine.request import SamplingParams
+    from service.core.request import SamplingParams
 
     from features.registry import builtin_features
 
@@ -319,7 +319,7 @@ def main() -> int:
     a = parse_args()
     import torch  # noqa: F401  (imported before triton: it decides interpret mode below)
 
-    from service.engine.device import resolve_device
+    from service.core.device import resolve_device
 
     device = resolve_device(a.device)
     if device.type == "cpu":

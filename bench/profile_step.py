@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from service.config import resolve_dtype  # noqa: E402
-from service.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatch  # noqa: E402
+from service.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch  # noqa: E402
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from service.engine.sampler import Sampler  # noqa: E402
 from service.model_prep import prepare_default_model  # noqa: E402

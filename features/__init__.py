@@ -1,12 +1,12 @@
 """Feature modules: each declares its overlap support and the hooks it needs.
 
-See `features/base.py` for the interface and `features/registry.py` for the
+See `service/core/feature.py` for the interface and `features/registry.py` for the
 registry that builds the compatibility matrix. Built-in modules are listed in
 `BUILTIN_FEATURES`; the feature issues (logprobs, constrained decoding,
 retraction, mixed chunked prefill, multimodal) each add one module here.
 """
 
-from features.base import Feature, OverlapSupport
+from service.core.feature import Feature, OverlapSupport
 from features.registry import FeatureRegistry, builtin_features
 
 __all__ = ["Feature", "FeatureRegistry", "OverlapSupport", "builtin_features"]

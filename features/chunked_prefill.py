@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from features.base import Feature, OverlapSupport
+from service.core.feature import Feature, OverlapSupport
 
 
 @dataclass

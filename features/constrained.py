@@ -32,10 +32,10 @@ import torch
 import xgrammar as xgr
 
 from features import json_schema as js
-from features.base import Feature, OverlapSupport
+from service.core.feature import Feature, OverlapSupport
 from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits, settle
 from features.json_schema import SchemaIssue
-from service.engine.request import FinishReason, RequestError
+from service.core.request import FinishReason, RequestError
 from service.models import cpu_kernels
 
 MASK_WAIT_S = 120.0  # a forward never waits forever for a mask

@@ -38,7 +38,7 @@ import torch
 import xgrammar as xgr
 
 from features.json_schema import clean_backend_message
-from service.engine.request import RequestError
+from service.core.request import RequestError
 
 log = logging.getLogger("zerogap.grammar")
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from features.base import Feature, OverlapSupport
-from service.engine.forward_batch import ForwardMode
-from service.engine.request import RequestError
+from service.core.feature import Feature, OverlapSupport
+from service.core.forward_batch import ForwardMode
+from service.core.request import RequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_IDS = 128

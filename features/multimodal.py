@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from features.base import Feature, OverlapSupport
+from service.core.feature import Feature, OverlapSupport
 from features.images import ImageError, ImageLimits, Preprocessor, check_size, decode
-from service.engine.forward_batch import ForwardMode
-from service.engine.request import RequestError
+from service.core.forward_batch import ForwardMode
+from service.core.request import RequestError
 
 log = logging.getLogger("zerogap.multimodal")
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from features.base import Feature, OverlapSupport
+from service.core.feature import Feature, OverlapSupport
 
 if TYPE_CHECKING:
-    from service.engine.request import Req
+    from service.core.request import Req
 
 
 class PrefixCacheFeature(Feature):

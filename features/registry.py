@@ -11,11 +11,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from features.base import Feature, OverlapSupport
-from service.engine.request import RequestError
+from service.core.feature import Feature, OverlapSupport
+from service.core.request import RequestError
 
 if TYPE_CHECKING:
-    from service.engine.request import Req
+    from service.core.request import Req
 
 POLICIES = ("per-batch", "global", "strict")
 

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from features.base import Feature, OverlapSupport
-from service.engine.forward_batch import ForwardMode
-from service.engine.request import Req, RequestError
+from service.core.feature import Feature, OverlapSupport
+from service.core.forward_batch import ForwardMode
+from service.core.request import Req, RequestError
 
 POLICIES = ("optimistic", "reserve")
 

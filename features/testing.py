@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from features.base import Feature, OverlapSupport
+from service.core.feature import Feature, OverlapSupport
 
 
 class BanTokensFeature(Feature):

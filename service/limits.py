@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from service.engine.request import RequestError
+from service.core.request import RequestError
 
 
 @dataclass(frozen=True)

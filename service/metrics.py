@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from service.engine.engine import Engine
-    from service.server import OutputRouter
+
+
+class OutputRouter(Protocol):
+    """The router's counters (service/server.py's `OutputRouter`)."""
+
+    completion_tokens: int
+    finished_by_reason: dict[str, int]
 
 
 class EngineCollector:

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from service import __version__, protos
 from service.config import ServerArgs
 from service.engine.engine import Engine
-from service.engine.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_tokens, open_service_names
 from service.limits import InputLimits
 from service.metrics import start_metrics_server

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.forward_batch import ForwardBatch, ForwardMode
+from service.core.forward_batch import ForwardBatch, ForwardMode
 
 _DEVICE_FIELDS = ("input_ids", "positions", "out_cache_loc", "kv_indices", "q_positions", "logits_index",
                   "q_pad_index", "q_unpad_index", "seq_lens", "extend_prefix_lens", "extend_start_loc")

@@ -10,7 +10,7 @@ import pytest
 
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import FinishReason, SamplingParams
+from service.core.request import FinishReason, SamplingParams
 from tests.helpers import wait_until
 from tests.test_device_path import watch_forward
 from tests.test_features import assert_close

@@ -13,7 +13,7 @@ import pytest
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import FinishReason, RequestError, SamplingParams
+from service.core.request import FinishReason, RequestError, SamplingParams
 from tests.helpers import grpc_stub, wait_until
 from tests.data.json_schemas import SCHEMAS
 from tests.data.make_schema_corpus import corpus

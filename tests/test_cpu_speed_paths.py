@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from service.config import ServerArgs, cpu_has_native_bf16, resolve_dtype
 from service.engine.engine import SyncClient, collect
-from service.engine.forward_batch import ForwardBatch, ForwardMode
-from service.engine.request import SamplingParams
+from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.core.request import SamplingParams
 from service.models import cpu_kernels, ops
 from service.models.attention import TorchAttention, masked_sdpa
 from service.models.cpu_features import cpu_features

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from service.core.text import IncrementalDetokenizer, StopStringMatcher
+from service.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

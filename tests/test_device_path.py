@@ -14,9 +14,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from service.config import ServerArgs, parse_server_args
-from service.engine.device import Device, resolve_device
+from service.core.device import Device, resolve_device
 from service.engine.engine import SyncClient, collect
-from service.engine.request import SamplingParams
+from service.core.request import SamplingParams
 from service.models.backends import resolve_attention_backend
 
 T = torch.Tensor

@@ -6,7 +6,7 @@ import pytest
 
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import SamplingParams
+from service.core.request import SamplingParams
 from tests.conftest import hf_greedy
 
 PLAIN_PROMPTS = [

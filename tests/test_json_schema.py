@@ -18,7 +18,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from features import json_schema as js
 from features.constrained import ConstraintSpec, prepare
-from service.engine.request import RequestError
+from service.core.request import RequestError
 from tests.data.make_schema_corpus import PINNED, corpus, outcome
 
 SETTINGS = settings(max_examples=40, derandomize=True, database=None, deadline=None,

@@ -11,7 +11,7 @@ import torch
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import SamplingParams
+from service.core.request import SamplingParams
 from tests.helpers import grpc_client
 from zerogap.client import Logprobs, Sampling
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import SamplingParams
+from service.core.request import SamplingParams
 from tests.test_multimodal import IMAGES, mm
 
 LOOPS = ["normal", "overlap"]

@@ -13,7 +13,7 @@ import pytest
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import FinishReason, SamplingParams
+from service.core.request import FinishReason, SamplingParams
 from service.server import BackgroundServer
 from tests.helpers import wait_until
 

@@ -15,7 +15,7 @@ from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.prefix_cache import RadixCache
-from service.engine.request import FinishReason, SamplingParams
+from service.core.request import FinishReason, SamplingParams
 from tests.helpers import wait_until
 
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from features.retraction import AdmissionPolicy, RetractionConfig, Retracted, re
 from service import protos
 from service.config import ServerArgs
 from service.engine.engine import SyncClient, collect
-from service.engine.request import FinishReason, Req, RequestError, SamplingParams
+from service.core.request import FinishReason, Req, RequestError, SamplingParams
 from service.metrics import EngineCollector
 from service.server import BackgroundServer
 from tests.feature_workloads import WORKLOADS

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.device import Device
+from service.core.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.prefix_cache import RadixCache
-from service.engine.request import FinishReason, Req
+from service.core.request import FinishReason, Req
 
 # A waiting request that shares at least this many more tokens with a request whose
 # prefill is under way than the cache holds for it waits for that prefill to be inserted.

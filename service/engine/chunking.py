@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from features.chunked_prefill import ChunkCounters, ChunkedPrefill
-from service.engine.device import Device
+from service.core.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
-from service.engine.request import Req
+from service.core.request import Req
 from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_extend_batch
 
 

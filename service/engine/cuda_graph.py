@@ -21,8 +21,8 @@ import logging
 
 import torch
 
-from features.base import Feature
-from service.engine.forward_batch import ForwardBatch, ForwardMode
+from service.core.feature import Feature
+from service.core.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger("zerogap.cuda_graph")
 

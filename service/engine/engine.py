@@ -24,10 +24,10 @@ from service.config import ServerArgs, resolve_dtype
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.cpu_threads import AdaptiveTeam, cpu_grant, on_passing_thread
 from service.engine.cuda_graph import build_decode_graphs
-from service.engine.device import Device
+from service.core.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
-from service.engine.request import DEFAULT_MAX_NEW_TOKENS, OutputSink, Req, RequestError, RequestOutput, SamplingParams
+from service.core.request import DEFAULT_MAX_NEW_TOKENS, OutputSink, Req, RequestError, RequestOutput, SamplingParams
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.timeline import Timeline
@@ -35,7 +35,8 @@ from service.models.backends import get_attention_backend, resolve_attention_bac
 from service.models.cpu_features import cpu_features
 from service.models.llava import text_config
 from service.models.loader import load_config, load_model
-from service.tokenizer import IncrementalDetokenizer, Tokenizer
+from service.core.text import IncrementalDetokenizer
+from service.tokenizer import Tokenizer
 
 log = logging.getLogger("zerogap.engine")
 

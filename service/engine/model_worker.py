@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from service.engine.cpu_threads import AdaptiveTeam
-from service.engine.device import CPU, Device
-from service.engine.forward_batch import BatchResult, ForwardBatch, LogitsOutput
+from service.core.device import CPU, Device
+from service.core.forward_batch import BatchResult, ForwardBatch, LogitsOutput
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
 from service.engine.timeline import FORWARD_TID, Timeline
 from service.models.llama import LlamaModel
 
 if TYPE_CHECKING:
-    from service.engine.overlap_worker import FutureMap
+    from service.engine.future_map import FutureMap
 
 
 class ModelWorker:

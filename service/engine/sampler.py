@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.forward_batch import SamplingBatch
+from service.core.forward_batch import SamplingBatch
 from service.models.cpu_kernels import argmax_rows
 
 _M32 = 0xFFFFFFFF

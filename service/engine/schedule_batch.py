@@ -14,19 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from features.base import Feature, OverlapSupport
-from service.engine.device import CPU, Device
-from service.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
+from service.core.feature import BatchView, Feature, OverlapSupport
+from service.core.device import CPU, Device
+from service.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
-from service.engine.request import Req
+from service.core.request import Req
 
 
 @dataclass
-class ScheduleBatch:
-    """A formed batch: its requests (row order) and what the forward reads."""
-
-    reqs: list[Req]
-    fb: ForwardBatch
+class ScheduleBatch(BatchView):
+    """A formed batch: its requests (row order) and what the forward reads (BatchView), and what the
+    scheduler keeps about it while it is in flight."""
     # Overlap loop: the placeholders standing in for this batch's sampled tokens.
     placeholders: list[int] | None = None
     # Features the batch carries (with their rows) and the weakest overlap support among them.
@@ -38,10 +36,6 @@ class ScheduleBatch:
     # sampled token is not the request's), and plan entries of the chunking module itself.
     partial_rows: frozenset[int] = frozenset()
     own_plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
-
-    @property
-    def mode(self) -> ForwardMode:
-        return self.fb.mode
 
 
 def build_sampling_batch(reqs: list[Req], vocab_size: int, discarded: list[int] | None = None) -> SamplingBatch:

@@ -17,17 +17,18 @@ from concurrent.futures import Future
 
 import torch
 
-from features.base import OverlapSupport
+from service.core.feature import OverlapSupport
 from features.registry import FeatureRegistry, support_of
 from features.retraction import AdmissionPolicy, RetractionConfig, Retracted
 from service.engine.cache_manager import PrefixCacheManager
 from service.engine.chunking import PrefillChunker, run_chunk_hooks
 from service.engine.cpu_threads import serial_cpu_ops_on_this_thread
-from service.engine.forward_batch import BatchResult, ForwardMode
+from service.core.forward_batch import BatchResult, ForwardMode
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
-from service.engine.overlap_worker import FutureMap, FutureMapFull, LaunchedBatch, OverlapWorker
-from service.engine.request import FinishReason, OutputSink, Req, RequestError, RequestOutput
+from service.engine.future_map import FutureMap, FutureMapFull
+from service.engine.overlap_worker import LaunchedBatch, OverlapWorker
+from service.core.request import FinishReason, OutputSink, Req, RequestError, RequestOutput
 from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_decode_batch, build_extend_batch
 from service.engine.timeline import SCHEDULER_TID, Timeline
 

@@ -25,7 +25,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from service.engine.forward_batch import ForwardBatch, ForwardMode
+from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.models import cpu_kernels
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows

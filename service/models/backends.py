@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.engine.device import Device
+from service.core.device import Device
 
 BACKENDS = ("torch", "torch-sdpa", "triton")
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.engine.forward_batch import ForwardBatch
+from service.core.forward_batch import ForwardBatch
 from service.models.attention import AttentionMeta, TorchAttention
 from service.models.linear import PackedLinear, pack_linear, packed_if_exact
 from service.models.ops import add_rms_norm, silu_mul, split_qkv_rope

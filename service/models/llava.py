@@ -21,6 +21,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from service.models.checkpoint import checkpoint_files
+
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -119,11 +121,9 @@ class VisionEncoder(nn.Module):
 
     def load_from(self, model_dir: Path) -> None:
         """The checkpoint's vision-tower and projector tensors (read lazily: the language model's are skipped)."""
-        from service.models.loader import _checkpoint_files  # (the loader imports this module)
-
         own = set(self.tower.state_dict())
         tower, proj = {}, {}
-        for f in _checkpoint_files(model_dir):
+        for f in checkpoint_files(model_dir):
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
                     if (k := _strip(name, _VISION_PREFIXES)) is not None:

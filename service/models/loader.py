@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from service.models.checkpoint import checkpoint_files
 from service.models.llama import LlamaModel
 from service.models.llava import language_config_for, language_tensors, text_config
 
@@ -16,17 +16,6 @@ def load_config(model_dir: str | Path):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    return files
 
 
 def load_model(
@@ -44,7 +33,7 @@ def load_model(
     config = config or load_config(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     if load_format == "auto":  # a LLaVA checkpoint: its language model's tensors, under Llama names
-        for f in _checkpoint_files(model_dir):
+        for f in checkpoint_files(model_dir):
             tensors.update(load_file(str(f)))
         tensors = language_tensors(tensors)
         config = language_config_for(config, tensors)

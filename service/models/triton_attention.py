@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.forward_batch import ForwardBatch, ForwardMode
+from service.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @triton.jit

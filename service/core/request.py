@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
-from service.tokenizer import IncrementalDetokenizer, StopStringMatcher
+from service.core.text import IncrementalDetokenizer, StopStringMatcher
 
 
 class FinishReason(Enum):

@@ -29,6 +29,7 @@ points. Hooks run on the thread named in their docstring — never both.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -37,9 +38,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from service.engine.forward_batch import ForwardBatch, LogitsOutput
-    from service.engine.request import Req
-    from service.engine.schedule_batch import ScheduleBatch
+    from service.core.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+    from service.core.request import Req
 
 
 class OverlapSupport(Enum):
@@ -52,6 +52,19 @@ class OverlapSupport(Enum):
     @property
     def rank(self) -> int:
         return {"full": 0, "sync point": 1, "none": 2}[self.value]
+
+
+@dataclass
+class BatchView:
+    """What a scheduler-thread hook sees of a formed batch: its requests in row order and the
+    forward's inputs. The scheduler's own batch (service/engine/schedule_batch.py) extends it."""
+
+    reqs: list[Req]
+    fb: ForwardBatch
+
+    @property
+    def mode(self) -> ForwardMode:
+        return self.fb.mode
 
 
 class Feature:
@@ -105,13 +118,13 @@ class Feature:
         """False keeps the request waiting (others go ahead); raise RequestError to fail it."""
         return True
 
-    def on_batch_formed(self, batch: "ScheduleBatch", rows: list[int]) -> None:
+    def on_batch_formed(self, batch: "BatchView", rows: list[int]) -> None:
         """`rows` are the batch rows whose requests use the feature."""
 
-    def after_launch(self, batch: "ScheduleBatch", rows: list[int]) -> None:
+    def after_launch(self, batch: "BatchView", rows: list[int]) -> None:
         pass
 
-    def on_result(self, batch: "ScheduleBatch", row: int, req: "Req", extras: Any) -> dict[str, Any] | None:
+    def on_result(self, batch: "BatchView", row: int, req: "Req", extras: Any) -> dict[str, Any] | None:
         """Per active row, after its token was appended; returns output fields for the client."""
         return None
 
@@ -154,7 +167,7 @@ class Feature:
     # (e.g. input logprobs); the others first see the request at its last chunk.
     reads_prompt_chunks: bool = False
 
-    def on_chunk_result(self, batch: "ScheduleBatch", row: int, req: "Req", extras: Any) -> None:
+    def on_chunk_result(self, batch: "BatchView", row: int, req: "Req", extras: Any) -> None:
         """Scheduler thread, per active non-final chunk row (reads_prompt_chunks only): keep what
         the chunk yielded for the request's first output; emit nothing."""
 
