@@ -9,11 +9,12 @@ STAMP := $(VENV)/.zerogap-installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test model bench peers matrix clean
+.PHONY: serve test model bench peers matrix stubs clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e ./clients/python
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $@
 
@@ -35,6 +36,9 @@ peers: model
 
 matrix: $(STAMP)
 	$(PY) -m service matrix
+
+stubs: $(STAMP)
+	$(PY) clients/python/generate_stubs.py
 
 clean:
 	rm -rf $(VENV) service/_gen

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# The Python client is its own distribution (clients/python). Where this checkout's copy is not the
+# installed one (a shared venv), the tests and the servers they start import it from the tree.
+CLIENT_SRC = str(Path(__file__).resolve().parent.parent / "clients" / "python")
+if CLIENT_SRC not in sys.path:
+    sys.path.insert(0, CLIENT_SRC)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (CLIENT_SRC, os.environ.get("PYTHONPATH")) if p)
 
 import torch
 
@@ -11,7 +20,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil
-from pathlib import Path
 
 import pytest
 

@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import protos
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 from zerogap.client.channel import ChannelOptions
 from zerogap.client.types import (
     Chat,
@@ -31,7 +32,6 @@ from zerogap.client.types import (
     json_constraint,
 )
 
-pb2, pb2_grpc = protos.load()
 
 
 class Stream:

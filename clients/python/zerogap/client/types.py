@@ -15,9 +15,8 @@ from typing import Any, Union
 
 import grpc
 
-from service import protos
+from zerogap.v1 import generation_pb2 as pb2
 
-pb2, _ = protos.load()
 
 FINISH_REASONS = {
     pb2.FINISH_REASON_UNSPECIFIED: None,
