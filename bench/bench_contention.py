@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_serving import ServerProcess, build_prompts, free_port, make_request, one_stream  # noqa: E402
+
 from service.model_prep import prepare_default_model  # noqa: E402
 from zerogap.client import AsyncClient  # noqa: E402
 

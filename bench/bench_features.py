@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from features.testing import fake_features
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.model_prep import resolve_model_path
 
 

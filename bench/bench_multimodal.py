@@ -33,8 +33,8 @@ from PIL import Image, ImageDraw
 
 from features.multimodal import ImageInputs
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.model_prep import resolve_model_path
 
 IMAGE_TOKEN = 49152

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import threading
 import time
@@ -27,8 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from service.config import ServerArgs
-from service.engine.engine import Engine
 from service.core.request import RequestOutput, SamplingParams
+from service.engine.engine import Engine
 from service.model_prep import resolve_model_path
 
 SYSTEM = (

@@ -29,10 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from service.core.feature import Feature, OverlapSupport
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
+from service.core.feature import Feature, OverlapSupport
 from service.core.request import RequestOutput, SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.model_prep import resolve_model_path
 
 

@@ -200,11 +200,10 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
              cuda_graph: bool = True, sync_log: list | None = None) -> dict:
     """Warm up, then one measured run of n requests; with `sync_log`, the measured run
     is under CUDA's sync debug mode and each synchronizing call is logged (thread, stack)."""
-    from service.config import ServerArgs
-    from service.engine.engine import SyncClient, collect
-    from service.core.request import SamplingParams
-
     from features.registry import builtin_features
+    from service.config import ServerArgs
+    from service.core.request import SamplingParams
+    from service.engine.engine import SyncClient, collect
 
     # Grammars are not measured here: no grammar-init thread (nor xgrammar) needed.
     off = [f.name for f in builtin_features() if f.name == "constrained"]
@@ -266,7 +265,7 @@ def check_loops(model_dirs: dict[str, Path], device_name: str, dtype: str, n: in
         for r in (normal, overlap):
             print(f"  {shape:<14} {r['loop']:<8} {r['tokens_per_s']:9.0f} tok/s  decode forward {r['median_decode_forward_ms']:.3f} ms"
                   f"  gap {r['median_decode_gap_ms']:.3f} ms  busy {r['device_busy_fraction']:.1%}  ({r['attention_backend']}"
-                  f"{', cuda graphs: %d replays' % r['graph_replays'] if r['cuda_graphs'] else ', eager'})", flush=True)
+                  f"{', cuda graphs: {} replays'.format(r['graph_replays']) if r['cuda_graphs'] else ', eager'})", flush=True)
         print(f"  {shape:<14} overlap/normal {speedup:.2f}x  gap ratio {gap_ratio:.3f}  tokens identical: {identical}", flush=True)
     return rows
 

@@ -39,7 +39,13 @@ from bench_serving import ROOT  # noqa: E402  (also puts the project root on sys
 from peer_report import format_report, write_plots  # noqa: E402
 from peer_systems import VLLM_INSTALL, HfSystem, System, VllmSystem, ZerogapSystem, vllm_missing, vllm_version  # noqa: E402
 from peer_workloads import (  # noqa: E402
-    LengthDist, RealisticConfig, RequestSpec, Stats, burst_specs, realistic_specs, summarize,
+    LengthDist,
+    RealisticConfig,
+    RequestSpec,
+    Stats,
+    burst_specs,
+    realistic_specs,
+    summarize,
 )  # fmt: skip
 
 SYSTEMS = ["zerogap-overlap", "zerogap-normal", "vllm", "transformers"]

@@ -6,7 +6,7 @@ registry that builds the compatibility matrix. Built-in modules are listed in
 retraction, mixed chunked prefill, multimodal) each add one module here.
 """
 
-from service.core.feature import Feature, OverlapSupport
 from features.registry import FeatureRegistry, builtin_features
+from service.core.feature import Feature, OverlapSupport
 
 __all__ = ["Feature", "FeatureRegistry", "OverlapSupport", "builtin_features"]

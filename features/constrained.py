@@ -24,17 +24,18 @@ import statistics
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from features import json_schema as js
-from service.core.feature import Feature, OverlapSupport
 from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits, settle
 from features.json_schema import SchemaIssue
+from service.core.feature import Feature, OverlapSupport
 from service.core.request import FinishReason, RequestError
 from service.models import cpu_kernels
 
@@ -181,6 +182,17 @@ def _check_tagged_parts(text: str, parts: list[tuple[str, list[str], js.OutputVa
             out.extend(SchemaIssue(f"@{i}{v.pointer}", v.keyword, v.message) for v in validator.violations(text[start:j]))
             pos = j + len(e)
     return out
+
+
+@dataclass
+class GrammarMaskBatch:
+    """A batch's grammar masks (`fb.feature_data["constrained"]`): filled by after_launch on the
+    scheduler thread, read by process_logits on the forward thread once `ready` is set."""
+
+    mask: torch.Tensor  # indexed by batch row; all ones = free
+    rows: list[int] = field(default_factory=list)  # the rows whose mask is filled
+    row_index: torch.Tensor | None = None  # the same, as an int64 tensor for the native mask kernel
+    ready: threading.Event = field(default_factory=threading.Event)
 
 
 class ConstrainedDecoding(Feature):
@@ -339,32 +351,27 @@ class ConstrainedDecoding(Feature):
         return True
 
     def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = {
-            "rows": [],  # the rows whose mask is filled (set by after_launch)
-            "row_index": None,  # the same, as an int64 tensor for the native mask kernel
-            "mask": self.backend.allocate_bitmask(len(batch.reqs)),  # indexed by batch row; all ones = free
-            "ready": threading.Event(),
-        }
+        batch.fb.feature_data[self.name] = GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs)))
 
     def after_launch(self, batch: Any, rows: list[int]) -> None:
         """Fill every live constrained row's mask in one native call (no Python work per row
         but listing the matchers); a row whose grammar allows nothing is left free: on_result
         then fails that request with a clear message."""
-        data = batch.fb.feature_data[self.name]
+        data: GrammarMaskBatch = batch.fb.feature_data[self.name]
         try:
             live = [r for r in rows if not batch.reqs[r].finished and self.name in batch.reqs[r].feature_state]
             if live:
                 matchers = [batch.reqs[r].feature_state[self.name] for r in live]
-                mask = data["mask"]
+                mask = data.mask
                 start = time.perf_counter()
                 self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, live)
                 self.fill_us.append((time.perf_counter() - start) * 1e6 / len(live))
                 words = mask.numpy()  # numpy: one vectorized check, no torch op (thread team) per step
                 words[~words.any(axis=1)] = -1  # only live rows can be all zeros
-            data["rows"] = live
-            data["row_index"] = torch.tensor(live, dtype=torch.int64)
+            data.rows = live
+            data.row_index = torch.tensor(live, dtype=torch.int64)
         finally:
-            data["ready"].set()
+            data.ready.set()
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
         matcher = req.feature_state[self.name]
@@ -428,14 +435,14 @@ class ConstrainedDecoding(Feature):
 
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
-        data = fb.feature_data[self.name]
-        if not data["ready"].wait(MASK_WAIT_S):
+        data: GrammarMaskBatch = fb.feature_data[self.name]
+        if not data.ready.wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
         if any(f.reads_raw_logits for f, _ in fb.features):
             logits = logits.clone()  # keep the raw logits intact (logprobs)
-        if not data["rows"]:
+        if not data.rows:
             return logits
-        if not cpu_kernels.apply_token_bitmask_(logits, data["mask"], data["row_index"]):
-            mask = data["mask"].to(logits.device, non_blocking=True)  # filled on the host
-            xgr.apply_token_bitmask_inplace(logits, mask, indices=data["rows"])  # CUDA: xgrammar's Triton kernel
+        if not cpu_kernels.apply_token_bitmask_(logits, data.mask, data.row_index):
+            mask = data.mask.to(logits.device, non_blocking=True)  # filled on the host
+            xgr.apply_token_bitmask_inplace(logits, mask, indices=data.rows)  # CUDA: xgrammar's Triton kernel
         return logits

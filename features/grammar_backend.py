@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import multiprocessing
+import os
 import threading
 import time
 from collections import OrderedDict

@@ -26,8 +26,9 @@ import functools
 import json
 import math
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import unquote, urldefrag, urljoin
 
 import jsonschema

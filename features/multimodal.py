@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from service.core.feature import Feature, OverlapSupport
 from features.images import ImageError, ImageLimits, Preprocessor, check_size, decode
+from service.core.feature import Feature, OverlapSupport
 from service.core.forward_batch import ForwardMode
 from service.core.request import RequestError
 

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service.core.feature import Feature, OverlapSupport
+from service.core.feature import Feature, FeatureContext, OverlapSupport
 from service.core.request import RequestError
 
 if TYPE_CHECKING:
@@ -25,7 +25,6 @@ def builtin_features() -> list[Feature]:
     library is not installed (e.g. xgrammar on a bare GPU box) is left out, with a warning."""
     from features.logprobs import LogprobsFeature
     from features.multimodal import MultimodalFeature
-
     from features.prefix_cache import PrefixCacheFeature
 
     features: list[Feature] = [LogprobsFeature()]
@@ -85,13 +84,13 @@ class FeatureRegistry:
         self.enabled = {name: name not in set(disabled or ()) for name in self.features}
         self.policy = policy
         self.counters = {name: _Counters() for name in self.features}
-        self.model: Any = None  # set by the engine: what unavailable_reason() is asked about
+        self.model: FeatureContext | None = None  # set by bind: what unavailable_reason() is asked about
 
-    def bind(self, engine: Any) -> None:
+    def bind(self, ctx: FeatureContext) -> None:
         """Bind the enabled modules (a disabled one starts nothing, e.g. no grammar-init thread)."""
-        self.model = engine
+        self.model = ctx
         for f in self.enabled_features():
-            f.bind(engine)
+            f.bind(ctx)
 
     def enabled_features(self) -> list[Feature]:
         return [f for n, f in self.features.items() if self.enabled[n]]
@@ -110,7 +109,7 @@ class FeatureRegistry:
         return self.policy == "per-batch"  # global: one incompatible feature turns overlap off for all
 
     # ---- requests ----------------------------------------------------------------------
-    def validate_request(self, features: dict[str, Any], engine: Any, prompt_ids: list[int]) -> dict[str, Any]:
+    def validate_request(self, features: dict[str, Any], ctx: FeatureContext, prompt_ids: list[int]) -> dict[str, Any]:
         """Caller thread: refuse unknown, disabled or unavailable features; normalise payloads."""
         out = {}
         for name, payload in features.items():
@@ -120,7 +119,7 @@ class FeatureRegistry:
             if not self.enabled[name]:
                 raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is disabled on this server")
             self._check_available(name, f)
-            out[name] = f.validate(payload, engine, prompt_ids)
+            out[name] = f.validate(payload, ctx, prompt_ids)
         return out
 
     # ---- prompt hooks (multimodal) -----------------------------------------------------

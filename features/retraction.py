@@ -1,5 +1,9 @@
 """Retraction under memory pressure, with optimistic admission — fully overlapped.
 
+This module is the request-level side (the `Retracted` payload, usage counters, the penalty-state
+restore); the admission policy and the retraction itself are the scheduler's admission manager
+(service/engine/scheduler/admission.py).
+
 Admission. `reserve` sets aside a request's whole budget (prompt + max_new_tokens)
 when it is admitted: nothing ever runs out, and the pool mostly idles because
 most requests stop long before max_new_tokens. `optimistic` (the default) sets
@@ -37,35 +41,14 @@ touched: nothing is re-emitted), logprobs (no input logprobs for a re-prefill).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from service.core.feature import Feature, OverlapSupport
+from service.core.feature import Feature, FeatureContext, OverlapSupport
 from service.core.forward_batch import ForwardMode
 from service.core.request import Req, RequestError
-
-POLICIES = ("optimistic", "reserve")
-
-
-@dataclass
-class RetractionConfig:
-    policy: str = "optimistic"  # optimistic | reserve
-    init_ratio: float = 0.7  # share of the remaining max_new_tokens set aside at admission
-    min_ratio: float = 0.1
-    decay_steps: int = 600  # decode steps without retraction from init_ratio down to min_ratio
-    max_retractions: int = 3  # per request; then it runs with its whole budget reserved
-    headroom_steps: int = 4  # after a retraction the survivors can run this many steps
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown admission policy {self.policy!r} (one of {', '.join(POLICIES)})")
-        if not 0 < self.min_ratio <= self.init_ratio <= 1:
-            raise ValueError("new-token ratios: need 0 < min <= init <= 1")
-        if self.max_retractions < 0 or self.decay_steps < 1 or self.headroom_steps < 1:
-            raise ValueError("max_retractions >= 0, decay_steps >= 1, headroom_steps >= 1")
 
 
 @dataclass
@@ -76,91 +59,17 @@ class Retracted:
 
 
 @dataclass
-class RetractionStats:
-    retractions: int = 0  # requests retracted (a request retracted twice counts twice)
-    events: int = 0  # decode steps that retracted
-    sync_points: int = 0  # of those, how many first processed results in flight
-    peak_running: int = 0  # most requests admitted at once
-    reprefill_tokens: int = 0  # tokens prefilled again
+class PenaltyRecount:
+    """A re-prefill batch's data (`fb.feature_data["retraction"]`): the kept output tokens to count
+    again into the sampler's penalty state, as (slot, token) pairs on the device."""
+
+    slots: torch.Tensor
+    tokens: torch.Tensor
 
 
 def retractions_of(req: Req) -> int:
     state = req.features.get(RetractionFeature.name)
     return state.count if isinstance(state, Retracted) else 0
-
-
-@dataclass
-class AdmissionPolicy:
-    """How much KV admission sets aside per request, and whom a shortage retracts."""
-
-    config: RetractionConfig = field(default_factory=RetractionConfig)
-    stats: RetractionStats = field(default_factory=RetractionStats)
-
-    def __post_init__(self) -> None:
-        self.ratio = self.config.init_ratio
-
-    @property
-    def optimistic(self) -> bool:
-        return self.config.policy == "optimistic"
-
-    def reserved(self, req: Req) -> bool:
-        """Runs with its whole budget set aside (never a victim)."""
-        return not self.optimistic or retractions_of(req) >= self.config.max_retractions
-
-    # ---- admission -------------------------------------------------------------------
-    def room(self, running: list[Req], free_rows: int, reserved_tokens: int, pool_size: int) -> int:
-        """KV rows new admissions may take now. `reserve`: the pool less every admitted budget (as
-        before this module); `optimistic`: the free rows less what running requests are expected to take."""
-        if not self.optimistic:
-            return pool_size - reserved_tokens
-        return free_rows - sum(self.future_rows(r) for r in running if not r.finished)
-
-    def future_rows(self, req: Req) -> int:
-        """Rows a running request is expected to take from now on."""
-        if self.reserved(req):
-            return max(0, req.budget_tokens - req.kv_len)
-        left = req.max_new_tokens - req.launched
-        return max(1, math.ceil(self.ratio * left)) if left > 0 else 0
-
-    def cost(self, req: Req) -> int:
-        """Rows to set aside to admit a waiting (new or retracted) request."""
-        if self.reserved(req):
-            return req.budget_tokens
-        kept = len(req.output_ids)
-        return len(req.prompt_ids) + kept + max(1, math.ceil(self.ratio * (req.max_new_tokens - kept)))
-
-    def admitted(self, running: int) -> None:
-        self.stats.peak_running = max(self.stats.peak_running, running)
-
-    # ---- decode ----------------------------------------------------------------------
-    def on_decode_step(self) -> None:
-        c = self.config
-        self.ratio = max(c.min_ratio, self.ratio - (c.init_ratio - c.min_ratio) / c.decay_steps)
-
-    def victims(self, decoding: list[Req], free_rows: int) -> list[Req]:
-        """None when each decoding request gets a row now; else whom to retract so that the others each
-        get a row for `headroom_steps` steps (fewer victims if the candidates run out: at least one step)."""
-        if free_rows >= len(decoding):
-            return []
-        want = self.config.headroom_steps
-        candidates = sorted((r for r in decoding if not self.reserved(r)), key=lambda r: (len(r.output_ids), -r.arrival))
-        out: list[Req] = []
-        n = len(decoding)
-        for r in candidates:
-            if free_rows >= n * want or n <= 1:
-                break
-            out.append(r)
-            free_rows += r.kv_len
-            n -= 1
-        return out
-
-    def after_retraction(self, survivors: list[Req]) -> None:
-        """Back off: at least the share of max_new_tokens the survivors used, plus the headroom."""
-        if not survivors:
-            return
-        used = sum(r.launched + self.config.headroom_steps for r in survivors)
-        budget = sum(r.max_new_tokens for r in survivors)
-        self.ratio = min(1.0, max(self.ratio, used / budget))
 
 
 class RetractionFeature(Feature):
@@ -178,10 +87,10 @@ class RetractionFeature(Feature):
               "have no batch on the forward thread; re-prefills overlap as usual")
 
     def __init__(self) -> None:
-        self._engine: Any = None
+        self._ctx: FeatureContext | None = None
 
-    def bind(self, engine: Any) -> None:
-        self._engine = engine
+    def bind(self, ctx: FeatureContext) -> None:
+        self._ctx = ctx
 
     # ---- caller thread -------------------------------------------------------------------
     def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> Any:
@@ -201,10 +110,9 @@ class RetractionFeature(Feature):
         slots = torch.repeat_interleave(torch.tensor([r.slot for r in reqs], dtype=torch.int64),
                                         torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64))
         tokens = torch.tensor([t for r in reqs for t in r.output_ids], dtype=torch.int64)
-        device = getattr(self._engine, "device", None)
-        if device is not None:
-            slots, tokens = device.to_device(slots, tokens)
-        batch.fb.feature_data[self.name] = (slots, tokens)
+        if self._ctx is not None:
+            slots, tokens = self._ctx.device.to_device(slots, tokens)
+        batch.fb.feature_data[self.name] = PenaltyRecount(slots, tokens)
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
         return {"retractions": retractions_of(req)}
@@ -215,7 +123,8 @@ class RetractionFeature(Feature):
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
         """Runs after the new slots' sampler state was reset and before sampling."""
-        restore = fb.feature_data.get(self.name)
+        restore: PenaltyRecount | None = fb.feature_data.get(self.name)
         if restore is not None:
-            self._engine.worker.sampler.count_tokens(*restore)
+            assert self._ctx is not None
+            self._ctx.count_tokens(restore.slots, restore.tokens)
         return logits

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import hmac
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 

@@ -25,13 +25,13 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__, protos
 from service.config import ServerArgs
-from service.engine.engine import Engine
 from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from service.engine.engine import Engine
 from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_tokens, open_service_names
 from service.limits import InputLimits
 from service.metrics import start_metrics_server
-from service.tokenizer import InputTooLong
 from service.model_prep import resolve_model_path
+from service.tokenizer import InputTooLong
 
 pb2, pb2_grpc = protos.load()
 log = logging.getLogger("zerogap.server")

@@ -38,7 +38,14 @@ def smol_dir() -> Path:
 
 def make_tiny_model(smol: Path, out: Path, kind: str, vocab_size: int = 49152) -> Path:
     """A small random-init Llama or Qwen2 with SmolLM2's tokenizer (vocab 49152)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -123,7 +130,14 @@ def make_tiny_llava(smol: Path, out: Path, feature_layer=-2, strategy: str = "de
     """A small random-init LLaVA: CLIP vision tower (32x32 images, 8x8 patches: 16 image tokens,
     17 with strategy "full"), projector, Llama language model; SmolLM2's tokenizer plus "<image>",
     a CLIPImageProcessorPil config (resize shortest edge to 32, centre crop 32x32)."""
-    from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

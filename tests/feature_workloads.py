@@ -7,7 +7,8 @@ the feature, so batches mix users and non-users). Feature issues add theirs.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 WORKLOADS: dict[str, Callable[[int], Any]] = {
     "test_full": lambda i: [i % 7 + 200, 13, 11] if i % 3 == 0 else None,

@@ -103,3 +103,39 @@ def kv_idle(server) -> bool:
     """No live request and every KV slot free on a BackgroundServer."""
     e = server.engine
     return e.num_live() == 0 and e.kv_all_free()  # all free once the prefix cache is flushed
+
+
+# ---- fault injection: wrappers a test installs on a live engine (nothing of it in production code) ----
+@contextmanager
+def on_each_result(scheduler, hook):
+    """Call hook(req) for each request while the scheduler processes its token, before the token is
+    appended; an exception fails that request (as a fault while serving it would)."""
+    output = scheduler.output
+    accept = output.accept
+
+    def wrapped(req, token):
+        hook(req)
+        accept(req, token)
+
+    output.accept = wrapped
+    try:
+        yield
+    finally:
+        del output.accept
+
+
+@contextmanager
+def before_each_forward(worker, hook):
+    """Call hook(fb) with each ForwardBatch right before the worker's forward, on the thread that runs
+    it; an exception fails the batch (as a forward fault would)."""
+    forward = worker.forward
+
+    def wrapped(fb, *args, **kwargs):
+        hook(fb)
+        return forward(fb, *args, **kwargs)
+
+    worker.forward = wrapped
+    try:
+        yield
+    finally:
+        del worker.forward

@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from peer_report import format_report, ratio, value, write_plots, METRICS  # noqa: E402
+from peer_report import METRICS, format_report, ratio, value, write_plots  # noqa: E402
 from peer_systems import VLLM_INSTALL, ChatStreamCounter  # noqa: E402
 from peer_workloads import (  # noqa: E402
-    LengthDist, RealisticConfig, RequestRecord, burst_specs, realistic_shapes, realistic_specs, summarize,
+    LengthDist,
+    RealisticConfig,
+    RequestRecord,
+    burst_specs,
+    realistic_shapes,
+    realistic_specs,
+    summarize,
 )  # fmt: skip
 
 

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import FinishReason, SamplingParams
+from service.engine.engine import SyncClient, collect
 from tests.helpers import wait_until
 from tests.test_device_path import watch_forward
 from tests.test_features import assert_close
@@ -110,7 +110,7 @@ def test_mixed_and_overlap_equal_whole_prefill(loop, mixed, size, tiny_llama_dir
 
 def test_sliding_window_across_chunk_boundaries(tiny_mistral_dir):
     """Mistral (window 8): chunks of 5 and mixed rows attend the same window as one prefill."""
-    prompts, params, feats = [prompt(1, 60), prompt(2, 7)], [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)] * 2, None
+    prompts, params = [prompt(1, 60), prompt(2, 7)], [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)] * 2
     ref, _ = run(tiny_mistral_dir, prompts, params, [LOGPROBS] * 2)
     got, _ = run(tiny_mistral_dir, prompts, params, [LOGPROBS] * 2, chunked_prefill_size=5, enable_mixed_chunk=True, loop="overlap")
     assert_same(ref, got)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import grpc
 import jsonschema
@@ -12,11 +11,11 @@ import pytest
 
 from service import protos
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import FinishReason, RequestError, SamplingParams
-from tests.helpers import grpc_stub, wait_until
+from service.engine.engine import SyncClient, collect
 from tests.data.json_schemas import SCHEMAS
 from tests.data.make_schema_corpus import corpus
+from tests.helpers import grpc_stub, wait_until
 
 pb2, _ = protos.load()
 

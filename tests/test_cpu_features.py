@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from service.config import ServerArgs, resolve_dtype
+from service.core.request import SamplingParams
 from service.engine.cpu_threads import CpuGrant, _cgroup_quota, cpu_grant
 from service.engine.engine import SyncClient, collect
-from service.core.request import SamplingParams
 from service.models import cpu_features as cf
 from service.models.linear import packed_if_exact
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from service.config import ServerArgs, cpu_has_native_bf16, resolve_dtype
-from service.engine.engine import SyncClient, collect
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.models import cpu_kernels, ops
 from service.models.attention import TorchAttention, masked_sdpa
 from service.models.cpu_features import cpu_features
@@ -30,7 +30,7 @@ def _reference_attention(q, k_cache, v_cache, table, lens, positions_per_req, wi
     """Per query row: softmax(q K^T) V over its request's rows up to its position (float64)."""
     hq, hkv = q.shape[1], k_cache.shape[1]
     out, row = [], 0
-    for r, n in enumerate(lens):
+    for r, _n in enumerate(lens):
         for pos in positions_per_req[r]:
             lo = max(0, pos - window + 1) if window else 0
             rows = table[r, lo : pos + 1]
@@ -183,7 +183,7 @@ def test_extend_attention_costs_what_its_tokens_cost():
     assert [length for length, _, _ in meta.extend_rows] == lens  # per request, not a padded [bs, 120] block
     out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     row = 0
-    for r, n in enumerate(lens):
+    for _r, n in enumerate(lens):
         kr = k[row : row + n].transpose(0, 1).repeat_interleave(2, 0)
         vr = v[row : row + n].transpose(0, 1).repeat_interleave(2, 0)
         ref = F.scaled_dot_product_attention(q[row : row + n].transpose(0, 1), kr, vr, is_causal=True, scale=0.25)

@@ -15,9 +15,10 @@ from torch.overrides import TorchFunctionMode
 
 from service.config import ServerArgs, parse_server_args
 from service.core.device import Device, resolve_device
-from service.engine.engine import SyncClient, collect
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.models.backends import resolve_attention_backend
+from tests.helpers import before_each_forward
 
 T = torch.Tensor
 # Host reads of device values, and ops whose output size depends on device data.
@@ -103,9 +104,9 @@ def test_detector_sees_the_forward_thread(tiny_llama_dir):
     found: list[str] = []
     c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=500, max_running_requests=4), tiny_llama_dir)
     watch_forward(c, found)
-    c.engine.worker.before_forward = lambda fb: fb.positions.max().item()
     try:
-        c.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
+        with before_each_forward(c.engine.worker, lambda fb: fb.positions.max().item()):
+            c.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
     finally:
         c.close()
     assert found and set(found) == {"item"}
@@ -160,14 +161,14 @@ def test_forward_waits_on_each_batch_ready_event(tiny_llama_dir, mode):
 def test_submit_all_admits_requests_together(tiny_llama_dir):
     c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1000, max_running_requests=8), tiny_llama_dir)
     sizes: list[tuple[str, int]] = []
-    c.engine.worker.before_forward = lambda fb: sizes.append((fb.mode.value, fb.batch_size))
     try:
-        e = c.engine
-        reqs = [e.build_request(f"r{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
-                for i in range(6)]
-        e.submit_all(reqs)
-        for r in reqs:
-            c.wait(r.rid)
+        with before_each_forward(c.engine.worker, lambda fb: sizes.append((fb.mode.value, fb.batch_size))):
+            e = c.engine
+            reqs = [e.build_request(f"r{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+                    for i in range(6)]
+            e.submit_all(reqs)
+            for r in reqs:
+                c.wait(r.rid)
     finally:
         c.close()
     assert sizes[0] == ("extend", 6) and all(s == ("decode", 6) for s in sizes[1:])

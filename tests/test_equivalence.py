@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from tests.conftest import hf_greedy
 
 PLAIN_PROMPTS = [

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.core.request import Req, SamplingParams
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ExtendRow, build_extend_batch
 from service.models.backends import get_attention_backend
 from service.models.loader import load_model

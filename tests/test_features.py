@@ -9,13 +9,13 @@ import grpc
 import pytest
 
 from features import builtin_features
-from service.core.feature import OverlapSupport
 from features.registry import render_matrix_markdown
 from features.testing import BanTokensFeature, fake_features
 from service import protos
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
+from service.core.feature import OverlapSupport
 from service.core.request import RequestError, SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.matrix import README, readme_with_matrix
 from service.server import BackgroundServer
 from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WORKLOADS

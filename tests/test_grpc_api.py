@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
-from tests.helpers import kv_idle, wait_until
+from tests.helpers import before_each_forward, kv_idle, on_each_result, wait_until
 
 pb2, pb2_grpc = protos.load()
 
@@ -158,15 +158,12 @@ def test_fault_in_one_request_fails_only_that_one(stub, server):
         if req.rid == "boom" and len(req.output_ids) == 2:
             raise RuntimeError("injected fault")
 
-    server.engine.scheduler.fault_hook = hook
-    try:
+    with on_each_result(server.engine.scheduler, hook):
         good = stub.Generate.future(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(12)))
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(pb2.GenerateRequest(request_id="boom", text="The capital of France is", sampling=greedy(12)))
         assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
         assert "Paris" in good.result().text
-    finally:
-        server.engine.scheduler.fault_hook = None
     assert "Paris" in stub.Generate(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(8))).text
     assert wait_until(lambda: kv_idle(server), 20)
 
@@ -175,13 +172,10 @@ def test_forward_fault_fails_batch_and_server_recovers(stub, server):
     def boom(fb):
         raise RuntimeError("injected forward fault")
 
-    server.engine.worker.before_forward = boom
-    try:
+    with before_each_forward(server.engine.worker, boom):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(pb2.GenerateRequest(text="hello", sampling=greedy(8)))
         assert e.value.code() == grpc.StatusCode.INTERNAL and "injected forward fault" in e.value.details()
-    finally:
-        server.engine.worker.before_forward = None
     assert stub.Generate(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(8))).text
     assert wait_until(lambda: kv_idle(server), 20)
 

@@ -8,7 +8,6 @@ asserts a duration: a loaded machine stretches every one of them (durations are 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 from service import protos
 from service.config import ServerArgs
 from service.server import AddressInUse, BackgroundServer, bind_port, check_address_free
-from tests.helpers import free_port, serve_process, wait_until
+from tests.helpers import free_port, on_each_result, serve_process, wait_until
 
 pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parent.parent
@@ -422,14 +421,13 @@ def _prefill_together(srv: BackgroundServer, stub, reqs: list[pb2.GenerateReques
 
     hold, held = threading.Event(), threading.Event()
     sched = srv.engine.scheduler
-    sched.fault_hook = lambda req: (held.set(), hold.wait(10))  # holds the scheduler thread on a result
-    try:
-        blocker = stub.Generate.future(long_request(2, prompt=2))
-        assert held.wait(30)
-        futures = [stub.Generate.future(r) for r in reqs]
-        assert wait_until(lambda: sched.inbox.qsize() == len(reqs), 10)
+    try:  # the hook holds the scheduler thread on a result
+        with on_each_result(sched, lambda req: (held.set(), hold.wait(10))):
+            blocker = stub.Generate.future(long_request(2, prompt=2))
+            assert held.wait(30)
+            futures = [stub.Generate.future(r) for r in reqs]
+            assert wait_until(lambda: sched.inbox.qsize() == len(reqs), 10)
     finally:
-        sched.fault_hook = None
         start = time.perf_counter()
         hold.set()
     out = [f.result() for f in futures]

@@ -10,8 +10,8 @@ import torch
 
 from service import protos
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from tests.helpers import grpc_client
 from zerogap.client import Logprobs, Sampling
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
 from tests.test_multimodal import IMAGES, mm
 
 LOOPS = ["normal", "overlap"]
@@ -124,7 +124,14 @@ def test_retraction_with_prefix_cache_and_chunked_prefill(tiny_llama_dir, loop):
     """A tiny pool, prompts sharing a prefix, chunks of 7 mixed with decodes: requests are retracted
     (their KV goes into the cache, their re-prefill of prompt + kept tokens hits it and is chunked),
     and every output equals an ample pool without cache or chunks; everything is free at the end."""
-    from tests.test_retraction import assert_initial, assert_same, generate_all, make_client, summary, workload
+    from tests.test_retraction import (
+        assert_initial,
+        assert_same,
+        generate_all,
+        make_client,
+        summary,
+        workload,
+    )
 
     prompts, params, feats = workload()
     shared = list(range(1000, 1024))

@@ -15,10 +15,10 @@ from PIL import Image, ImageDraw
 from features.multimodal import ImageInputs, image_hash
 from service import protos
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.forward_batch import ForwardMode
-from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.core.request import FinishReason, Req, RequestError, SamplingParams
+from service.engine.engine import SyncClient, collect
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ExtendRow, build_extend_batch
 from service.models.backends import get_attention_backend
 from service.server import BackgroundServer

@@ -12,10 +12,10 @@ import pytest
 
 from service import protos
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import FinishReason, SamplingParams
+from service.engine.engine import SyncClient, collect
 from service.server import BackgroundServer
-from tests.helpers import wait_until
+from tests.helpers import on_each_result, wait_until
 
 pb2, pb2_grpc = protos.load()
 
@@ -162,12 +162,9 @@ def test_finish_and_abort_in_the_same_step_frees_once(tiny_clients):
         if len(req.output_ids) + 1 >= req.max_new_tokens:
             sched.abort_request(req.rid)
 
-    sched.fault_hook = hook
-    try:
+    with on_each_result(sched, hook):
         outs = c.generate([[5, 6, 7, i + 10] for i in range(10)], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
         assert all(collect(o)[2].finish_reason in (FinishReason.LENGTH, FinishReason.ABORT) for o in outs)
-    finally:
-        sched.fault_hook = None
     assert_pools_initial(c)
 
 

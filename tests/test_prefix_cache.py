@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
 
 from service import protos
 from service.config import ServerArgs
+from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.prefix_cache import RadixCache
-from service.core.request import FinishReason, SamplingParams
 from tests.helpers import wait_until
 
 T = TypeVar("T")

@@ -9,16 +9,17 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from features.retraction import AdmissionPolicy, RetractionConfig, Retracted, retractions_of
+from features.retraction import Retracted, retractions_of
 from service import protos
 from service.config import ServerArgs
-from service.engine.engine import SyncClient, collect
 from service.core.request import FinishReason, Req, RequestError, SamplingParams
+from service.engine.engine import SyncClient, collect
+from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig
 from service.metrics import EngineCollector
 from service.server import BackgroundServer
 from tests.feature_workloads import WORKLOADS
-from tests.test_features import assert_close
 from tests.helpers import wait_until
+from tests.test_features import assert_close
 
 pb2, pb2_grpc = protos.load()
 
@@ -142,7 +143,7 @@ class StepLog:
     def __init__(self, scheduler):
         self.steps: list[dict[str, list[str]]] = [{"finish": [], "retract": []}]
         launch = "launch_batch" if scheduler.overlap else "run_batch"
-        run, finish, retract = getattr(scheduler, launch), scheduler.finish, scheduler.retract
+        run, finish, retract = getattr(scheduler, launch), scheduler.output.finish, scheduler.retraction.retract
 
         def on_launch(*a, **k):
             self.steps.append({"finish": [], "retract": []})
@@ -158,7 +159,7 @@ class StepLog:
             return retract(req)
 
         setattr(scheduler, launch, on_launch)
-        scheduler.finish, scheduler.retract = on_finish, on_retract
+        scheduler.output.finish, scheduler.retraction.retract = on_finish, on_retract
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])

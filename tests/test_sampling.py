@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.engine import collect
 from service.core.forward_batch import SamplingBatch
 from service.core.request import FinishReason, SamplingParams
+from service.engine.engine import collect
 from service.engine.sampler import Sampler, counter_uniform
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 2]  # arbitrary tokens

@@ -34,10 +34,13 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from concurrent.futures import Future
+    from pathlib import Path
 
     import torch
 
+    from service.core.device import Device
     from service.core.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
     from service.core.request import Req
 
@@ -52,6 +55,23 @@ class OverlapSupport(Enum):
     @property
     def rank(self) -> int:
         return {"full": 0, "sync point": 1, "none": 2}[self.value]
+
+
+@dataclass
+class FeatureContext:
+    """What a feature sees of the engine: bound once the model and tokenizer exist (`bind`), and
+    passed to `validate` and `unavailable_reason`. Nothing else of the engine reaches a feature."""
+
+    args: Any  # the serving options (service/config.py's ServerArgs)
+    tokenizer: Any  # service/tokenizer.py's Tokenizer
+    hf_config: Any  # the checkpoint's configuration (transformers)
+    model_dir: Path
+    device: Device
+    dtype: torch.dtype
+    vocab_size: int
+    eos_ids: frozenset[int]
+    # Forward thread: count (slot, token) pairs into the sampler's penalty state.
+    count_tokens: Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -79,10 +99,10 @@ class Feature:
     reads_raw_logits: bool = True
 
     # ---- declaration -----------------------------------------------------------------
-    def bind(self, engine: Any) -> None:
-        """Called once the engine (tokenizer, model) exists."""
+    def bind(self, ctx: FeatureContext) -> None:
+        """Called once the engine (tokenizer, model) exists, with what the feature may use of it."""
 
-    def unavailable_reason(self, model: Any) -> str | None:
+    def unavailable_reason(self, model: FeatureContext | None) -> str | None:
         """None when this model can serve the feature, else why not (e.g. images on a text-only model)."""
         return None
 
@@ -98,7 +118,7 @@ class Feature:
     def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
         """Write the on_result fields of one or more deltas into a GenerateResponse."""
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> Any:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> Any:
         """Check and normalise a request's payload; raise RequestError when bad."""
         return payload
 

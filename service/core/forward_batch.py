@@ -66,7 +66,8 @@ class ForwardBatch:
     new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
     # Features this batch carries, with their active rows (forward-thread hooks).
     features: list[tuple[Any, list[int]]] = field(default_factory=list)
-    # Per-feature data attached on the scheduler thread (e.g. a grammar mask).
+    # Per-feature data attached on the scheduler thread, one dataclass per feature (e.g. the grammar
+    # masks: features/constrained.py GrammarMaskBatch).
     feature_data: dict[str, Any] = field(default_factory=dict)
     # Packed rows whose logits are wanted besides each request's last one (input logprobs).
     extra_logit_rows: torch.Tensor | None = None

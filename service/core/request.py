@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 from service.core.text import IncrementalDetokenizer, StopStringMatcher
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from service.core.device import Device
+from service.core.request import FinishReason, Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.prefix_cache import RadixCache
-from service.core.request import FinishReason, Req
 
 # A waiting request that shares at least this many more tokens with a request whose
 # prefill is under way than the cache holds for it waits for that prefill to be inserted.
@@ -55,6 +55,8 @@ class PrefixCacheInfo:
 
 
 class PrefixCacheManager:
+    enabled = True
+
     def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, device: Device):
         self.req_pool = req_pool
         self.kv_pool = kv_pool
@@ -180,6 +182,15 @@ class PrefixCacheManager:
         return min(req.kv_len, len(req.prompt_ids) + len(req.output_ids) - 1)
 
     # ---- admin ----------------------------------------------------------------------
+    @property
+    def total_tokens(self) -> int:
+        """Rows the tree holds."""
+        return self.tree.total_tokens
+
+    def evict(self, tokens: int) -> int:
+        """Evict unlocked leaves (LRU) until `tokens` rows are freed or none is left; the rows freed."""
+        return self.tree.evict(tokens)
+
     def flush(self) -> int:
         return self.tree.flush()
 

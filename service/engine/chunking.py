@@ -30,8 +30,8 @@ from typing import Any
 
 from features.chunked_prefill import ChunkCounters, ChunkedPrefill
 from service.core.device import Device
-from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.core.request import Req
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_extend_batch
 
 

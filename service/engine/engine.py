@@ -19,23 +19,33 @@ from typing import Any
 import torch
 
 from features import Feature, FeatureRegistry, builtin_features
-from features.retraction import AdmissionPolicy, RetractionConfig
 from service.config import ServerArgs, resolve_dtype
+from service.core.device import Device
+from service.core.feature import FeatureContext
+from service.core.request import (
+    DEFAULT_MAX_NEW_TOKENS,
+    OutputSink,
+    Req,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+from service.core.text import IncrementalDetokenizer
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
+from service.engine.chunking import PrefillChunker
 from service.engine.cpu_threads import AdaptiveTeam, cpu_grant, on_passing_thread
 from service.engine.cuda_graph import build_decode_graphs
-from service.core.device import Device
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
-from service.core.request import DEFAULT_MAX_NEW_TOKENS, OutputSink, Req, RequestError, RequestOutput, SamplingParams
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
+from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig
+from service.engine.scheduler.prefill import PrefillLimits
 from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.cpu_features import cpu_features
 from service.models.llava import text_config
 from service.models.loader import load_config, load_model
-from service.core.text import IncrementalDetokenizer
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("zerogap.engine")
@@ -90,16 +100,13 @@ class Engine:
             self.req_pool,
             self.kv_pool,
             self.vocab_size,
-            args.max_running_requests,
-            args.max_prefill_tokens,
+            PrefillLimits(args.max_running_requests, args.max_prefill_tokens, args.max_skip_ahead),
             self.timeline,
             output_sink,
             overlap=self.overlap,
             features=self.features,
             future_map_size=args.future_map_size,
-            max_skip_ahead=args.max_skip_ahead,
-            chunked_prefill_size=args.chunked_prefill_size,
-            enable_mixed_chunk=args.enable_mixed_chunk,
+            chunker=self._chunker(args),
             prefix_cache=self._prefix_cache(),
             admission=self._admission_policy(args),
         )
@@ -135,7 +142,11 @@ class Engine:
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
-        self.features.bind(self)
+        self.feature_context = FeatureContext(
+            args=args, tokenizer=self.tokenizer, hf_config=self.hf_config, model_dir=self.model_dir, device=self.device,
+            dtype=self.dtype, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
+            count_tokens=lambda slots, tokens: self.worker.sampler.count_tokens(slots, tokens))
+        self.features.bind(self.feature_context)
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
         dev = self.device.device
         self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev)
@@ -162,6 +173,13 @@ class Engine:
         if self.args.disable_prefix_cache or not self.features.enabled.get("prefix_cache", False):
             return None
         return PrefixCacheManager(self.req_pool, self.kv_pool, self.device)
+    def _chunker(self, args: ServerArgs) -> PrefillChunker | None:
+        """Chunked prefill and mixed batches (chunking.py); None: whole prompts per step."""
+        feature = self.features.features.get("chunked_prefill")
+        if args.chunked_prefill_size <= 0 or feature is None or not self.features.enabled[feature.name]:
+            return None
+        return PrefillChunker(args.chunked_prefill_size, args.enable_mixed_chunk, feature)  # type: ignore[arg-type]
+
     def _admission_policy(self, args: ServerArgs) -> AdmissionPolicy:
         """--admission-policy; a disabled retraction module means `reserve` (nothing is ever retracted)."""
         policy = args.admission_policy if self.features.enabled_feature("retraction") else "reserve"
@@ -218,7 +236,7 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         if seed >= 2**63:  # uint64 seeds as their int64 bit pattern (no collisions, fits a tensor)
             seed -= 2**64
-        payloads = self.features.validate_request(features or {}, self, prompt_ids)
+        payloads = self.features.validate_request(features or {}, self.feature_context, prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         return Req(rid, list(prompt_ids), params, seed, detok, stop_ids, payloads)
 
@@ -269,7 +287,7 @@ class Engine:
             forward_busy_fraction=busy,
             median_forward_gap_s=gap,
             forward_steps=self.timeline.forward_steps,
-            prefix_cache=s.prefix_cache.info() if s.prefix_cache is not None else PrefixCacheInfo(False),
+            prefix_cache=s.prefix_cache.info(),
             admission_policy=s.admission.config.policy,
             retractions=s.admission.stats.retractions,
             retraction_sync_points=s.admission.stats.sync_points,

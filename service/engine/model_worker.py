@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from service.engine.cpu_threads import AdaptiveTeam
 from service.core.device import CPU, Device
 from service.core.forward_batch import BatchResult, ForwardBatch, LogitsOutput
+from service.engine.cpu_threads import AdaptiveTeam
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
 from service.engine.timeline import FORWARD_TID, Timeline
@@ -50,8 +50,6 @@ class ModelWorker:
         self.cpu_team = cpu_team  # CPU: the forward's OpenMP team, shrunk while the CPUs are contended
         self.stream = device.new_stream()  # the forward stream
         self.graphs = None  # CUDA graphs for decode (service/engine/cuda_graph.py), set by the engine
-        # Test hook: called with each ForwardBatch before the forward (fault injection).
-        self.before_forward = None
 
     def step(
         self,
@@ -93,8 +91,6 @@ class ModelWorker:
         start = time.perf_counter()
         if self.cpu_team is not None:
             self.cpu_team.forward_started()
-        if self.before_forward is not None:
-            self.before_forward(fb)
         for feature, _ in fb.features:
             feature.before_forward(fb)
         if fb.new_slots is not None:

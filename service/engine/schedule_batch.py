@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.core.feature import BatchView, Feature, OverlapSupport
 from service.core.device import CPU, Device
+from service.core.feature import BatchView, Feature, OverlapSupport
 from service.core.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
-from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.core.request import Req
+from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 
 
 @dataclass

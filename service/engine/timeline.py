@@ -86,7 +86,7 @@ class Timeline:
             spans = list(self.device_spans)
         durations: list[float] = []
         gaps: list[float] = []
-        for (m0, s0, e0, ep0), (m1, s1, e1, ep1) in zip(spans, spans[1:]):
+        for (m0, _s0, e0, ep0), (m1, s1, e1, ep1) in zip(spans, spans[1:]):
             if ep0 != ep1 or (mode is not None and (m0 != mode or m1 != mode)):
                 continue
             e1.synchronize()
@@ -103,7 +103,7 @@ class Timeline:
             fw = list(self.forwards)
         busy = gaps_total = 0.0
         gaps: list[float] = []
-        for (s0, e0, ep0), (s1, e1, ep1) in zip(fw, fw[1:]):
+        for (_s0, e0, ep0), (s1, e1, ep1) in zip(fw, fw[1:]):
             if ep0 != ep1:  # the scheduler went idle in between
                 continue
             gap = max(0.0, s1 - e0)

@@ -15,8 +15,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from zerogap.v1 import generation_pb2 as pb2
-from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 from zerogap.client.channel import ChannelOptions
 from zerogap.client.types import (
     Chat,
@@ -31,7 +29,8 @@ from zerogap.client.types import (
     build_request,
     json_constraint,
 )
-
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 
 class Stream:

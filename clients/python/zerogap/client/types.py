@@ -11,12 +11,11 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import grpc
 
 from zerogap.v1 import generation_pb2 as pb2
-
 
 FINISH_REASONS = {
     pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -189,7 +188,7 @@ def _role_content(m: Message | Mapping[str, str] | tuple[str, str]) -> tuple[str
 
 
 # What generate/stream/json accept as input: text, token ids, chat messages or a Chat.
-Input = Union[str, Sequence[int], Sequence[Union[Message, Mapping[str, str], tuple[str, str]]], Chat]
+Input = str | Sequence[int] | Sequence[Message | Mapping[str, str] | tuple[str, str]] | Chat
 
 
 def build_request(
