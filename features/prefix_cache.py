@@ -27,7 +27,7 @@ class PrefixCacheFeature(Feature):
         "evicts are reused only by later launches, which run after every batch that reads them"
     )
     reads_raw_logits = False
-    per_request = False  # equivalence (cache on = off, both loops): tests/test_prefix_cache.py
+    per_request = False  # equivalence (cache on = off, both loops): tests/scheduler/test_prefix_cache.py
 
     def active_for(self, req: "Req") -> bool:
         return False

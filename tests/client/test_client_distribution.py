@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "clients" / "python"
 # What the client may need at run time: grpcio, protobuf, and the standard health service's stubs.
 CLIENT_DEPS = {"grpcio", "protobuf", "grpcio-health-checking"}

@@ -27,7 +27,7 @@ from service.model_prep import cache_root
 from service.server import BackgroundServer
 from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = ROOT / "clients"
 BUILD_TIMEOUT_S = 1200  # a first C++ build on 2 busy cores
 

@@ -18,7 +18,7 @@ Every import counts, wherever it sits: module level, inside a function, or under
 `if TYPE_CHECKING:` (a type-only import points down like any other). Within one layer imports
 may go either way, but no set of modules may import each other in a circle.
 
-`python tests/test_layers.py [ROOT]` prints the graph's counts (files, edges, cycles, upward edges).
+`python tests/core/test_layers.py [ROOT]` prints the graph's counts (files, edges, cycles, upward edges).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, ...]] = [
     ("zerogap",),
     ("service.core",),

@@ -10,7 +10,7 @@ import pytest
 from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
-from tests.test_multimodal import IMAGES, mm
+from tests.features.test_multimodal import IMAGES, mm
 
 LOOPS = ["normal", "overlap"]
 
@@ -124,7 +124,7 @@ def test_retraction_with_prefix_cache_and_chunked_prefill(tiny_llama_dir, loop):
     """A tiny pool, prompts sharing a prefix, chunks of 7 mixed with decodes: requests are retracted
     (their KV goes into the cache, their re-prefill of prompt + kept tokens hits it and is chunked),
     and every output equals an ample pool without cache or chunks; everything is free at the end."""
-    from tests.test_retraction import (
+    from tests.scheduler.test_retraction import (
         assert_initial,
         assert_same,
         generate_all,

@@ -23,7 +23,7 @@ from service.engine.engine import SyncClient, collect
 from service.models import cpu_features as cf
 from service.models.linear import packed_if_exact
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ZEN4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
 SPR = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}
 AVX2_ENV = {"ZEROGAP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -135,10 +135,10 @@ def test_bfloat16_runs_where_it_is_emulated_and_says_so(tiny_llama_dir, caplog):
 # ---- the CPU-specific tests once more, as an AVX2-only machine runs them -------------------------
 
 AVX2_PASS = [
-    "tests/test_cpu_features.py",
-    "tests/test_cpu_speed_paths.py",
-    "tests/test_extend_rows.py",
-    "tests/test_multimodal.py::test_bfloat16_engine_serves_images",
+    "tests/models/test_cpu_features.py",
+    "tests/models/test_cpu_speed_paths.py",
+    "tests/engine/test_extend_rows.py",
+    "tests/features/test_multimodal.py::test_bfloat16_engine_serves_images",
 ]
 
 

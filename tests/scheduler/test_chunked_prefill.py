@@ -11,10 +11,10 @@ import pytest
 from service.config import ServerArgs
 from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
+from tests.engine.test_device_path import watch_forward
+from tests.features.test_features import assert_close
 from tests.helpers import wait_until
-from tests.test_device_path import watch_forward
-from tests.test_features import assert_close
-from tests.test_overlap import assert_pools_initial, forbid_placeholders
+from tests.scheduler.test_overlap import assert_pools_initial, forbid_placeholders
 
 LONG = 150  # tokens of the long prompt (the tiny models' context is 512)
 LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17], "logprob_start_len": 0}}

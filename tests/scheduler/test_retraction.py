@@ -18,8 +18,8 @@ from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig
 from service.metrics import EngineCollector
 from service.server import BackgroundServer
 from tests.feature_workloads import WORKLOADS
+from tests.features.test_features import assert_close
 from tests.helpers import wait_until
-from tests.test_features import assert_close
 
 pb2, pb2_grpc = protos.load()
 
@@ -78,7 +78,7 @@ def grpc_request(i: int, rid: str = "") -> pb2.GenerateRequest:
 
 
 def make_client(model_dir, loop: str, kv: int = POOL, **args) -> SyncClient:
-    # Scenarios are tuned to whole-prompt prefill steps (chunked prefill: tests/test_module_combinations.py).
+    # Scenarios are tuned to whole-prompt prefill steps (chunked prefill: tests/features/test_module_combinations.py).
     base = dict(dtype="float32", loop=loop, kv_cache_tokens=kv, max_running_requests=16, chunked_prefill_size=0,
                 enable_mixed_chunk=False, **PRESSURE)
     return SyncClient(ServerArgs(**{**base, **args}), model_dir)

@@ -28,7 +28,7 @@ from service.server import BackgroundServer
 from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
 from zerogap.client import GREEDY, Client, Logprobs, ZerogapError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "Hi! How are you?"}]
 ENDLESS = {"ignore_eos": True}  # an extension (extra_body): never stops before max_tokens
 
@@ -402,7 +402,7 @@ def test_async_sdk_task_cancel_aborts_the_request(gateway, server, zg, model):
 
 def test_cancel_through_the_lb_aborts_the_request(server, zg, model, tmp_path):
     """As deployed: SDK -> gateway -> nginx (deploy/nginx.conf) -> server; closing the stream aborts it."""
-    from tests.test_stack import _Nginx, _nginx_binary, render_nginx_conf
+    from tests.stack.test_stack import _Nginx, _nginx_binary, render_nginx_conf
 
     binary = _nginx_binary()
     if binary is None:

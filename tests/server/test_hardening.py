@@ -23,7 +23,7 @@ from service.server import AddressInUse, BackgroundServer, bind_port, check_addr
 from tests.helpers import free_port, on_each_result, serve_process, wait_until
 
 pb2, pb2_grpc = protos.load()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def greedy(n: int = 8, **kw) -> pb2.SamplingParams:

@@ -17,7 +17,7 @@ from service.server import BackgroundServer
 from tests.helpers import free_port, serve_process, wait_until
 
 pb2, pb2_grpc = protos.load()
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from peer_report import METRICS, format_report, ratio, value, write_plots  # noqa: E402
 from peer_systems import VLLM_INSTALL, ChatStreamCounter  # noqa: E402
 from peer_workloads import (  # noqa: E402

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from service import healthcheck
 from tests.helpers import need_tools
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 NGINX_CONF = ROOT / "deploy" / "nginx.conf"
 DOCKERFILE = ROOT / "Dockerfile"
