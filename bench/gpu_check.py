@@ -200,10 +200,10 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
              cuda_graph: bool = True, sync_log: list | None = None) -> dict:
     """Warm up, then one measured run of n requests; with `sync_log`, the measured run
     is under CUDA's sync debug mode and each synchronizing call is logged (thread, stack)."""
-    from features.registry import builtin_features
     from service.config import ServerArgs
     from service.core.request import SamplingParams
     from service.engine.engine import SyncClient, collect
+    from service.engine.modules import builtin_features
 
     # Grammars are not measured here: no grammar-init thread (nor xgrammar) needed.
     off = [f.name for f in builtin_features() if f.name == "constrained"]

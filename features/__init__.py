@@ -1,12 +1,12 @@
 """Feature modules: each declares its overlap support and the hooks it needs.
 
-See `service/core/feature.py` for the interface and `features/registry.py` for the
-registry that builds the compatibility matrix. Built-in modules are listed in
-`BUILTIN_FEATURES`; the feature issues (logprobs, constrained decoding,
-retraction, mixed chunked prefill, multimodal) each add one module here.
+This package holds the request-level plugins (logprobs, constrained decoding, multimodal input,
+retraction's request side) and the registry that builds the compatibility matrix; the interface is
+`service/core/feature.py`. Engine mechanisms (chunked prefill, the prefix cache) declare their
+matrix rows next to their code; `service/engine/modules.py` lists every module in matrix order.
 """
 
-from features.registry import FeatureRegistry, builtin_features
+from features.registry import FeatureRegistry
 from service.core.feature import Feature, OverlapSupport
 
-__all__ = ["Feature", "FeatureRegistry", "OverlapSupport", "builtin_features"]
+__all__ = ["Feature", "FeatureRegistry", "OverlapSupport"]

@@ -7,7 +7,6 @@ policy, and tells the scheduler which features a batch carries.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,31 +17,6 @@ if TYPE_CHECKING:
     from service.core.request import Req
 
 POLICIES = ("per-batch", "global", "strict")
-
-
-def builtin_features() -> list[Feature]:
-    """The feature modules shipped with zerogap, in matrix order. A module whose
-    library is not installed (e.g. xgrammar on a bare GPU box) is left out, with a warning."""
-    from features.logprobs import LogprobsFeature
-    from features.multimodal import MultimodalFeature
-    from features.prefix_cache import PrefixCacheFeature
-
-    features: list[Feature] = [LogprobsFeature()]
-    try:
-        from features.constrained import ConstrainedDecoding
-    except ImportError as e:
-        logging.getLogger("zerogap.features").warning("constrained decoding unavailable: %s", e)
-    else:
-        features.append(ConstrainedDecoding())
-    from features.chunked_prefill import ChunkedPrefill
-
-    features.append(ChunkedPrefill())
-    features.append(MultimodalFeature())
-    features.append(PrefixCacheFeature())
-    from features.retraction import RetractionFeature
-
-    features.append(RetractionFeature())
-    return features
 
 
 @dataclass

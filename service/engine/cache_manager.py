@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from service.core.device import Device
+from service.core.feature import Feature, OverlapSupport
 from service.core.request import FinishReason, Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.prefix_cache import RadixCache
@@ -198,3 +199,22 @@ class PrefixCacheManager:
         s, t = self.tree.stats, self.tree
         return PrefixCacheInfo(True, t.total_tokens, t.evictable_tokens, s.hit_tokens, s.prompt_tokens, s.hit_requests,
                                s.requests, s.evicted_tokens, s.hit_rate)
+
+
+# ---- the prefix cache's entry in the feature matrix ---------------------------------------
+# Engine machinery, not a per-request feature: this declares its overlap support and makes
+# `--disable-feature prefix_cache` (= `--disable-prefix-cache`) work. It is active for no request, so
+# it never joins a batch's plan and its batch counters stay at zero; the cache's own counters (hits,
+# cached tokens) are in GetServerInfo and the metrics.
+class PrefixCacheFeature(Feature):
+    name = "prefix_cache"
+    support = OverlapSupport.FULL
+    reason = (
+        "matched and inserted on the scheduler thread; only KV written by processed batches is inserted, and rows it "
+        "evicts are reused only by later launches, which run after every batch that reads them"
+    )
+    reads_raw_logits = False
+    per_request = False  # equivalence (cache on = off, both loops): tests/scheduler/test_prefix_cache.py
+
+    def active_for(self, req: "Req") -> bool:
+        return False

@@ -28,11 +28,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from features.chunked_prefill import ChunkCounters, ChunkedPrefill
 from service.core.device import Device
+from service.core.feature import Feature, OverlapSupport
 from service.core.request import Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_extend_batch
+
+
+# ---- the module's declaration: its matrix row and counters -----------------------------
+@dataclass
+class ChunkCounters:
+    chunks: int = 0  # prompt chunks launched (final ones included)
+    chunked_requests: int = 0  # requests whose prompt was split
+    mixed_steps: int = 0  # EXTEND steps that carried decode rows
+    mixed_decode_rows: int = 0  # decode rows carried by them
+
+
+class ChunkedPrefill(Feature):
+    name = "chunked_prefill"
+    support = OverlapSupport.FULL
+    reason = ("chunks and decode rows are rows of one extend batch; decode inputs are future placeholders "
+              "resolved on the device, a non-final chunk's token is dropped at result time")
+    reads_raw_logits = False  # no forward-thread work: never forces a float copy of the logits
+
+    def __init__(self) -> None:
+        self.stats = ChunkCounters()
+
+    def active_for(self, req: object) -> bool:
+        return False  # never a per-request feature: the scheduler adds it to the batches it shapes
+
+    def counters(self) -> dict[str, int]:
+        return dict(vars(self.stats))
 
 
 @dataclass

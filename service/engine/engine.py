@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from features import Feature, FeatureRegistry, builtin_features
+from features import Feature, FeatureRegistry
 from service.config import ServerArgs, resolve_dtype
 from service.core.device import Device
 from service.core.feature import FeatureContext
@@ -37,6 +37,7 @@ from service.engine.cpu_threads import AdaptiveTeam, cpu_grant, on_passing_threa
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
+from service.engine.modules import builtin_features
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig

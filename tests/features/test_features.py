@@ -8,7 +8,6 @@ import random
 import grpc
 import pytest
 
-from features import builtin_features
 from features.registry import render_matrix_markdown
 from features.testing import BanTokensFeature, fake_features
 from service import protos
@@ -16,6 +15,7 @@ from service.config import ServerArgs
 from service.core.feature import OverlapSupport
 from service.core.request import RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
+from service.engine.modules import builtin_features
 from service.matrix import README, readme_with_matrix
 from service.server import BackgroundServer
 from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WORKLOADS
