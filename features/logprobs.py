@@ -24,7 +24,8 @@ logprobs only, like a decode batch's row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +47,22 @@ class LogprobParams:
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
     logprob_start_len: int = -1  # -1: no input logprobs
+
+
+@dataclass
+class LogprobsBatch:
+    """A batch's logprob plan (`fb.feature_data["logprobs"]`): built on the scheduler thread, its
+    tensors sent to the device in one transfer, read by after_sampling on the forward thread."""
+
+    rows: torch.Tensor  # the batch rows that want logprobs
+    index: dict[int, int]  # batch row -> its index in `rows`
+    top_n: int  # the most top logprobs any of them asks for
+    token_ids: torch.Tensor | None  # [len(rows), width]: the token ids each asks the logprob of (padded)
+    input_targets: torch.Tensor | None = None  # input logprobs: the prompt token each extra logit row scores
+    input_owners: torch.Tensor | None = None  # ... and the index into `rows` it belongs to
+    input_spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # row -> (first pos, offset, count)
+    boundary: torch.Tensor | None = None  # non-final chunks: the prompt token each row's last logit scores
+    boundary_cpu: dict[int, int] = field(default_factory=dict)  # the same on the host, by batch row
 
 
 class LogprobsFeature(Feature):
@@ -108,25 +125,26 @@ class LogprobsFeature(Feature):
     def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
         fb = batch.fb
         params = [batch.reqs[r].features[self.name] for r in rows]
-        data: dict[str, Any] = {
-            "rows": torch.tensor(rows, dtype=torch.int64),
-            "index": {r: j for j, r in enumerate(rows)},
-            "top_n": max(p.top_logprobs_num for p in params),
-            "token_ids": self._token_id_matrix(params),
-        }
+        data = LogprobsBatch(
+            rows=torch.tensor(rows, dtype=torch.int64),
+            index={r: j for j, r in enumerate(rows)},
+            top_n=max(p.top_logprobs_num for p in params),
+            token_ids=self._token_id_matrix(params),
+        )
         if fb.mode is ForwardMode.EXTEND:
             self._plan_input_logprobs(batch, rows, params, data)
         self._send(data, fb)
         fb.feature_data[self.name] = data
 
-    def _send(self, data: dict[str, Any], fb: Any) -> None:
+    def _send(self, data: LogprobsBatch, fb: Any) -> None:
         """The forward reads these on the device: one transfer (scheduler stream)."""
         if self._device is None:
             return
-        keys = [k for k, v in data.items() if isinstance(v, torch.Tensor)]
-        tensors = [data[k] for k in keys] + ([fb.extra_logit_rows] if fb.extra_logit_rows is not None else [])
+        keys = [f.name for f in dataclasses.fields(data) if isinstance(getattr(data, f.name), torch.Tensor)]
+        tensors = [getattr(data, k) for k in keys] + ([fb.extra_logit_rows] if fb.extra_logit_rows is not None else [])
         sent = self._device.to_device(*tensors)
-        data.update(zip(keys, sent))
+        for k, t in zip(keys, sent):
+            setattr(data, k, t)
         if fb.extra_logit_rows is not None:
             fb.extra_logit_rows = sent[-1]
 
@@ -137,7 +155,7 @@ class LogprobsFeature(Feature):
             return None
         return torch.tensor([list(p.token_ids_logprob) + [0] * (width - len(p.token_ids_logprob)) for p in params])
 
-    def _plan_input_logprobs(self, batch: Any, rows: list[int], params: list[LogprobParams], data: dict) -> None:
+    def _plan_input_logprobs(self, batch: Any, rows: list[int], params: list[LogprobParams], data: LogprobsBatch) -> None:
         """Which packed rows' logits score which prompt tokens (this chunk only)."""
         fb = batch.fb
         extra_rows: list[int] = []
@@ -167,24 +185,24 @@ class LogprobsFeature(Feature):
                 owners.append(j)
         if targets:
             fb.extra_logit_rows = torch.tensor(extra_rows, dtype=torch.int64)
-            data["input_targets"] = torch.tensor(targets, dtype=torch.int64)
-            data["input_owners"] = torch.tensor(owners, dtype=torch.int64)
-        data["input_spans"] = spans
+            data.input_targets = torch.tensor(targets, dtype=torch.int64)
+            data.input_owners = torch.tensor(owners, dtype=torch.int64)
+        data.input_spans = spans
         if any(t >= 0 for t in boundary):
-            data["boundary"] = torch.tensor(boundary, dtype=torch.int64)
-            data["boundary_cpu"] = {r: t for r, t in zip(rows, boundary)}  # host copy, by batch row
+            data.boundary = torch.tensor(boundary, dtype=torch.int64)
+            data.boundary_cpu = {r: t for r, t in zip(rows, boundary)}  # host copy, by batch row
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
-        data = batch.fb.feature_data[self.name]
+        data: LogprobsBatch = batch.fb.feature_data[self.name]
         lists = extras.get("_host")
         if lists is None:  # convert the batch's tensors to lists once, for all its rows
             lists = extras["_host"] = self._to_lists(extras)
         p: LogprobParams = req.features[self.name]
-        j = data["index"][row]
+        j = data.index[row]
         fields: dict[str, Any] = {}
         if p.return_logprob or p.top_logprobs_num or p.token_ids_logprob:
             fields["output"] = [self._entry(req.output_ids[-1], lists, "", j, p)]
-        span = data.get("input_spans", {}).get(row)
+        span = data.input_spans.get(row)
         kept = req.feature_state.pop(self.name, None)  # earlier chunks' input entries (chunked prefill)
         if span is not None:
             first, offset, count = span
@@ -200,8 +218,8 @@ class LogprobsFeature(Feature):
 
     def on_chunk_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
         """A non-final chunk: keep its input entries and the boundary token's for the first output."""
-        data = batch.fb.feature_data[self.name]
-        span = data.get("input_spans", {}).get(row)
+        data: LogprobsBatch = batch.fb.feature_data[self.name]
+        span = data.input_spans.get(row)
         if span is None:
             return
         lists = extras.get("_host")
@@ -210,8 +228,8 @@ class LogprobsFeature(Feature):
         p: LogprobParams = req.features[self.name]
         first, offset, count = span
         entries = [self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)]
-        j = data["index"][row]
-        target = data.get("boundary_cpu", {}).get(row, -1)
+        j = data.index[row]
+        target = data.boundary_cpu.get(row, -1)
         if target >= 0:  # scored by this chunk's last row
             entries.append(self._entry(target, lists, "", j, p))
         kept = req.feature_state.setdefault(self.name, {"start": None, "entries": []})
@@ -257,20 +275,20 @@ class LogprobsFeature(Feature):
 
     # ---- forward thread ------------------------------------------------------------------
     def after_sampling(self, fb: Any, logits: Any, next_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        data = fb.feature_data[self.name]
-        rows = data["rows"]
+        data: LogprobsBatch = fb.feature_data[self.name]
+        rows = data.rows
         lp = torch.log_softmax(logits.next_token[rows].float(), dim=-1)
         targets = next_ids[rows]
-        if "boundary" in data:  # non-final chunks: the next prompt token, not the discarded sample
-            targets = torch.where(data["boundary"] >= 0, data["boundary"], targets)
+        if data.boundary is not None:  # non-final chunks: the next prompt token, not the discarded sample
+            targets = torch.where(data.boundary >= 0, data.boundary, targets)
         out = {"lp": lp.gather(1, targets.unsqueeze(1)).squeeze(1)}
-        self._alternatives(lp, data["top_n"], data["token_ids"], "", out)
-        if logits.extra is not None and "input_targets" in data:
-            owners = data["input_owners"]
+        self._alternatives(lp, data.top_n, data.token_ids, "", out)
+        if logits.extra is not None and data.input_targets is not None:
+            owners = data.input_owners
             ilp = torch.log_softmax(logits.extra.float(), dim=-1)
-            out["in_lp"] = ilp.gather(1, data["input_targets"].unsqueeze(1)).squeeze(1)
-            tids = data["token_ids"][owners] if data["token_ids"] is not None else None
-            self._alternatives(ilp, data["top_n"], tids, "in_", out)
+            out["in_lp"] = ilp.gather(1, data.input_targets.unsqueeze(1)).squeeze(1)
+            tids = data.token_ids[owners] if data.token_ids is not None else None
+            self._alternatives(ilp, data.top_n, tids, "in_", out)
         return out
 
     @staticmethod

@@ -195,6 +195,14 @@ def _all_of(futures: list[Future]) -> Future:
     return out
 
 
+@dataclass
+class ImageSplices:
+    """A batch's image embeddings to splice (`fb.feature_data["multimodal"]`): per run, the packed row
+    it starts at, the image's embeddings [n_tokens, hidden], the first of them and how many."""
+
+    splices: list[tuple[int, torch.Tensor, int, int]]
+
+
 class MultimodalFeature(Feature):
     name = "multimodal"
     support = OverlapSupport.FULL
@@ -393,7 +401,7 @@ class MultimodalFeature(Feature):
                 if a < b:
                     splices.append((start + a - lo, emb, a - s, b - a))
         if splices:
-            fb.feature_data[self.name] = splices
+            fb.feature_data[self.name] = ImageSplices(splices)
         self.scheduler_s += time.perf_counter() - t0
 
     def on_finish(self, req: Any) -> None:
@@ -402,7 +410,8 @@ class MultimodalFeature(Feature):
 
     # ---- forward thread ------------------------------------------------------------------
     def modify_embeddings(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
-        for dst, emb, src, n in fb.feature_data.get(self.name, ()):
+        data: ImageSplices | None = fb.feature_data.get(self.name)
+        for dst, emb, src, n in data.splices if data is not None else ():
             hidden[dst:dst + n] = emb[src:src + n]
         return hidden
 
