@@ -152,54 +152,63 @@ def test_cpu_paths_pass_with_avx512_forced_off(tmp_path):
     assert " failed" not in r.stdout.splitlines()[-1], tail
 
 
-class FakeClocks:
-    """Wall and process-CPU clocks that a test advances: each forward takes `wall` seconds and the
-    process gets `share` of the team's threads over it."""
+class FakeCpus:
+    """Clocks a test advances: a forward of `tokens` takes what the team's size costs per token on
+    quiet or contended CPUs, and the process gets that share of the team's threads meanwhile."""
+
+    COST = {(False, 2): 1.0e-3, (False, 1): 1.8e-3, (True, 2): 6.0e-3, (True, 1): 2.2e-3}  # s per token
+    SHARE = {(False, 2): 0.97, (False, 1): 0.99, (True, 2): 0.35, (True, 1): 0.5}
 
     def __init__(self):
         self.wall = self.cpu = 0.0
+        self.contended = False
         self.sizes: list[int] = []
 
-    def forward(self, team, wall: float, share: float) -> None:
+    def forward(self, team, tokens: int = 16) -> None:
         team.forward_started()
-        self.wall += wall
-        self.cpu += wall * share * team.size
-        team.forward_ended()
+        key = (self.contended, team.size)
+        dt = self.COST[key] * tokens
+        self.wall += dt
+        self.cpu += dt * self.SHARE[key] * team.size
+        team.forward_ended(tokens)
+
+    def run(self, team, seconds: float) -> None:
+        end = self.wall + seconds
+        while self.wall < end:
+            self.forward(team)
 
 
 def make_team(threads: int = 2):
     from service.engine.cpu_threads import AdaptiveTeam
 
-    clocks = FakeClocks()
-    team = AdaptiveTeam(threads, clock=lambda: clocks.wall, cpu_clock=lambda: clocks.cpu, set_threads=clocks.sizes.append)
-    return team, clocks
+    cpus = FakeCpus()
+    team = AdaptiveTeam(threads, clock=lambda: cpus.wall, cpu_clock=lambda: cpus.cpu, set_threads=cpus.sizes.append)
+    return team, cpus
 
 
-def test_team_stays_full_while_the_cpus_are_quiet():
-    team, clocks = make_team()
-    for _ in range(200):
-        clocks.forward(team, 0.02, 0.97)
-    assert team.size == 2 and clocks.sizes == [] and team.last_share == pytest.approx(0.97)
+def test_team_stays_full_on_quiet_cpus_and_probes_ever_more_rarely():
+    team, cpus = make_team()
+    cpus.run(team, 300)
+    assert team.size == 2 and team.last_share == pytest.approx(0.97)
+    probes = cpus.sizes.count(1)
+    assert 4 <= probes <= 9, cpus.sizes  # after 5, 10, 20, 40, 60, 60... s: the probes cost ~1% at most
 
 
-def test_team_shrinks_under_contention_and_probes_back():
-    team, clocks = make_team()
-    for _ in range(30):
-        clocks.forward(team, 0.05, 0.35)  # a hog on each core: the team waits for its members' slices
-    assert team.size == 1 and clocks.sizes == [1]
-    # Contended still: every probe (a window at full size) finds it so, and they grow rarer.
-    for _ in range(600):
-        clocks.forward(team, 0.05, 0.5 if team.size == 1 else 0.35)
-    probes = clocks.sizes.count(2)
-    assert team.size == 1 and 2 <= probes <= 5, clocks.sizes  # 30 s: probes after 4, 8, 16 s (not every window)
-    # The hogs are gone: the next probe finds the full share and stays.
-    for _ in range(2000):
-        clocks.forward(team, 0.05, 0.97)
-    assert team.size == 2 and clocks.sizes[-1] == 2
+def test_team_shrinks_under_contention_and_grows_back():
+    team, cpus = make_team()
+    cpus.run(team, 20)
+    cpus.contended = True  # a hog on each core
+    cpus.run(team, 3)  # the low CPU share starts a probe at once: one thread is cheaper per token
+    assert team.size == 1
+    cpus.run(team, 120)
+    assert team.size == 1  # the probes at the full size keep losing
+    cpus.contended = False
+    cpus.run(team, 70)  # the next probe (at most 60 s away) finds the full team cheaper again
+    assert team.size == 2
 
 
 def test_a_single_thread_team_never_changes():
-    team, clocks = make_team(1)
-    for _ in range(100):
-        clocks.forward(team, 0.05, 0.2)
-    assert team.size == 1 and clocks.sizes == []
+    team, cpus = make_team(1)
+    cpus.contended = True
+    cpus.run(team, 60)
+    assert team.size == 1 and cpus.sizes == []

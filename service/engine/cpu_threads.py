@@ -127,66 +127,75 @@ def cpu_grant(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/pr
 
 
 class AdaptiveTeam:
-    """The forward's OpenMP team, shrunk to one thread while the granted CPUs are contended.
+    """The forward's OpenMP team size, chosen by measuring: the full team, or one thread while the
+    granted CPUs are so contended that one thread does the work faster.
 
-    A parallel region ends when its slowest member does. With a CPU hog (a noisy neighbour, another
-    container, a throttled quota) on a core, the team member there waits for its next time slice, and
-    the whole forward waits with it in every one of its hundreds of regions: a 2-thread team beside
-    one hog per core ran ~10x slower than quiet, where a fair share would cost 2x. A team of one
-    thread has no region to wait for, so it slows by about its share only.
+    A parallel region ends when its slowest member does. With a CPU hog on a core (a noisy neighbour,
+    another container, a throttled quota) the member there waits for its next time slice and the
+    forward waits with it, in every one of its hundreds of regions; a team of one waits for nothing
+    but its own slice. Which is faster depends on how contended the cores are, so the team tries:
+    every `probe_s` it runs one window of forwards at the other size and keeps the size whose
+    forward time per token was lower (by `MARGIN`; the probe interval doubles, up to `PROBE_MAX_S`,
+    while probes lose). A share of the team's CPU time below `SHARE_LOW` (the process's CPU time
+    over the forwards' wall time per team thread: ~1 quiet, as workers spin between regions) starts
+    a probe at once. Called on the thread that runs the forwards (omp_set_num_threads is per thread).
+    """
 
-    The signal is the process's CPU time over the forwards' wall time per team thread (its share of
-    the team's CPUs, read with `time.process_time`: workers that spin count, workers waiting for a
-    slice do not). Quiet it is ~1; below `SHARE_MIN` over a window of forwards the team shrinks to one
-    thread. Every `probe_s` (doubling while the probes find contention, up to `PROBE_MAX_S`) a window
-    runs at the full size again, and the team stays full if its share is back. Called on the thread
-    that runs the forwards (omp_set_num_threads is per thread)."""
-
-    SHARE_MIN = 0.7
-    WINDOW_S = 0.4  # forward time per measurement
-    PROBE_FIRST_S, PROBE_MAX_S = 4.0, 64.0
+    WINDOW_S = 0.5  # forward wall time per measurement
+    PROBE_FIRST_S, PROBE_MAX_S = 5.0, 60.0
+    MARGIN = 0.9  # the other size must be this much cheaper per token to be adopted
+    SHARE_LOW = 0.6
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter,
-                 cpu_clock: Callable[[], float] = time.process_time, set_threads: Callable[[int], None] = torch.set_num_threads):
+                 cpu_clock: Callable[[], float] = time.process_time,
+                 set_threads: Callable[[int], None] = torch.set_num_threads):
         self.full = self.size = max(1, threads)
         self._clock, self._cpu_clock, self._set_threads = clock, cpu_clock, set_threads
         self._wall = self._cpu = 0.0  # this window's forward wall time and process CPU time
+        self._tokens = 0
         self._t0 = self._c0 = 0.0
+        self._cost: float | None = None  # seconds per token of the last window at the current size
+        self._probing_from: int | None = None  # the size a probe window will return to if it loses
         self._probe_s = self.PROBE_FIRST_S
-        self._shrunk_at: float | None = None
+        self._next_probe = clock() + self._probe_s
         self.last_share: float | None = None
-        self.changes = 0
+        self.changes = 0  # team size changes, probes included
 
     def forward_started(self) -> None:
         now = self._clock()
-        if self.size == 1 and self._shrunk_at is not None and now - self._shrunk_at >= self._probe_s:
-            self._resize(self.full)  # probe: is the full team's share back?
+        if self.full > 1 and self._probing_from is None and self._cost is not None and now >= self._next_probe:
+            self._probing_from = self.size
+            self._resize(1 if self.size == self.full else self.full)
         self._t0, self._c0 = now, self._cpu_clock()
 
-    def forward_ended(self) -> None:
+    def forward_ended(self, tokens: int) -> None:
         self._wall += self._clock() - self._t0
         self._cpu += self._cpu_clock() - self._c0
+        self._tokens += max(1, tokens)
         if self._wall < self.WINDOW_S:
             return
-        share = self._cpu / (self._wall * self.size)
+        cost, share = self._wall / self._tokens, self._cpu / (self._wall * self.size)
         self._wall = self._cpu = 0.0
+        self._tokens = 0
         self.last_share = share
-        if self.size == 1 or self.full == 1:
+        if self._probing_from is None:
+            self._cost = cost
+            if self.size == self.full > 1 and share < self.SHARE_LOW:
+                self._next_probe = self._clock()  # contended: try one thread now
             return
-        probing = self._shrunk_at is not None
-        if share < self.SHARE_MIN:
-            self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S) if probing else self.PROBE_FIRST_S
-            self._resize(1)
-            self._shrunk_at = self._clock()
-            if not probing:
-                log.info("CPUs contended (the forward got %.0f%% of %d threads' time): forward team shrunk to 1 thread",
-                         100 * share, self.full)
-        elif probing:
-            self._shrunk_at, self._probe_s = None, self.PROBE_FIRST_S
-            log.info("CPUs free again (%.0f%% share): forward team back to %d threads", 100 * share, self.full)
+        before, self._probing_from = self._probing_from, None
+        if self._cost is not None and cost < self.MARGIN * self._cost:  # the probe's size wins
+            log.info("forward team %d -> %d threads: %.2f vs %.2f ms per token (CPU share %.0f%%)",
+                     before, self.size, 1e3 * cost, 1e3 * self._cost, 100 * share)
+            self._cost, self._probe_s = cost, self.PROBE_FIRST_S
+        else:
+            self._resize(before)
+            self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S)
+        self._next_probe = self._clock() + self._probe_s
 
     def _resize(self, n: int) -> None:
         self._set_threads(n)
         self.size = n
         self._wall = self._cpu = 0.0
+        self._tokens = 0
         self.changes += 1

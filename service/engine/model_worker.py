@@ -117,7 +117,7 @@ class ModelWorker:
             if extra is not None:
                 extras[feature.name] = extra
         if self.cpu_team is not None:
-            self.cpu_team.forward_ended()
+            self.cpu_team.forward_ended(int(input_ids.numel()))
         self.timeline.add(
             FORWARD_TID, f"{label} {fb.mode.value}", start, time.perf_counter(), {"bs": fb.batch_size, "tokens": int(input_ids.numel())}
         )
