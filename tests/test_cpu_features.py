@@ -164,18 +164,20 @@ class FakeCpus:
         self.contended = False
         self.sizes: list[int] = []
 
-    def forward(self, team, tokens: int = 16) -> None:
+    def forward(self, team, tokens: int, decode: bool) -> None:
         team.forward_started()
         key = (self.contended, team.size)
-        dt = self.COST[key] * tokens
+        dt = self.COST[key] * tokens * (1 if decode else 0.2)  # a prefill token costs far less
         self.wall += dt
         self.cpu += dt * self.SHARE[key] * team.size
-        team.forward_ended(tokens)
+        team.forward_ended(tokens if decode else None)
 
     def run(self, team, seconds: float) -> None:
-        end = self.wall + seconds
+        """Decode steps at a few batch sizes, a prefill now and then (which a fair measure ignores)."""
+        end, i = self.wall + seconds, 0
         while self.wall < end:
-            self.forward(team)
+            i += 1
+            self.forward(team, 200 if i % 7 == 0 else 8 + (i // 50) % 3, decode=i % 7 != 0)
 
 
 def make_team(threads: int = 2):

@@ -134,28 +134,30 @@ class AdaptiveTeam:
     another container, a throttled quota) the member there waits for its next time slice and the
     forward waits with it, in every one of its hundreds of regions; a team of one waits for nothing
     but its own slice. Which is faster depends on how contended the cores are, so the team tries:
-    every `probe_s` it runs one window of forwards at the other size and keeps the size whose
-    forward time per token was lower (by `MARGIN`; the probe interval doubles, up to `PROBE_MAX_S`,
-    while probes lose). A share of the team's CPU time below `SHARE_LOW` (the process's CPU time
-    over the forwards' wall time per team thread: ~1 quiet, as workers spin between regions) starts
-    a probe at once. Called on the thread that runs the forwards (omp_set_num_threads is per thread).
+    every `probe_s` it runs a few decode steps at the other size and keeps the size whose decode
+    steps were faster than the current size's recent ones at the same batch size (by `MARGIN`;
+    the probe interval doubles, up to `PROBE_MAX_S`, while probes lose). A share of the team's CPU
+    time below `SHARE_LOW` (the process's CPU time over the forwards' wall time per team thread:
+    ~1 quiet, as workers spin between regions) starts a probe at once. Called on the thread that
+    runs the forwards (omp_set_num_threads is per thread).
     """
 
-    WINDOW_S = 0.5  # forward wall time per measurement
+    PROBE_STEPS = 6  # decode steps a probe measures
     PROBE_FIRST_S, PROBE_MAX_S = 5.0, 60.0
-    MARGIN = 0.9  # the other size must be this much cheaper per token to be adopted
-    SHARE_LOW = 0.6
+    MARGIN = 0.85  # the probe's steps must take at most this fraction of the current size's
+    SHARE_LOW, SHARE_WINDOW_S = 0.6, 0.5
+    EMA = 0.3  # weight of a new step in a batch size's recent step time
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter,
                  cpu_clock: Callable[[], float] = time.process_time,
                  set_threads: Callable[[int], None] = torch.set_num_threads):
         self.full = self.size = max(1, threads)
         self._clock, self._cpu_clock, self._set_threads = clock, cpu_clock, set_threads
-        self._wall = self._cpu = 0.0  # this window's forward wall time and process CPU time
-        self._tokens = 0
         self._t0 = self._c0 = 0.0
-        self._cost: float | None = None  # seconds per token of the last window at the current size
-        self._probing_from: int | None = None  # the size a probe window will return to if it loses
+        self._wall = self._cpu = 0.0  # forward wall and process CPU time since the last share reading
+        self._recent: dict[int, float] = {}  # batch size -> recent decode step time at the current size
+        self._probe: list[tuple[int, float]] = []  # (batch size, step time) of the probe's decode steps
+        self._probing_from: int | None = None  # the size a probe returns to if it loses
         self._probe_s = self.PROBE_FIRST_S
         self._next_probe = clock() + self._probe_s
         self.last_share: float | None = None
@@ -163,31 +165,41 @@ class AdaptiveTeam:
 
     def forward_started(self) -> None:
         now = self._clock()
-        if self.full > 1 and self._probing_from is None and self._cost is not None and now >= self._next_probe:
+        if self.full > 1 and self._probing_from is None and self._recent and now >= self._next_probe:
             self._probing_from = self.size
             self._resize(1 if self.size == self.full else self.full)
         self._t0, self._c0 = now, self._cpu_clock()
 
-    def forward_ended(self, tokens: int) -> None:
-        self._wall += self._clock() - self._t0
+    def forward_ended(self, decode_batch: int | None) -> None:
+        """decode_batch: the batch size of a decode step; None for other forwards (prefill, mixed),
+        whose time says nothing comparable."""
+        dt = self._clock() - self._t0
+        self._wall += dt
         self._cpu += self._cpu_clock() - self._c0
-        self._tokens += max(1, tokens)
-        if self._wall < self.WINDOW_S:
+        if self._wall >= self.SHARE_WINDOW_S:
+            self.last_share = self._cpu / (self._wall * self.size)
+            self._wall = self._cpu = 0.0
+            if self._probing_from is None and self.size == self.full > 1 and self.last_share < self.SHARE_LOW:
+                self._next_probe = min(self._next_probe, self._clock())  # contended: try one thread now
+        if decode_batch is None:
             return
-        cost, share = self._wall / self._tokens, self._cpu / (self._wall * self.size)
-        self._wall = self._cpu = 0.0
-        self._tokens = 0
-        self.last_share = share
         if self._probing_from is None:
-            self._cost = cost
-            if self.size == self.full > 1 and share < self.SHARE_LOW:
-                self._next_probe = self._clock()  # contended: try one thread now
+            old = self._recent.get(decode_batch)
+            self._recent[decode_batch] = dt if old is None else (1 - self.EMA) * old + self.EMA * dt
             return
-        before, self._probing_from = self._probing_from, None
-        if self._cost is not None and cost < self.MARGIN * self._cost:  # the probe's size wins
-            log.info("forward team %d -> %d threads: %.2f vs %.2f ms per token (CPU share %.0f%%)",
-                     before, self.size, 1e3 * cost, 1e3 * self._cost, 100 * share)
-            self._cost, self._probe_s = cost, self.PROBE_FIRST_S
+        self._probe.append((decode_batch, dt))
+        if len(self._probe) >= self.PROBE_STEPS:
+            self._end_probe()
+
+    def _end_probe(self) -> None:
+        pairs = [(t, self._recent[b]) for b, t in self._probe if b in self._recent]
+        before, self._probing_from, self._probe_done, self._probe = self._probing_from, None, self._probe, []
+        ratio = sum(t for t, _ in pairs) / sum(r for _, r in pairs) if pairs else 1.0
+        if ratio < self.MARGIN:  # the probe's size wins
+            log.info("forward team %d -> %d threads: decode steps took %.0f%% of the time (CPU share %.0f%%)",
+                     before, self.size, 100 * ratio, 100 * (self.last_share or 0))
+            self._recent = {b: t for b, t in reversed(self._probe_done)}
+            self._probe_s = self.PROBE_FIRST_S
         else:
             self._resize(before)
             self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S)
@@ -197,5 +209,4 @@ class AdaptiveTeam:
         self._set_threads(n)
         self.size = n
         self._wall = self._cpu = 0.0
-        self._tokens = 0
         self.changes += 1

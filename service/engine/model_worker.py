@@ -18,7 +18,7 @@ import torch
 
 from service.engine.cpu_threads import AdaptiveTeam
 from service.engine.device import CPU, Device
-from service.engine.forward_batch import BatchResult, ForwardBatch, LogitsOutput
+from service.engine.forward_batch import BatchResult, ForwardBatch, ForwardMode, LogitsOutput
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
 from service.engine.timeline import FORWARD_TID, Timeline
@@ -117,7 +117,7 @@ class ModelWorker:
             if extra is not None:
                 extras[feature.name] = extra
         if self.cpu_team is not None:
-            self.cpu_team.forward_ended(int(input_ids.numel()))
+            self.cpu_team.forward_ended(fb.batch_size if fb.mode is ForwardMode.DECODE else None)
         self.timeline.add(
             FORWARD_TID, f"{label} {fb.mode.value}", start, time.perf_counter(), {"bs": fb.batch_size, "tokens": int(input_ids.numel())}
         )
