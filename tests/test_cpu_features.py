@@ -1,8 +1,8 @@
 """Every CPU path checks what it needs (service/models/cpu_features.py, service/engine/cpu_threads.py).
 
 The CPU-specific tests run once more with AVX-512 forced off (ZEROGAP_CPU_ISA=avx2, torch's and
-oneDNN's own caps too), so an AVX2-only machine's paths (plain bf16 linears, the portable kernel
-variant, `--dtype auto` -> float32) are covered on any machine.
+oneDNN's own caps too) and once without AVX-512 BF16/AMX, so an AVX2-only machine's paths (plain
+bf16 linears, the portable kernel variant, `--dtype auto` -> float32) are covered on any machine.
 """
 
 from __future__ import annotations
@@ -134,22 +134,32 @@ def test_bfloat16_runs_where_it_is_emulated_and_says_so(tiny_llama_dir, caplog):
 
 # ---- the CPU-specific tests once more, as an AVX2-only machine runs them -------------------------
 
-AVX2_PASS = [
+CAPPED_PASS = [
     "tests/test_cpu_features.py",
     "tests/test_cpu_speed_paths.py",
     "tests/test_extend_rows.py",
     "tests/test_multimodal.py::test_bfloat16_engine_serves_images",
 ]
+CAPS = {  # ZEROGAP_CPU_ISA -> the environment that makes torch and oneDNN see the same CPU
+    "avx2": AVX2_ENV,  # a Zen 3 or an Intel client CPU: no AVX-512 of any kind
+    "avx512": {"ZEROGAP_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+}
 
 
-@pytest.mark.skipif(os.environ.get("ZEROGAP_CPU_ISA") == "avx2", reason="this is the AVX-512-off pass itself")
-def test_cpu_paths_pass_with_avx512_forced_off(tmp_path):
-    env = {**os.environ, **AVX2_ENV}  # the kernels' cache key holds their flags: an AVX2 build of its own
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *AVX2_PASS],
+@pytest.mark.parametrize("cap", sorted(CAPS))
+def test_cpu_paths_pass_with_extensions_forced_off(cap):
+    """The CPU-specific tests once more, as a CPU without AVX-512 (avx2) or without BF16/AMX (avx512)
+    runs them: plain bf16 linears or oneDNN's emulated bf16, the kernels' other variants, auto -> fp32."""
+    if os.environ.get("ZEROGAP_CPU_ISA"):
+        pytest.skip("this is a capped pass itself")
+    if cap == "avx512" and not cf.cpu_features().avx512:
+        pytest.skip("the AVX-512 variant exists only on an AVX-512 CPU; this one ran the avx2 pass")
+    env = {**os.environ, **CAPS[cap]}  # the kernels' cache key holds their flags: a build of their own
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *CAPPED_PASS],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
-    assert " failed" not in r.stdout.splitlines()[-1], tail
+    assert " passed" in r.stdout.splitlines()[-1] and " failed" not in r.stdout.splitlines()[-1], tail
 
 
 class FakeCpus:
