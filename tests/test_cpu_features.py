@@ -198,12 +198,19 @@ def make_team(threads: int = 2):
     return team, cpus
 
 
-def test_team_stays_full_on_quiet_cpus_and_probes_ever_more_rarely():
+def test_team_stays_full_on_quiet_cpus_without_probing():
     team, cpus = make_team()
     cpus.run(team, 300)
-    assert team.size == 2 and team.last_share == pytest.approx(0.97)
-    probes = cpus.sizes.count(1)
-    assert 4 <= probes <= 9, cpus.sizes  # after 5, 10, 20, 40, 60, 60... s: the probes cost ~1% at most
+    assert team.size == 2 and team.last_share == pytest.approx(0.97) and cpus.sizes == []
+
+
+def test_a_low_share_alone_does_not_shrink_the_team():
+    """Small steps leave the workers asleep between regions (a low share, quiet CPUs): the probes find
+    one thread no faster, stay full, and come ever more rarely."""
+    team, cpus = make_team()
+    cpus.SHARE = {**FakeCpus.SHARE, (False, 2): 0.5}
+    cpus.run(team, 300)
+    assert team.size == 2 and 4 <= cpus.sizes.count(1) <= 9, cpus.sizes  # after 5, 10, 20, 40, 60, 60... s
 
 
 def test_team_shrinks_under_contention_and_grows_back():
@@ -217,6 +224,18 @@ def test_team_shrinks_under_contention_and_grows_back():
     cpus.contended = False
     cpus.run(team, 70)  # the next probe (at most 60 s away) finds the full team cheaper again
     assert team.size == 2
+
+
+def test_a_new_batch_size_class_on_one_thread_probes_the_full_team_at_once():
+    team, cpus = make_team()
+    cpus.contended = True
+    cpus.run(team, 10)
+    assert team.size == 1
+    cpus.contended = False
+    start = len(cpus.sizes)
+    for _ in range(40):
+        cpus.forward(team, 40, decode=True)  # a batch of 40: not measured at this size yet
+    assert team.size == 2 and cpus.sizes[start:] == [2], cpus.sizes
 
 
 def test_a_single_thread_team_never_changes():

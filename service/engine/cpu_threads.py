@@ -127,26 +127,29 @@ def cpu_grant(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/pr
 
 
 class AdaptiveTeam:
-    """The forward's OpenMP team size, chosen by measuring: the full team, or one thread while the
-    granted CPUs are so contended that one thread does the work faster.
+    """The forward's OpenMP team size: the full team, or one thread while the granted CPUs are so
+    contended that one thread does the work faster, as measured.
 
     A parallel region ends when its slowest member does. With a CPU hog on a core (a noisy neighbour,
     another container, a throttled quota) the member there waits for its next time slice and the
     forward waits with it, in every one of its hundreds of regions; a team of one waits for nothing
-    but its own slice. Which is faster depends on how contended the cores are, so the team tries:
-    every `probe_s` it runs a few decode steps at the other size and keeps the size whose decode
-    steps were faster than the current size's recent ones at the same batch size (by `MARGIN`;
-    the probe interval doubles, up to `PROBE_MAX_S`, while probes lose). A share of the team's CPU
-    time below `SHARE_LOW` (the process's CPU time over the forwards' wall time per team thread:
-    ~1 quiet, as workers spin between regions) starts a probe at once. Called on the thread that
-    runs the forwards (omp_set_num_threads is per thread).
+    but its own slice. The signal is the team's CPU share: the process's CPU time over the forwards'
+    wall time per team thread (~1 quiet with busy steps, as workers spin between regions). When it
+    falls below `SHARE_LOW`, a probe runs `PROBE_STEPS` decode steps on one thread and keeps one
+    thread if they took at most `MARGIN` of the full team's recent steps at the same batch size
+    (by powers of two). On one thread, probes at the full size run every `probe_s` (doubling while
+    they lose, up to `PROBE_MAX_S`) and soon when the decode batch grows into a size class not
+    yet measured, so the full team comes back when the cores are free again. Prefill and mixed
+    steps are not compared (their time says nothing about a decode step's). Called on the thread
+    that runs the forwards (omp_set_num_threads is per thread).
     """
 
-    PROBE_STEPS = 6  # decode steps a probe measures
+    PROBE_STEPS = 6
     PROBE_FIRST_S, PROBE_MAX_S = 5.0, 60.0
-    MARGIN = 0.85  # the probe's steps must take at most this fraction of the current size's
+    MARGIN = 0.85
     SHARE_LOW, SHARE_WINDOW_S = 0.6, 0.5
-    EMA = 0.3  # weight of a new step in a batch size's recent step time
+    EMA = 0.3  # weight of a new step in a size class's recent step time
+    NEW_CLASS_SPACING_S = 1.0
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter,
                  cpu_clock: Callable[[], float] = time.process_time,
@@ -155,55 +158,67 @@ class AdaptiveTeam:
         self._clock, self._cpu_clock, self._set_threads = clock, cpu_clock, set_threads
         self._t0 = self._c0 = 0.0
         self._wall = self._cpu = 0.0  # forward wall and process CPU time since the last share reading
-        self._recent: dict[int, float] = {}  # batch size -> recent decode step time at the current size
-        self._probe: list[tuple[int, float]] = []  # (batch size, step time) of the probe's decode steps
+        self._recent: dict[int, float] = {}  # batch size class -> recent decode step time at this size
+        self._probe: list[tuple[int, float]] = []  # (size class, step time) of the probe's decode steps
         self._probing_from: int | None = None  # the size a probe returns to if it loses
+        self._want_probe = False  # the share fell: probe one thread when next_probe comes
+        self._new_class = False  # on one thread, a decode batch of a size class not measured: probe soon
         self._probe_s = self.PROBE_FIRST_S
-        self._next_probe = clock() + self._probe_s
+        self._next_probe = self._last_probe = clock()  # no periodic / share probe before next_probe
         self.last_share: float | None = None
         self.changes = 0  # team size changes, probes included
 
     def forward_started(self) -> None:
         now = self._clock()
-        if self.full > 1 and self._probing_from is None and self._recent and now >= self._next_probe:
-            self._probing_from = self.size
-            self._resize(1 if self.size == self.full else self.full)
+        if self.full > 1 and self._probing_from is None:
+            due = now >= self._next_probe and (self._want_probe or (self.size == 1 and bool(self._recent)))
+            if due or (self._new_class and now >= self._last_probe + self.NEW_CLASS_SPACING_S):
+                self._want_probe = self._new_class = False
+                self._probing_from = self.size
+                self._resize(self.full if self.size == 1 else 1)
         self._t0, self._c0 = now, self._cpu_clock()
 
     def forward_ended(self, decode_batch: int | None) -> None:
-        """decode_batch: the batch size of a decode step; None for other forwards (prefill, mixed),
-        whose time says nothing comparable."""
+        """decode_batch: the batch size of a decode step; None for other forwards."""
         dt = self._clock() - self._t0
         self._wall += dt
         self._cpu += self._cpu_clock() - self._c0
         if self._wall >= self.SHARE_WINDOW_S:
             self.last_share = self._cpu / (self._wall * self.size)
             self._wall = self._cpu = 0.0
-            if self._probing_from is None and self.size == self.full > 1 and self.last_share < self.SHARE_LOW:
-                self._next_probe = min(self._next_probe, self._clock())  # contended: try one thread now
+            if self.size == self.full > 1 and self.last_share < self.SHARE_LOW:
+                self._want_probe = True  # contended, perhaps: is one thread faster?
         if decode_batch is None:
             return
-        if self._probing_from is None:
-            old = self._recent.get(decode_batch)
-            self._recent[decode_batch] = dt if old is None else (1 - self.EMA) * old + self.EMA * dt
+        key = decode_batch.bit_length()
+        if self._probing_from is not None:
+            self._probe.append((key, dt))
+            if len(self._probe) >= self.PROBE_STEPS:
+                self._end_probe()
             return
-        self._probe.append((decode_batch, dt))
-        if len(self._probe) >= self.PROBE_STEPS:
-            self._end_probe()
+        if self.size == 1 and key not in self._recent:
+            self._new_class = True  # a batch size not measured yet: the full team may be faster there
+        old = self._recent.get(key)
+        self._recent[key] = dt if old is None else (1 - self.EMA) * old + self.EMA * dt
 
     def _end_probe(self) -> None:
-        pairs = [(t, self._recent[b]) for b, t in self._probe if b in self._recent]
-        before, self._probing_from, self._probe_done, self._probe = self._probing_from, None, self._probe, []
+        probe, before = self._probe, self._probing_from
+        self._probe, self._probing_from = [], None
+        pairs = [(t, self._recent[k]) for k, t in probe if k in self._recent]
         ratio = sum(t for t, _ in pairs) / sum(r for _, r in pairs) if pairs else 1.0
+        now = self._clock()
         if ratio < self.MARGIN:  # the probe's size wins
-            log.info("forward team %d -> %d threads: decode steps took %.0f%% of the time (CPU share %.0f%%)",
+            log.info("forward team %d -> %d threads: its decode steps took %.0f%% of the time (CPU share %.0f%%)",
                      before, self.size, 100 * ratio, 100 * (self.last_share or 0))
-            self._recent = {b: t for b, t in reversed(self._probe_done)}
+            self._recent = {}
+            for k, t in probe:
+                self._recent.setdefault(k, t)
             self._probe_s = self.PROBE_FIRST_S
         else:
             self._resize(before)
             self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S)
-        self._next_probe = self._clock() + self._probe_s
+        self._want_probe = self._new_class = False
+        self._last_probe, self._next_probe = now, now + self._probe_s
 
     def _resize(self, n: int) -> None:
         self._set_threads(n)
