@@ -243,3 +243,30 @@ def test_a_single_thread_team_never_changes():
     cpus.contended = True
     cpus.run(team, 60)
     assert team.size == 1 and cpus.sizes == []
+
+
+@pytest.mark.adaptive_team
+def test_engine_results_do_not_change_when_the_team_changes_size(tiny_llama_dir, monkeypatch):
+    """A team forced to change size at every probe gives the fp32 greedy tokens of a fixed team."""
+    from service.engine.cpu_threads import AdaptiveTeam
+
+    prompts = [[5 + i * 7 + j for j in range(2 + 9 * i)] for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    fixed = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8, adapt_cpu_team=False),
+                       tiny_llama_dir)
+    try:
+        want = [collect(o)[0] for o in fixed.generate(prompts, greedy)]
+    finally:
+        fixed.close()
+    for name, value in (("SHARE_LOW", 2.0), ("MARGIN", 100.0), ("PROBE_FIRST_S", 0.0), ("PROBE_MAX_S", 0.0),
+                        ("SHARE_WINDOW_S", 0.0), ("PROBE_STEPS", 2)):
+        monkeypatch.setattr(AdaptiveTeam, name, value)  # every probe wins: the size flips every few steps
+    flipping = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8), tiny_llama_dir)
+    try:
+        got = [collect(o)[0] for o in flipping.generate(prompts, greedy)]
+        team = flipping.engine.worker.cpu_team
+    finally:
+        flipping.close()
+    assert got == want
+    if torch.get_num_threads() > 1:
+        assert team is not None and team.changes >= 4
