@@ -12,10 +12,12 @@ while the cores are contended), ``static`` (the same threads, never shrinking:
 ``--no-adapt-cpu-team``), ``passive`` (static, with ``OMP_WAIT_POLICY=PASSIVE``: workers sleep at
 once instead of spinning), ``one-thread`` (``--num-threads 1``).
 
+``docker-cpus=N`` runs the server of a built image (``--image``, default ``zerogap:local``; this
+checkout's code mounted over the image's) under ``docker run --cpus N``, the hogs on the host.
+
 Usage:
-    .venv/bin/python bench/bench_contention.py [--setups default,static,passive,one-thread]
+    .venv/bin/python bench/bench_contention.py [--setups default,static,passive,one-thread,docker-cpus=1.5]
         [--tokens 32] [--dtype auto] [--json out.json]
-    # inside a container limited to N CPUs (the image's server, `docker run --cpus N`): --in-docker IMAGE
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -94,12 +97,44 @@ async def _load(address: str, streams: int, requests: int, tokens: int) -> Phase
         return Phase(streams, sum(r[2] for r in results), time.perf_counter() - t0)
 
 
+class DockerServer:
+    """The image's server in a container limited to `cpus` CPUs, published on a loopback port."""
+
+    def __init__(self, image: str, cpus: str, dtype: str, timeout_s: float = 300.0):
+        self.port = free_port()
+        mounts = [arg for d in ("service", "features", "zerogap") for arg in ("-v", f"{ROOT / d}:/app/{d}:ro")]
+        self.cid = subprocess.run(
+            ["docker", "run", "-d", "--rm", "--cpus", cpus, "-p", f"127.0.0.1:{self.port}:50051", *mounts, image,
+             "python", "-m", "service", "serve", "--host", "0.0.0.0", "--port", "50051", "--dtype", dtype],
+            check=True, capture_output=True, text=True).stdout.strip()
+        deadline = time.monotonic() + timeout_s
+        while "listening" not in self.logs():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the container's server did not come up")
+            time.sleep(0.5)
+
+    def logs(self) -> str:
+        r = subprocess.run(["docker", "logs", self.cid], capture_output=True, text=True)
+        return r.stdout + r.stderr
+
+    def stop(self) -> None:
+        subprocess.run(["docker", "stop", "-t", "10", self.cid], capture_output=True)
+
+
 def run_setup(name: str, args: argparse.Namespace) -> dict:
-    flags, env = SETUPS[name]
-    port = free_port()
-    cmd = [sys.executable, "-m", "service", "serve", "--model", args.model, "--port", str(port), "--dtype", args.dtype, *flags]
-    server = ServerProcess(cmd, port, env=env)
-    address = f"127.0.0.1:{port}"
+    if name.startswith("docker-cpus="):
+        flags, env = ["docker", "run", "--cpus", name.split("=", 1)[1]], {}
+        server = DockerServer(args.image, name.split("=", 1)[1], args.dtype)
+        read_log = server.logs
+    else:
+        flags, env = SETUPS[name]
+        port = free_port()
+        cmd = [sys.executable, "-m", "service", "serve", "--model", args.model, "--port", str(port), "--dtype", args.dtype,
+               *flags]
+        server = ServerProcess(cmd, port, env=env)
+        read_log = lambda: Path(server.log.name).read_text(errors="replace")  # noqa: E731
+    address = f"127.0.0.1:{server.port}"
     out: dict = {"setup": name, "flags": flags, "env": env}
     try:
         asyncio.run(_load(address, 2, 2, 8))  # warm-up
@@ -115,7 +150,7 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
             out[label] = {"single_tok_s": single.tok_per_s, "16_streams_tok_s": many.tok_per_s}
             print(f"[contention] {name:10s} {label:5s}: single {single.tok_per_s:6.1f} tok/s, "
                   f"16 streams {many.tok_per_s:6.1f} tok/s", file=sys.stderr, flush=True)
-        log = Path(server.log.name).read_text(errors="replace")
+        log = read_log()
         out["engine_cpu_line"] = next((ln.split("CPU: ", 1)[1] for ln in log.splitlines() if "CPU: " in ln), "")
     finally:
         server.stop()
@@ -137,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--model", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--image", default="zerogap:local", help="for docker-cpus=N set-ups")
     args = p.parse_args(argv)
     args.model = str(args.model or prepare_default_model())
     report = {"cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)), "loadavg_at_start": os.getloadavg()[0],

@@ -170,6 +170,20 @@ def tiny_llava_dir(smol_dir, tmp_path_factory) -> Path:
     return make_tiny_llava(smol_dir, tmp_path_factory.mktemp("tiny-llava"))
 
 
+# ---- the forward's CPU team keeps its size in tests -------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def fixed_cpu_team(request, monkeypatch):
+    """Engines built in a test keep their OpenMP team's size: the adaptive team's choice depends on how
+    loaded the machine is, and bf16 results (not fp32's) on the team size, so tests comparing two runs
+    would see the machine's load. Tests of the adaptation itself are marked `adaptive_team`."""
+    if request.node.get_closest_marker("adaptive_team") is None:
+        from service.engine import engine as engine_module
+
+        monkeypatch.setattr(engine_module, "AdaptiveTeam", lambda threads: None)
+
+
 # ---- missing tools: one line per group on a plain machine, a failure under CI ---------------------
 
 _MISSING: dict[str, int] = {}  # skip reason -> tests skipped for it (this run's, printed at its end)

@@ -128,63 +128,98 @@ def cpu_grant(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/pr
 
 
 class AdaptiveTeam:
-    """The forward's OpenMP team, shrunk to one thread while the granted CPUs are contended.
+    """The forward's OpenMP team size: the full team, or one thread while the granted CPUs are so
+    contended that one thread does the work faster, as measured.
 
-    A parallel region ends when its slowest member does. With a CPU hog (a noisy neighbour, another
-    container, a throttled quota) on a core, the team member there waits for its next time slice, and
-    the whole forward waits with it in every one of its hundreds of regions: a 2-thread team beside
-    one hog per core ran ~10x slower than quiet, where a fair share would cost 2x. A team of one
-    thread has no region to wait for, so it slows by about its share only.
+    A parallel region ends when its slowest member does. With a CPU hog on a core (a noisy neighbour,
+    another container, a throttled quota) the member there waits for its next time slice and the
+    forward waits with it, in every one of its hundreds of regions; a team of one waits for nothing
+    but its own slice. The signal is the team's CPU share: the process's CPU time over the forwards'
+    wall time per team thread (~1 quiet with busy steps, as workers spin between regions). When it
+    falls below `SHARE_LOW`, a probe runs `PROBE_STEPS` decode steps on one thread and keeps one
+    thread if they took at most `MARGIN` of the full team's recent steps at the same batch size
+    (by powers of two). On one thread, probes at the full size run every `probe_s` (doubling while
+    they lose, up to `PROBE_MAX_S`) and soon when the decode batch grows into a size class not
+    yet measured, so the full team comes back when the cores are free again. Prefill and mixed
+    steps are not compared (their time says nothing about a decode step's). Called on the thread
+    that runs the forwards (omp_set_num_threads is per thread).
+    """
 
-    The signal is the process's CPU time over the forwards' wall time per team thread (its share of
-    the team's CPUs, read with `time.process_time`: workers that spin count, workers waiting for a
-    slice do not). Quiet it is ~1; below `SHARE_MIN` over a window of forwards the team shrinks to one
-    thread. Every `probe_s` (doubling while the probes find contention, up to `PROBE_MAX_S`) a window
-    runs at the full size again, and the team stays full if its share is back. Called on the thread
-    that runs the forwards (omp_set_num_threads is per thread)."""
-
-    SHARE_MIN = 0.7
-    WINDOW_S = 0.4  # forward time per measurement
-    PROBE_FIRST_S, PROBE_MAX_S = 4.0, 64.0
+    PROBE_STEPS = 6
+    PROBE_FIRST_S, PROBE_MAX_S = 5.0, 60.0
+    MARGIN = 0.85
+    SHARE_LOW, SHARE_WINDOW_S = 0.6, 0.5
+    EMA = 0.3  # weight of a new step in a size class's recent step time
+    NEW_CLASS_SPACING_S = 1.0
 
     def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter,
-                 cpu_clock: Callable[[], float] = time.process_time, set_threads: Callable[[int], None] = torch.set_num_threads):
+                 cpu_clock: Callable[[], float] = time.process_time,
+                 set_threads: Callable[[int], None] = torch.set_num_threads):
         self.full = self.size = max(1, threads)
         self._clock, self._cpu_clock, self._set_threads = clock, cpu_clock, set_threads
-        self._wall = self._cpu = 0.0  # this window's forward wall time and process CPU time
         self._t0 = self._c0 = 0.0
+        self._wall = self._cpu = 0.0  # forward wall and process CPU time since the last share reading
+        self._recent: dict[int, float] = {}  # batch size class -> recent decode step time at this size
+        self._probe: list[tuple[int, float]] = []  # (size class, step time) of the probe's decode steps
+        self._probing_from: int | None = None  # the size a probe returns to if it loses
+        self._want_probe = False  # the share fell: probe one thread when next_probe comes
+        self._new_class = False  # on one thread, a decode batch of a size class not measured: probe soon
         self._probe_s = self.PROBE_FIRST_S
-        self._shrunk_at: float | None = None
+        self._next_probe = self._last_probe = clock()  # no periodic / share probe before next_probe
         self.last_share: float | None = None
-        self.changes = 0
+        self.changes = 0  # team size changes, probes included
 
     def forward_started(self) -> None:
         now = self._clock()
-        if self.size == 1 and self._shrunk_at is not None and now - self._shrunk_at >= self._probe_s:
-            self._resize(self.full)  # probe: is the full team's share back?
+        if self.full > 1 and self._probing_from is None:
+            due = now >= self._next_probe and (self._want_probe or (self.size == 1 and bool(self._recent)))
+            if due or (self._new_class and now >= self._last_probe + self.NEW_CLASS_SPACING_S):
+                self._want_probe = self._new_class = False
+                self._probing_from = self.size
+                self._resize(self.full if self.size == 1 else 1)
         self._t0, self._c0 = now, self._cpu_clock()
 
-    def forward_ended(self) -> None:
-        self._wall += self._clock() - self._t0
+    def forward_ended(self, decode_batch: int | None) -> None:
+        """decode_batch: the batch size of a decode step; None for other forwards."""
+        dt = self._clock() - self._t0
+        self._wall += dt
         self._cpu += self._cpu_clock() - self._c0
-        if self._wall < self.WINDOW_S:
+        if self._wall >= self.SHARE_WINDOW_S:
+            self.last_share = self._cpu / (self._wall * self.size)
+            self._wall = self._cpu = 0.0
+            if self.size == self.full > 1 and self.last_share < self.SHARE_LOW:
+                self._want_probe = True  # contended, perhaps: is one thread faster?
+        if decode_batch is None:
             return
-        share = self._cpu / (self._wall * self.size)
-        self._wall = self._cpu = 0.0
-        self.last_share = share
-        if self.size == 1 or self.full == 1:
+        key = decode_batch.bit_length()
+        if self._probing_from is not None:
+            self._probe.append((key, dt))
+            if len(self._probe) >= self.PROBE_STEPS:
+                self._end_probe()
             return
-        probing = self._shrunk_at is not None
-        if share < self.SHARE_MIN:
-            self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S) if probing else self.PROBE_FIRST_S
-            self._resize(1)
-            self._shrunk_at = self._clock()
-            if not probing:
-                log.info("CPUs contended (the forward got %.0f%% of %d threads' time): forward team shrunk to 1 thread",
-                         100 * share, self.full)
-        elif probing:
-            self._shrunk_at, self._probe_s = None, self.PROBE_FIRST_S
-            log.info("CPUs free again (%.0f%% share): forward team back to %d threads", 100 * share, self.full)
+        if self.size == 1 and key not in self._recent:
+            self._new_class = True  # a batch size not measured yet: the full team may be faster there
+        old = self._recent.get(key)
+        self._recent[key] = dt if old is None else (1 - self.EMA) * old + self.EMA * dt
+
+    def _end_probe(self) -> None:
+        probe, before = self._probe, self._probing_from
+        self._probe, self._probing_from = [], None
+        pairs = [(t, self._recent[k]) for k, t in probe if k in self._recent]
+        ratio = sum(t for t, _ in pairs) / sum(r for _, r in pairs) if pairs else 1.0
+        now = self._clock()
+        if ratio < self.MARGIN:  # the probe's size wins
+            log.info("forward team %d -> %d threads: its decode steps took %.0f%% of the time (CPU share %.0f%%)",
+                     before, self.size, 100 * ratio, 100 * (self.last_share or 0))
+            self._recent = {}
+            for k, t in probe:
+                self._recent.setdefault(k, t)
+            self._probe_s = self.PROBE_FIRST_S
+        else:
+            self._resize(before)
+            self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S)
+        self._want_probe = self._new_class = False
+        self._last_probe, self._next_probe = now, now + self._probe_s
 
     def _resize(self, n: int) -> None:
         self._set_threads(n)

@@ -158,7 +158,7 @@ class Engine:
             self.model,
             self.kv_pool,
             Sampler(args.max_running_requests, self.vocab_size, dev),
-            get_attention_backend(self.attention_backend),
+            get_attention_backend(self.attention_backend, cpu_team=None if self.device.is_cuda else torch.get_num_threads()),
             self.timeline,
             self.device,
             cpu_team=None if self.device.is_cuda or not args.adapt_cpu_team else AdaptiveTeam(torch.get_num_threads()),

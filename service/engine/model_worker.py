@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from service.core.device import CPU, Device
-from service.core.forward_batch import BatchResult, ForwardBatch, LogitsOutput
+from service.core.forward_batch import BatchResult, ForwardBatch, ForwardMode, LogitsOutput
 from service.engine.cpu_threads import AdaptiveTeam
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
@@ -113,7 +113,7 @@ class ModelWorker:
             if extra is not None:
                 extras[feature.name] = extra
         if self.cpu_team is not None:
-            self.cpu_team.forward_ended()
+            self.cpu_team.forward_ended(fb.batch_size if fb.mode is ForwardMode.DECODE else None)
         self.timeline.add(
             FORWARD_TID, f"{label} {fb.mode.value}", start, time.perf_counter(), {"bs": fb.batch_size, "tokens": int(input_ids.numel())}
         )

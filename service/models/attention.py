@@ -90,8 +90,9 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, use_kernel: bool = True):
+    def __init__(self, use_kernel: bool = True, team: int | None = None):
         self.use_kernel = use_kernel
+        self.team = team  # the engine's full CPU team: the kernels split work by it, whatever size it runs at
 
     def prepare(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
@@ -104,13 +105,14 @@ class TorchAttention:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
             req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
-            meta.kernel = cpu_kernels.PagedAttention(fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc)
+            meta.kernel = cpu_kernels.PagedAttention(fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc,
+                                                     team=self.team)
         elif self.use_kernel and on_cpu and not decode and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available():
-            self._split_short_rows(meta)
+            self._split_short_rows(meta, self.team)
         return meta
 
     @staticmethod
-    def _split_short_rows(meta: AttentionMeta) -> None:
+    def _split_short_rows(meta: AttentionMeta, team: int | None) -> None:
         lens = meta.fb.extend_lens or []
         short = [r for r, n in enumerate(lens) if n <= KERNEL_MAX_EXTEND]
         if not short:
@@ -119,7 +121,7 @@ class TorchAttention:
         meta.short_q = torch.tensor([starts[r] + j for r in short for j in range(lens[r])], dtype=torch.int64)
         req_of = torch.tensor([r for r in short for _ in range(lens[r])], dtype=torch.int64)
         meta.short_kernel = cpu_kernels.PagedAttention(meta.fb.kv_indices, req_of, meta.fb.positions.index_select(0, meta.short_q),
-                                                       meta.sliding_window)
+                                                       meta.sliding_window, team=team)
 
     def forward(
         self,

@@ -26,11 +26,12 @@ def resolve_attention_backend(name: str, device: Device) -> str:
     return name
 
 
-def get_attention_backend(name: str) -> Any:
+def get_attention_backend(name: str, cpu_team: int | None = None) -> Any:
+    """cpu_team: the engine's full CPU team size (the native kernels' work split follows it)."""
     if name in ("torch", "torch-sdpa"):
         from service.models.attention import TorchAttention
 
-        return TorchAttention(use_kernel=name == "torch")
+        return TorchAttention(use_kernel=name == "torch", team=cpu_team)
     if name == "triton":
         from service.models.triton_attention import TritonAttention
 

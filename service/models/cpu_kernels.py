@@ -68,7 +68,7 @@ def _build() -> ctypes.CDLL:
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # each has a _bf16 and an _f32 variant
     "paged_attention": (_INT, [_P, _I64] + [_P] * 3 + [_I64] + [_P] * 2 + [_I64] * 4 + [_F32, _I64, _P, _INT]
-                        + [_P, _P, _I64, _P, _I64]),
+                        + [_P, _P, _I64, _P, _I64, _I64]),
     "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
     "rms_norm": (None, [_P, _P, _P, _F32, _I64, _I64, _P, _P, _INT]),
     "rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
@@ -118,6 +118,8 @@ class PagedAttention:
         pos_of: torch.Tensor,  # [n] int64 absolute position of each query
         window: int | None,
         new_loc: torch.Tensor | None = None,  # [m] int64: where this step's K/V rows go
+        team: int | None = None,  # the engine's full team size (default: this thread's); the bf16 row items need
+        # 4 query rows per thread of it (a fixed choice: the results do not change when the team shrinks)
     ):
         assert load() is not None
         self._keep = (table, req_of, pos_of, new_loc)  # the pointers below stay valid while this lives
@@ -127,6 +129,7 @@ class PagedAttention:
         self._window = window or 0
         self._new_loc = new_loc.data_ptr() if self.m else None
         self._threads = torch.get_num_threads()
+        self._row_min = 4 * (team or self._threads)
 
     def __call__(
         self,
@@ -151,7 +154,7 @@ class PagedAttention:
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *self._batch_args,
             hq, k_cache.shape[1], d, scale, self._window, out.data_ptr(), self._threads,
             k_new.data_ptr() if m else None, v_new.data_ptr() if m else None, k_new.stride(0) if m else 0,
-            self._new_loc, m,
+            self._new_loc, m, self._row_min,
         )
         if rc != 0:
             raise ValueError(f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")

@@ -1,8 +1,8 @@
 """Every CPU path checks what it needs (service/models/cpu_features.py, service/engine/cpu_threads.py).
 
 The CPU-specific tests run once more with AVX-512 forced off (ZEROGAP_CPU_ISA=avx2, torch's and
-oneDNN's own caps too), so an AVX2-only machine's paths (plain bf16 linears, the portable kernel
-variant, `--dtype auto` -> float32) are covered on any machine.
+oneDNN's own caps too) and once without AVX-512 BF16/AMX, so an AVX2-only machine's paths (plain
+bf16 linears, the portable kernel variant, `--dtype auto` -> float32) are covered on any machine.
 """
 
 from __future__ import annotations
@@ -134,72 +134,139 @@ def test_bfloat16_runs_where_it_is_emulated_and_says_so(tiny_llama_dir, caplog):
 
 # ---- the CPU-specific tests once more, as an AVX2-only machine runs them -------------------------
 
-AVX2_PASS = [
+CAPPED_PASS = [
     "tests/models/test_cpu_features.py",
     "tests/models/test_cpu_speed_paths.py",
     "tests/engine/test_extend_rows.py",
     "tests/features/test_multimodal.py::test_bfloat16_engine_serves_images",
 ]
+CAPS = {  # ZEROGAP_CPU_ISA -> the environment that makes torch and oneDNN see the same CPU
+    "avx2": AVX2_ENV,  # a Zen 3 or an Intel client CPU: no AVX-512 of any kind
+    "avx512": {"ZEROGAP_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+}
 
 
-@pytest.mark.skipif(os.environ.get("ZEROGAP_CPU_ISA") == "avx2", reason="this is the AVX-512-off pass itself")
-def test_cpu_paths_pass_with_avx512_forced_off(tmp_path):
-    env = {**os.environ, **AVX2_ENV}  # the kernels' cache key holds their flags: an AVX2 build of its own
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *AVX2_PASS],
+@pytest.mark.parametrize("cap", sorted(CAPS))
+def test_cpu_paths_pass_with_extensions_forced_off(cap):
+    """The CPU-specific tests once more, as a CPU without AVX-512 (avx2) or without BF16/AMX (avx512)
+    runs them: plain bf16 linears or oneDNN's emulated bf16, the kernels' other variants, auto -> fp32."""
+    if os.environ.get("ZEROGAP_CPU_ISA"):
+        pytest.skip("this is a capped pass itself")
+    if cap == "avx512" and not cf.cpu_features().avx512:
+        pytest.skip("the AVX-512 variant exists only on an AVX-512 CPU; this one ran the avx2 pass")
+    env = {**os.environ, **CAPS[cap]}  # the kernels' cache key holds their flags: a build of their own
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *CAPPED_PASS],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
-    assert " failed" not in r.stdout.splitlines()[-1], tail
+    assert " passed" in r.stdout.splitlines()[-1] and " failed" not in r.stdout.splitlines()[-1], tail
 
 
-class FakeClocks:
-    """Wall and process-CPU clocks that a test advances: each forward takes `wall` seconds and the
-    process gets `share` of the team's threads over it."""
+class FakeCpus:
+    """Clocks a test advances: a forward of `tokens` takes what the team's size costs per token on
+    quiet or contended CPUs, and the process gets that share of the team's threads meanwhile."""
+
+    COST = {(False, 2): 1.0e-3, (False, 1): 1.8e-3, (True, 2): 6.0e-3, (True, 1): 2.2e-3}  # s per token
+    SHARE = {(False, 2): 0.97, (False, 1): 0.99, (True, 2): 0.35, (True, 1): 0.5}
 
     def __init__(self):
         self.wall = self.cpu = 0.0
+        self.contended = False
         self.sizes: list[int] = []
 
-    def forward(self, team, wall: float, share: float) -> None:
+    def forward(self, team, tokens: int, decode: bool) -> None:
         team.forward_started()
-        self.wall += wall
-        self.cpu += wall * share * team.size
-        team.forward_ended()
+        key = (self.contended, team.size)
+        dt = self.COST[key] * tokens * (1 if decode else 0.2)  # a prefill token costs far less
+        self.wall += dt
+        self.cpu += dt * self.SHARE[key] * team.size
+        team.forward_ended(tokens if decode else None)
+
+    def run(self, team, seconds: float) -> None:
+        """Decode steps at a few batch sizes, a prefill now and then (which a fair measure ignores)."""
+        end, i = self.wall + seconds, 0
+        while self.wall < end:
+            i += 1
+            self.forward(team, 200 if i % 7 == 0 else 8 + (i // 50) % 3, decode=i % 7 != 0)
 
 
 def make_team(threads: int = 2):
     from service.engine.cpu_threads import AdaptiveTeam
 
-    clocks = FakeClocks()
-    team = AdaptiveTeam(threads, clock=lambda: clocks.wall, cpu_clock=lambda: clocks.cpu, set_threads=clocks.sizes.append)
-    return team, clocks
+    cpus = FakeCpus()
+    team = AdaptiveTeam(threads, clock=lambda: cpus.wall, cpu_clock=lambda: cpus.cpu, set_threads=cpus.sizes.append)
+    return team, cpus
 
 
-def test_team_stays_full_while_the_cpus_are_quiet():
-    team, clocks = make_team()
-    for _ in range(200):
-        clocks.forward(team, 0.02, 0.97)
-    assert team.size == 2 and clocks.sizes == [] and team.last_share == pytest.approx(0.97)
+def test_team_stays_full_on_quiet_cpus_without_probing():
+    team, cpus = make_team()
+    cpus.run(team, 300)
+    assert team.size == 2 and team.last_share == pytest.approx(0.97) and cpus.sizes == []
 
 
-def test_team_shrinks_under_contention_and_probes_back():
-    team, clocks = make_team()
-    for _ in range(30):
-        clocks.forward(team, 0.05, 0.35)  # a hog on each core: the team waits for its members' slices
-    assert team.size == 1 and clocks.sizes == [1]
-    # Contended still: every probe (a window at full size) finds it so, and they grow rarer.
-    for _ in range(600):
-        clocks.forward(team, 0.05, 0.5 if team.size == 1 else 0.35)
-    probes = clocks.sizes.count(2)
-    assert team.size == 1 and 2 <= probes <= 5, clocks.sizes  # 30 s: probes after 4, 8, 16 s (not every window)
-    # The hogs are gone: the next probe finds the full share and stays.
-    for _ in range(2000):
-        clocks.forward(team, 0.05, 0.97)
-    assert team.size == 2 and clocks.sizes[-1] == 2
+def test_a_low_share_alone_does_not_shrink_the_team():
+    """Small steps leave the workers asleep between regions (a low share, quiet CPUs): the probes find
+    one thread no faster, stay full, and come ever more rarely."""
+    team, cpus = make_team()
+    cpus.SHARE = {**FakeCpus.SHARE, (False, 2): 0.5}
+    cpus.run(team, 300)
+    assert team.size == 2 and 4 <= cpus.sizes.count(1) <= 9, cpus.sizes  # after 5, 10, 20, 40, 60, 60... s
+
+
+def test_team_shrinks_under_contention_and_grows_back():
+    team, cpus = make_team()
+    cpus.run(team, 20)
+    cpus.contended = True  # a hog on each core
+    cpus.run(team, 3)  # the low CPU share starts a probe at once: one thread is cheaper per token
+    assert team.size == 1
+    cpus.run(team, 120)
+    assert team.size == 1  # the probes at the full size keep losing
+    cpus.contended = False
+    cpus.run(team, 70)  # the next probe (at most 60 s away) finds the full team cheaper again
+    assert team.size == 2
+
+
+def test_a_new_batch_size_class_on_one_thread_probes_the_full_team_at_once():
+    team, cpus = make_team()
+    cpus.contended = True
+    cpus.run(team, 10)
+    assert team.size == 1
+    cpus.contended = False
+    start = len(cpus.sizes)
+    for _ in range(40):
+        cpus.forward(team, 40, decode=True)  # a batch of 40: not measured at this size yet
+    assert team.size == 2 and cpus.sizes[start:] == [2], cpus.sizes
 
 
 def test_a_single_thread_team_never_changes():
-    team, clocks = make_team(1)
-    for _ in range(100):
-        clocks.forward(team, 0.05, 0.2)
-    assert team.size == 1 and clocks.sizes == []
+    team, cpus = make_team(1)
+    cpus.contended = True
+    cpus.run(team, 60)
+    assert team.size == 1 and cpus.sizes == []
+
+
+@pytest.mark.adaptive_team
+def test_engine_results_do_not_change_when_the_team_changes_size(tiny_llama_dir, monkeypatch):
+    """A team forced to change size at every probe gives the fp32 greedy tokens of a fixed team."""
+    from service.engine.cpu_threads import AdaptiveTeam
+
+    prompts = [[5 + i * 7 + j for j in range(2 + 9 * i)] for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    fixed = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8, adapt_cpu_team=False),
+                       tiny_llama_dir)
+    try:
+        want = [collect(o)[0] for o in fixed.generate(prompts, greedy)]
+    finally:
+        fixed.close()
+    for name, value in (("SHARE_LOW", 2.0), ("MARGIN", 100.0), ("PROBE_FIRST_S", 0.0), ("PROBE_MAX_S", 0.0),
+                        ("SHARE_WINDOW_S", 0.0), ("PROBE_STEPS", 2)):
+        monkeypatch.setattr(AdaptiveTeam, name, value)  # every probe wins: the size flips every few steps
+    flipping = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8), tiny_llama_dir)
+    try:
+        got = [collect(o)[0] for o in flipping.generate(prompts, greedy)]
+        team = flipping.engine.worker.cpu_team
+    finally:
+        flipping.close()
+    assert got == want
+    if torch.get_num_threads() > 1:
+        assert team is not None and team.changes >= 4

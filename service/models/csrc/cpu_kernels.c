@@ -314,8 +314,10 @@ DEFINE_ROW_ITEM(bf16_row_item_d128, 4)
 static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                                const int64_t *table, int64_t table_stride, const int64_t *req_of,
                                const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d,
-                               float scale, int64_t window, uint16_t *out, int nthreads) {
-    if ((d != 64 && d != 128) || hq > ROW_MAX_HQ || n_q < 4 * (int64_t)nthreads) return 0;
+                               float scale, int64_t window, uint16_t *out, int nthreads, int64_t row_min) {
+    /* row_min (4 rows per thread of the engine's full team, so the choice, and so the rounding,
+     * does not change when the team shrinks): fewer rows take the (row, head) items. */
+    if ((d != 64 && d != 128) || hq > ROW_MAX_HQ || n_q < row_min) return 0;
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")
     for (int64_t i = 0; i < n_q; i++) {
         const int64_t pos = pos_of[i];
@@ -388,7 +390,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
     int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *table, int64_t table_stride,         \
              const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
              float scale, int64_t window, T *out, int nthreads, const T *k_new, const T *v_new,             \
-             int64_t new_stride, const int64_t *new_loc, int64_t n_new) {                                   \
+             int64_t new_stride, const int64_t *new_loc, int64_t n_new, int64_t row_min) {                  \
         if (d > MAX_D || hq % hkv != 0 || hq / hkv > MAX_G) return -1;                                      \
         /* Store this step's K/V rows first (the barrier at the loop's end orders it before reads). */      \
         _Pragma("omp parallel for schedule(static) num_threads(nthreads)")                                 \
@@ -396,7 +398,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
             memcpy(k + new_loc[r] * hkv * d, k_new + r * new_stride, hkv * d * sizeof(T));                  \
             memcpy(v + new_loc[r] * hkv * d, v_new + r * new_stride, hkv * d * sizeof(T));                  \
         }                                                                                                   \
-        if (ROWS(q, q_stride, k, v, table, table_stride, req_of, pos_of, n_q, hq, hkv, d, scale, window, out, nthreads)) \
+        if (ROWS(q, q_stride, k, v, table, table_stride, req_of, pos_of, n_q, hq, hkv, d, scale, window, out, nthreads, row_min)) \
             return 0;                                                                                       \
         const int64_t g = hq / hkv;                                                                         \
         const int64_t items = n_q * hkv;                                                                    \
