@@ -90,9 +90,11 @@ def _compose_command() -> list[str] | None:
 def compose_cmd() -> list[str]:
     _need(shutil.which("docker") is not None, f"docker not installed: {INSTALL}")
     info = _run(["docker", "info", "--format", "{{.ServerVersion}}"], 30, check=False)
-    _need(
-        info.returncode == 0, f"no Docker daemon answers (start dockerd as root): {info.stderr.strip()[:200]}"
-    )
+    if info.returncode != 0:
+        why = " ".join(info.stderr.split())[:160]
+        if shutil.which("dockerd") is None:
+            _need(False, f"no Docker daemon answers and none is installed: {INSTALL} [{why}]")
+        _need(False, f"no Docker daemon answers: start it as root (`dockerd &`; .ci/run does) [{why}]")
     cmd = _compose_command()
     _need(cmd is not None, f"neither `docker compose` nor docker-compose installed: {INSTALL}")
     return cmd
