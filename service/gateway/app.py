@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,6 +26,9 @@ from starlette.routing import Route
 from service.gateway import protocol as p
 from service.gateway.errors import APIError
 from zerogap.client import AsyncClient, AsyncStream, ChannelOptions, Completion, Delta, ZerogapError
+
+if TYPE_CHECKING:
+    import grpc
 
 T = TypeVar("T")
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request"; never reaches the (gone) client
@@ -38,6 +41,7 @@ class GatewayConfig:
     default_max_tokens: int | None = None  # chat completions without max_tokens (None: the service's default)
     timeout_s: float | None = 600.0  # gRPC deadline of one generation
     channel: ChannelOptions = ChannelOptions()
+    credentials: grpc.ChannelCredentials | None = None  # TLS to grpc_target (None: plaintext)
 
 
 class ClientGone(Exception):
@@ -75,7 +79,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self.client = AsyncClient(self.config.grpc_target, self.config.channel, timeout=self.config.timeout_s)
+        self.client = AsyncClient(
+            self.config.grpc_target, self.config.channel, timeout=self.config.timeout_s,
+            credentials=self.config.credentials,
+        )
         try:
             yield
         finally:

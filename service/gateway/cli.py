@@ -37,19 +37,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=600.0,
         help="deadline of one generation in seconds (default %(default)s)",
     )
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle: reach --grpc over TLS (default: plaintext)")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = p.parse_args(argv)
     if args.timeout <= 0:
         p.error("--timeout must be positive")
+    if (args.tls_cert or args.tls_key) and not args.tls_ca:
+        p.error("--tls-cert/--tls-key need --tls-ca")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
     return args
+
+
+def credentials(args: argparse.Namespace):
+    """grpc.ChannelCredentials for --tls-ca (and the client certificate), None without it."""
+    if not args.tls_ca:
+        return None
+    import grpc
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
 
 
 def main(argv: list[str]) -> int:
     import uvicorn
 
     args = parse_args(argv)
-    config = GatewayConfig(args.grpc, args.served_model_name, args.default_max_tokens, args.timeout)
-    print(f"zerogap gateway on http://{args.host}:{args.port} -> grpc {args.grpc}", flush=True)
+    config = GatewayConfig(
+        args.grpc, args.served_model_name, args.default_max_tokens, args.timeout, credentials=credentials(args)
+    )
+    tls = " (TLS)" if config.credentials is not None else ""
+    print(f"zerogap gateway on http://{args.host}:{args.port} -> grpc {args.grpc}{tls}", flush=True)
     uvicorn.run(
         create_app(config),
         host=args.host,

@@ -386,6 +386,25 @@ def test_compose_tls_override_validates_and_wires() -> None:
     build_arg_parser().parse_args(cmd[4:])  # every flag is one `serve` knows
     assert any(v.startswith("./deploy/nginx-tls.conf:/etc/nginx/nginx.conf") for v in svc["lb"]["volumes"])
     assert "ZEROGAP_AUTH_TOKENS" in _compose()["services"]["zerogap"]["environment"]
+    # The gateway follows the LB onto TLS (nginx-tls.conf listens on 8443 only).
+    from service.gateway.cli import parse_args
+
+    gw = svc["gateway"]["command"]
+    assert gw[:4] == ["python", "-m", "service", "gateway"]
+    args = parse_args(gw[4:])
+    assert args.grpc == "lb:8443" and args.tls_ca == "/certs/ca.pem"
+
+
+def test_gateway_tls_flags(stack_certs) -> None:
+    from service.gateway.cli import credentials, parse_args
+
+    assert credentials(parse_args([])) is None
+    args = parse_args(["--tls-ca", str(stack_certs / "ca.pem"), "--tls-cert", str(stack_certs / "client.pem"),
+                       "--tls-key", str(stack_certs / "client.key")])
+    assert isinstance(credentials(args), grpc.ChannelCredentials)
+    for bad in (["--tls-cert", "c.pem", "--tls-key", "k.pem"], ["--tls-ca", "ca.pem", "--tls-cert", "c.pem"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,437 @@
+"""The docker-compose stack, built and run for real (marker `compose`).
+
+tests/test_stack.py checks the same files without Docker; this module builds the
+image (Dockerfile), brings docker-compose.yml up with Docker Engine and Compose
+(v2 `docker compose`, or v1.29 `docker-compose --compatibility`, Debian
+bookworm's), and talks to it from the host:
+
+* health through the LB; gRPC Generate and GenerateStream through the LB reach
+  both replicas (the LB's access log names the upstream of every call);
+* the OpenAI SDK through the gateway: chat, stream, response_format json_schema;
+* one replica stopped: calls through the LB and the gateway keep succeeding;
+* `down` leaves no container, network or volume of the project;
+* deploy/compose.tls.yml on top: TLS to the LB, mutual TLS between the LB and
+  the replicas (a replica refuses a client without a certificate), the gateway
+  over TLS.
+
+Base images that no registry supplies are made by .ci/base-images.sh (Debian
+bookworm via debootstrap, tagged python:3.11-slim and nginx:1.27). A
+torch-2.13.0+cpu wheel found in $PIP_FIND_LINKS or /opt/wheels is linked into
+.wheels/ so that the build needs no access to the CPU wheel index.
+
+Without Docker the module is skipped with what to install; under CI (CI set)
+a missing tool fails it instead. Host ports are free ones on 127.0.0.1; each
+run uses its own compose project name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from service import healthcheck, protos
+from tests.helpers import PERSON_SCHEMA, free_port, wait_until
+
+pytestmark = pytest.mark.compose
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+BUILD_TIMEOUT_S = 2400  # a cold build on 2 busy cores: deps, model conversion
+UP_TIMEOUT_S = 600  # two replicas loading the model on 2 cores, then the LB and the gateway
+INSTALL = "apt-get install docker.io docker-compose (.ci/run installs them and starts dockerd)"
+HI = [{"role": "user", "content": "Say hi."}]
+
+_timings: dict[str, float] = {}
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+def _run(
+    cmd: list[str], timeout: float, env: dict | None = None, check: bool = True, **kw
+) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False, **kw
+    )
+    if check and r.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+        )
+    return r
+
+
+def _compose_command() -> list[str] | None:
+    """`docker compose` (v2) if the plugin is there, else `docker-compose` (v1 gets --compatibility:
+    deploy.replicas)."""
+    if _run(["docker", "compose", "version"], 30, check=False).returncode == 0:
+        return ["docker", "compose"]
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        return None
+    out = _run([exe, "version", "--short"], 30, check=False).stdout.strip()
+    return [exe, "--compatibility"] if out.startswith("1.") else [exe]
+
+
+@pytest.fixture(scope="module")
+def compose_cmd() -> list[str]:
+    _need(shutil.which("docker") is not None, f"docker not installed: {INSTALL}")
+    info = _run(["docker", "info", "--format", "{{.ServerVersion}}"], 30, check=False)
+    if info.returncode != 0:
+        why = " ".join(info.stderr.split())[:160]
+        if shutil.which("dockerd") is None:
+            _need(False, f"no Docker daemon answers and none is installed: {INSTALL} [{why}]")
+        _need(False, f"no Docker daemon answers: start it as root (`dockerd &`; .ci/run does) [{why}]")
+    cmd = _compose_command()
+    _need(cmd is not None, f"neither `docker compose` nor docker-compose installed: {INSTALL}")
+    return cmd
+
+
+@pytest.fixture(scope="module")
+def image(compose_cmd, request) -> str:
+    """zerogap:local built from this checkout (base images made first when no registry has them)."""
+    missing = [
+        i
+        for i in ("python:3.11-slim", "nginx:1.27")
+        if _run(["docker", "image", "inspect", i], 30, check=False).returncode != 0
+    ]
+    if missing:
+        r = _run(["bash", str(ROOT / ".ci" / "base-images.sh")], 1200, check=False)
+        _need(
+            r.returncode == 0,
+            f"base images {missing} unavailable (no registry, and .ci/base-images.sh "
+            f"needs root and debootstrap): {r.stderr.strip()[-300:]}",
+        )
+    wheels = ROOT / ".wheels"
+    if not list(wheels.glob("torch-2.13.0+cpu-*.whl")):
+        dirs = [d for d in os.environ.get("PIP_FIND_LINKS", "").split() if d] + ["/opt/wheels"]
+        found = next((Path(d) / TORCH_WHEEL for d in dirs if (Path(d) / TORCH_WHEEL).is_file()), None)
+        if found is not None:
+            try:
+                os.link(found, wheels / TORCH_WHEEL)
+            except OSError:
+                shutil.copy(found, wheels / TORCH_WHEEL)
+    t0 = time.monotonic()
+    _run([*compose_cmd, "-p", "zerogap-build", "build", "zerogap"], BUILD_TIMEOUT_S)
+    _timings["image build"] = time.monotonic() - t0
+    return "zerogap:local"
+
+
+class Stack:
+    """One compose project (its own name and host ports) of docker-compose.yml [+ overrides]."""
+
+    def __init__(self, compose_cmd: list[str], name: str, files: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.cmd = [*compose_cmd, "-p", name] + [a for f in files for a in ("-f", f)]
+        self.env = {**os.environ, "ZEROGAP_AUTH_TOKENS": "", **env}
+        self.up_done = False
+
+    def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        return _run([*self.cmd, *args], timeout, env=self.env, check=check)
+
+    def up(self) -> float:
+        t0 = time.monotonic()
+        self.up_done = True
+        self.compose("up", "-d", "--no-build", timeout=UP_TIMEOUT_S)
+        return time.monotonic() - t0
+
+    def down(self) -> None:
+        if self.up_done:
+            self.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=180, check=False)
+
+    def containers(self, service: str) -> list[str]:
+        """The running containers of `service` (compose v1's `ps -q` lists stopped ones too)."""
+        labels = [
+            f"label=com.docker.compose.project={self.name}",
+            f"label=com.docker.compose.service={service}",
+        ]
+        return sorted(
+            _run(
+                ["docker", "ps", "-q", "--no-trunc", *(a for f in labels for a in ("--filter", f))], 30
+            ).stdout.split()
+        )
+
+    def ip(self, container: str) -> str:
+        fmt = "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}"
+        return _run(["docker", "inspect", "-f", fmt, container], 30).stdout.split()[0]
+
+    def logs(self, service: str) -> str:
+        return self.compose("logs", "--no-color", service, timeout=60).stdout
+
+    def tail_logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40", timeout=60, check=False).stdout[-8000:]
+
+    def upstreams(self, method: str) -> set[str]:
+        """Replica IPs the LB sent `zerogap.v1.Generation/<method>` calls to (its access log)."""
+        pat = re.compile(
+            rf'"POST /zerogap\.v1\.Generation/{method} HTTP/2\.0" \d+ grpc-status=\S* upstream=(.*?) rt='
+        )
+        return {
+            a.strip().rsplit(":", 1)[0] for m in pat.finditer(self.logs("lb")) for a in m.group(1).split(",")
+        }
+
+    def leftovers(self) -> list[str]:
+        """Containers (running or not), networks and volumes of the project, by label and by name."""
+        label = f"label=com.docker.compose.project={self.name}"
+        out = []
+        for kind, field, extra in (
+            ("container", "{{.Names}}", ["-a"]),
+            ("network", "{{.Name}}", []),
+            ("volume", "{{.Name}}", []),
+        ):
+            names = _run(["docker", kind, "ls", *extra, "--format", field], 30).stdout.split()
+            out += [f"{kind} {n}" for n in names if n.startswith((f"{self.name}_", f"{self.name}-"))]
+            labelled = _run(["docker", kind, "ls", *extra, "--filter", label, "--format", field], 30)
+            out += [f"{kind} {n}" for n in labelled.stdout.split()]
+        return sorted(set(out))
+
+
+def _gateway_health(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=4) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _lb_serving(port: int, sec: healthcheck.Security) -> bool:
+    try:
+        return healthcheck.check("127.0.0.1", port, timeout=3, sec=sec) == "SERVING"
+    except grpc.RpcError:
+        return False
+
+
+def _bring_up(stack: Stack, lb_port: int, gw_port: int, sec: healthcheck.Security, what: str) -> None:
+    """`up -d`, then wait for the LB's health and the gateway; on failure: the logs, and down."""
+    t0 = time.monotonic()
+    try:
+        try:
+            _timings[f"{what} `up -d`"] = stack.up()
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{stack.tail_logs()}") from None
+        ready = wait_until(lambda: _lb_serving(lb_port, sec) and _gateway_health(gw_port), 180, 1.0)
+        _timings[f"{what} up to LB and gateway ready"] = time.monotonic() - t0
+        assert ready, f"the stack did not become ready:\n{stack.compose('ps').stdout}\n{stack.tail_logs()}"
+    except BaseException:
+        stack.down()
+        raise
+
+
+@pytest.fixture(scope="module")
+def timings(request):
+    yield _timings
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if tr is not None and capture is not None and _timings:
+        with capture.global_and_fixture_disabled():  # shown on the terminal, not captured
+            tr.write_line("\ncompose stack: " + ", ".join(f"{k} {v:.0f} s" for k, v in _timings.items()))
+
+
+@pytest.fixture(scope="module")
+def stack(compose_cmd, image, timings):
+    lb, gw = free_port(), free_port()
+    s = Stack(
+        compose_cmd,
+        f"zgtest{os.getpid()}",
+        ["docker-compose.yml"],
+        {"ZEROGAP_LB_PORT": f"127.0.0.1:{lb}", "ZEROGAP_GATEWAY_PORT": f"127.0.0.1:{gw}"},
+    )
+    s.lb_port, s.gw_port = lb, gw
+    _bring_up(s, lb, gw, healthcheck.Security(), "stack")
+    try:
+        yield s
+    finally:
+        s.down()
+
+
+# --------------------------------------------------------------------------
+# The plain stack: two replicas, nginx, the gateway
+
+
+def test_health_through_the_lb(stack) -> None:
+    assert healthcheck.main(["--host", "127.0.0.1", "--port", str(stack.lb_port)]) == 0
+    assert len(stack.containers("zerogap")) == 2, stack.compose("ps").stdout
+    assert _gateway_health(stack.gw_port)
+    # The smoke client of the compose file (profile "client"), on the compose network.
+    r = stack.compose("run", "--rm", "--no-deps", "client", timeout=120, check=False)
+    assert r.returncode == 0 and "SERVING" in r.stdout, r.stdout + r.stderr
+
+
+def test_generate_and_stream_reach_both_replicas(stack) -> None:
+    from zerogap.client import GREEDY, Client
+
+    replicas = {stack.ip(c) for c in stack.containers("zerogap")}
+    assert len(replicas) == 2
+    with Client(f"127.0.0.1:{stack.lb_port}", timeout=120) as c:
+        done = [c.generate("Once upon a time", GREEDY, max_new_tokens=8) for _ in range(6)]
+        streams = []
+        for _ in range(6):
+            deltas = list(c.stream("Once upon a time", GREEDY, max_new_tokens=8))
+            streams.append(deltas)
+    assert {d.text for d in done} == {done[0].text} and done[
+        0
+    ].completion_tokens == 8  # both serve the same model
+    for deltas in streams:
+        assert len(deltas) > 1 and "".join(d.text for d in deltas) == done[0].text
+    methods = ("Generate", "GenerateStream")
+    assert wait_until(lambda: all(replicas <= stack.upstreams(m) for m in methods), 10, 0.5), (
+        replicas,
+        {m: stack.upstreams(m) for m in methods},
+    )
+
+
+def test_openai_sdk_through_the_gateway(stack) -> None:
+    import jsonschema
+    import openai
+
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{stack.gw_port}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as oai:
+        model = oai.models.list().data[0].id
+        r = oai.chat.completions.create(model=model, messages=HI, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content and r.usage.completion_tokens > 0
+        chunks = list(
+            oai.chat.completions.create(model=model, messages=HI, max_tokens=12, temperature=0, stream=True)
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert len(chunks) > 2 and text == r.choices[0].message.content
+        r = oai.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            max_tokens=48,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+            },
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+
+
+def test_stopping_one_replica_keeps_calls_succeeding(stack) -> None:
+    import openai
+
+    from zerogap.client import GREEDY, Client
+
+    victim, survivor = stack.containers("zerogap")
+    _run(["docker", "stop", "-t", "10", victim], 60)
+    assert stack.containers("zerogap") == [survivor]
+    with Client(f"127.0.0.1:{stack.lb_port}", timeout=60) as c:
+        for _ in range(6):
+            assert c.generate("Once upon a time", GREEDY, max_new_tokens=4).completion_tokens == 4
+            assert "".join(d.text for d in c.stream("Hello", GREEDY, max_new_tokens=4))
+    for _ in range(3):  # fresh connections too
+        assert healthcheck.check("127.0.0.1", stack.lb_port, timeout=30) == "SERVING"
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{stack.gw_port}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as oai:
+        for _ in range(3):
+            r = oai.chat.completions.create(model=oai.models.list().data[0].id, messages=HI, max_tokens=4)
+            assert r.usage.completion_tokens > 0
+    assert stack.ip(survivor) in stack.upstreams("Generate")
+
+
+def test_down_leaves_nothing(stack) -> None:
+    assert stack.leftovers(), "the running stack should be visible by its project name"
+    stack.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=180)
+    assert stack.leftovers() == []
+
+
+# --------------------------------------------------------------------------
+# deploy/compose.tls.yml: TLS to the LB, mutual TLS inside
+
+_NO_CLIENT_CERT = """
+import grpc, sys
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+ca = open("/certs/ca.pem", "rb").read()
+opts = [("grpc.ssl_target_name_override", "zerogap")]
+for creds in (grpc.ssl_channel_credentials(ca), None):
+    addr = "127.0.0.1:50051"
+    ch = grpc.secure_channel(addr, creds, opts) if creds else grpc.insecure_channel(addr)
+    try:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        print("ACCEPTED"); sys.exit(1)
+    except grpc.RpcError as e:
+        print("REFUSED", e.code().name)
+"""
+
+
+@pytest.fixture(scope="module")
+def tls_stack(compose_cmd, image, timings, tmp_path_factory):
+    _need(shutil.which("openssl") is not None, "openssl not installed: apt-get install openssl")
+    certs = tmp_path_factory.mktemp("stack-certs")
+    _run(["sh", str(ROOT / "deploy" / "make-certs.sh"), str(certs)], 60)
+    certs.chmod(0o755)  # mounted into the containers, read by their non-root users
+    lb, gw = free_port(), free_port()
+    s = Stack(
+        compose_cmd,
+        f"zgtls{os.getpid()}",
+        ["docker-compose.yml", "deploy/compose.tls.yml"],
+        {
+            "ZEROGAP_LB_PORT": f"127.0.0.1:{free_port()}",
+            "ZEROGAP_GATEWAY_PORT": f"127.0.0.1:{gw}",
+            "ZEROGAP_TLS_PORT": f"127.0.0.1:{lb}",
+            "ZEROGAP_CERTS": str(certs),
+        },
+    )
+    s.lb_port, s.gw_port, s.certs = lb, gw, certs
+    s.sec = healthcheck.Security(tls_ca=str(certs / "ca.pem"), tls_server_name="lb")
+    _bring_up(s, lb, gw, s.sec, "TLS stack")
+    try:
+        yield s
+    finally:
+        s.down()
+
+
+def test_tls_stack_mutual_tls_inside(tls_stack) -> None:
+    s = tls_stack
+    pb2, pb2_grpc = protos.load()
+    replicas = {s.ip(c) for c in s.containers("zerogap")}
+    assert len(replicas) == 2
+    with healthcheck.channel(f"127.0.0.1:{s.lb_port}", s.sec) as ch:
+        stub = pb2_grpc.GenerationStub(ch)
+        for _ in range(4):
+            r = stub.Generate(
+                pb2.GenerateRequest(text="Once upon a time", sampling=pb2.SamplingParams(max_new_tokens=4)),
+                timeout=60,
+            )
+            assert len(r.token_ids) == 4
+    assert wait_until(lambda: replicas <= s.upstreams("Generate"), 10, 0.5), (
+        replicas,
+        s.upstreams("Generate"),
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{s.lb_port}") as ch, pytest.raises(grpc.RpcError):  # plaintext
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    # Inside the network: a replica refuses TLS without a client certificate, and plaintext.
+    r = _run(
+        ["docker", "exec", "-i", s.containers("zerogap")[0], "python", "-"],
+        60,
+        input=_NO_CLIENT_CERT,
+        check=False,
+    )
+    assert r.returncode == 0 and r.stdout.count("REFUSED") == 2, r.stdout + r.stderr
+
+
+def test_tls_stack_gateway_and_down(tls_stack) -> None:
+    import openai
+
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{tls_stack.gw_port}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as oai:
+        r = oai.chat.completions.create(model=oai.models.list().data[0].id, messages=HI, max_tokens=6)
+        assert r.choices[0].message.content
+    tls_stack.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=180)
+    assert tls_stack.leftovers() == []
