@@ -102,7 +102,7 @@ class DockerServer:
 
     def __init__(self, image: str, cpus: str, dtype: str, timeout_s: float = 300.0):
         self.port = free_port()
-        mounts = [arg for d in ("service", "features", "zerogap") for arg in ("-v", f"{ROOT / d}:/app/{d}:ro")]
+        mounts = [arg for d in ("service", "features") for arg in ("-v", f"{ROOT / d}:/app/{d}:ro")]
         self.cid = subprocess.run(
             ["docker", "run", "-d", "--rm", "--cpus", cpus, "-p", f"127.0.0.1:{self.port}:50051", *mounts, image,
              "python", "-m", "service", "serve", "--host", "0.0.0.0", "--port", "50051", "--dtype", dtype],
