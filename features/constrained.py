@@ -20,6 +20,7 @@ and the result goes out on the final message (`constraint_result`).
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import threading
 import time
@@ -37,6 +38,8 @@ from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check
 from features.json_schema import SchemaIssue
 from service.engine.request import FinishReason, RequestError
 from service.models import cpu_kernels
+
+log = logging.getLogger("zerogap.constrained")
 
 MASK_WAIT_S = 120.0  # a forward never waits forever for a mask
 MODES = ("strict", "lenient")
@@ -88,8 +91,17 @@ def _refusal(kind: str, issues: list[js.Unenforced]) -> RequestError:
 
 
 def prepare_schema(kind: str, schema: js.Schema, mode: str) -> tuple[js.Schema, list[SchemaIssue], list[js.Unenforced]]:
-    """(schema for the backend, rewrites, relaxed issues); strict mode raises when anything is unenforced."""
-    normalised, rewrites, problems = js.normalise(schema)
+    """(schema for the backend, rewrites, relaxed issues); strict mode raises when anything is unenforced.
+    A $ref that cannot be resolved within the schema (another document, or nothing) is refused in
+    every mode: neither the grammar nor the output check could apply it, and nothing is fetched."""
+    try:
+        normalised, rewrites, problems = js.normalise(schema)
+    except js.SchemaError as e:
+        raise RequestError("INVALID_ARGUMENT", f"constraint.{kind}: {e}") from None
+    if problems:
+        listed = "; ".join(str(i) for i in problems[:MAX_LISTED_ISSUES])
+        more = f" (and {len(problems) - MAX_LISTED_ISSUES} more)" if len(problems) > MAX_LISTED_ISSUES else ""
+        raise RequestError("INVALID_ARGUMENT", f"constraint.{kind}: unresolvable $ref: {listed}{more}")
     issues = js.unenforced(normalised, problems)
     if issues and mode == "strict":
         raise _refusal(kind, issues)
@@ -265,7 +277,7 @@ class ConstrainedDecoding(Feature):
             raise RequestError("INVALID_ARGUMENT", f"constraint: set one of {', '.join(KINDS)}")
         if spec.kind != "json_object" and not spec.text:
             raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: empty")
-        mode = spec.mode or getattr(engine.args, "constraint_mode", "strict")
+        mode = spec.mode or getattr(engine.args, "constraint_mode", "lenient")
         if mode not in MODES:
             raise RequestError("INVALID_ARGUMENT", f"constraint.mode: {mode!r} is not one of {', '.join(MODES)}")
         if spec.kind != "json_object":
@@ -309,6 +321,12 @@ class ConstrainedDecoding(Feature):
         start = time.perf_counter()
         try:
             return prepare(spec, mode)
+        except RequestError:
+            raise
+        except Exception as e:  # never UNKNOWN: the client learns which constraint and why
+            log.exception("preparing a constraint failed")
+            raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: cannot prepare this constraint: "
+                                                   f"{type(e).__name__}: {str(e)[:300]}") from None
         finally:
             self.prepare_s.append(time.perf_counter() - start)
 

@@ -252,18 +252,18 @@ def test_corpus_sample_stop_and_satisfied_means_valid(client, hf_tokenizer):
     assert all(collect(o)[2].extras["constrained"]["normalized"] for o in travis)
 
 
-def test_strict_mode_default_refuses_and_lenient_reports(client, hf_tokenizer):
+def test_strict_mode_refuses_and_the_lenient_default_reports(client, hf_tokenizer):
     schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3, "uniqueItems": True})
     try:  # refused at once when the preparation is already done, else when the request is admitted
         last = collect(client.generate([[5, 6]], SamplingParams(max_new_tokens=4),
-                                       [{"constrained": dict(kind="json_schema", text=schema)}])[0])[2]
+                                       [{"constrained": dict(kind="json_schema", text=schema, mode="strict")}])[0])[2]
         code, message = last.error_code, last.error
         assert last.finish_reason is FinishReason.ERROR
     except RequestError as e:
         code, message = e.code, e.message
     assert code == "INVALID_ARGUMENT" and "/uniqueItems: uniqueItems" in message, message
     outs = client.generate([chat(hf_tokenizer, "Three digits.")], SamplingParams(temperature=0, max_new_tokens=24),
-                           [{"constrained": dict(kind="json_schema", text=schema, mode="lenient")}])
+                           [{"constrained": dict(kind="json_schema", text=schema)}])  # the default: lenient
     _, text, last = collect(outs[0])
     result = last.extras["constrained"]
     assert [i.keyword for i in result["relaxed"]] == ["uniqueItems"]
@@ -303,7 +303,7 @@ def test_grpc_constraint_result_and_modes(stub):
                                                                     "maxItems": 2, "uniqueItems": True}}, "required": ["tags"]})
     req = dict(text="Tags:", sampling=pb2.SamplingParams(max_new_tokens=24, temperature=0))
     with pytest.raises(grpc.RpcError) as e:
-        stub.Generate(pb2.GenerateRequest(**req, constraint=pb2.Constraint(json_schema=schema)))
+        stub.Generate(pb2.GenerateRequest(**req, constraint=pb2.Constraint(json_schema=schema, mode=pb2.CONSTRAINT_MODE_STRICT)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "/properties/tags/uniqueItems: uniqueItems" in e.value.details() and ".cc" not in e.value.details()
     lenient = pb2.Constraint(json_schema=schema, mode=pb2.CONSTRAINT_MODE_LENIENT)

@@ -127,10 +127,11 @@ def test_xgrammar_ignores_what_the_walk_or_normaliser_handles(schema, instance):
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x+$"}}}, "/properties/a/pattern", "pattern"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2}, "/minItems", "minItems"),
     ({"type": "object", "properties": {"a": {}}, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "/if", "if"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"properties": {"a": {"const": "x"}}},
+      "then": {"required": ["b"]}}, "/if", "if"),  # "a" outside "x": not expressible for any string
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/oneOf", "oneOf"),
     ({"type": "string", "format": "idn-email"}, "/format", "format"),
     ({"type": "integer", "minimum": -1e20}, "/minimum", "minimum"),
-    ({"type": "object", "properties": {"k": {"$ref": "https://example.com/remote.json"}}}, "/properties/k/$ref", "$ref"),
     ({"allOf": [{"type": "object", "properties": {"a": {"$ref": "#/allOf/0"}}}, {"required": ["a"]}]}, "/allOf", "allOf"),
 ])
 def test_strict_refuses_naming_pointer_and_keyword(schema, pointer, keyword):
@@ -235,3 +236,146 @@ def test_corpus_outcomes_are_pinned():
     assert outcomes == {"compiled exactly", "normalised", "refused in strict"}
     # The issue's case: travis keeps every constraint under a top-level allOf; it is merged.
     assert pinned["schemastore/travis"]["rewrites"].get("allOf")
+
+
+# ---- rewrites checked against the grammar's own language ----------------------------------------
+def _compact(value, order: dict[str, int]):
+    """`value` as the grammar writes it: compact, integral floats as integers (the same JSON
+    Schema value), object keys in the schema's property order (the grammar's order)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_compact(v, order) for v in value]
+    if isinstance(value, dict):
+        return {k: _compact(value[k], order) for k in sorted(value, key=lambda k: (order.get(k, 1 << 30), k))}
+    return value
+
+
+def _property_order(schema) -> dict[str, int]:
+    order: dict[str, int] = {}
+    for _, node in js.walk(schema):
+        if isinstance(node, dict) and isinstance(node.get("properties"), dict):
+            for k in node["properties"]:
+                order.setdefault(k, len(order))
+    return order
+
+
+def grammar_accepts(schema, value) -> bool:
+    """Whether the backend's grammar of `schema` (as the server compiles it) produces `value`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+    text = json.dumps(_compact(value, _property_order(schema)), separators=(",", ":"))
+    return _is_grammar_accept_string(grammar, text)
+
+
+# Decode-time rewrites: each schema's grammar language equals jsonschema's verdict (generated
+# valid instances and arbitrary small values), and the raw schema's grammar admits a violating
+# document that the normalised one cannot produce.
+KIND3 = {"kind": {"enum": ["a", "b", "c"]}, "x": {"type": "integer"}, "y": {"type": "string"}}
+ENFORCED = [
+    ("if/then/else on a required const", {
+        "type": "object", "properties": KIND3, "required": ["kind"], "additionalProperties": False,
+        "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}, "else": {"required": ["y"]}},
+     {"kind": "a", "y": "s"}),
+    ("if/then on an optional enum (if requires it)", {
+        "type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}}, "additionalProperties": False,
+        "if": {"properties": {"kind": {"enum": ["a"]}}, "required": ["kind"]}, "then": {"required": ["x"]},
+        "else": {"properties": {"x": {"maximum": 3}}}},
+     {"kind": "a"}),
+    ("if/then/else on an optional boolean, untyped", {
+        "properties": {"on": {"type": "boolean"}, "x": {"type": "integer"}}, "additionalProperties": False,
+        "if": {"properties": {"on": {"const": True}}}, "then": {"required": ["x"]}, "else": {"maxProperties": 1}},
+     {"on": True}),
+    ("allOf of if/thens (one per discriminator value)", {
+        "type": "object", "properties": KIND3, "required": ["kind"], "additionalProperties": False,
+        "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}},
+                  {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
+     {"kind": "b", "x": 1}),
+    ("oneOf discriminated by a required const", {
+        "oneOf": [{"type": "object", "properties": {"t": {"const": "p"}, "x": {"type": "integer"}}, "required": ["t", "x"], "additionalProperties": False},
+                  {"type": "object", "properties": {"t": {"const": "q"}, "x": {"type": "string"}}, "required": ["t"], "additionalProperties": False}]},
+     {"t": "q", "x": 1}),
+    ("not of a type", {"type": ["string", "integer", "null"], "not": {"type": ["string", "null"]}}, "s"),
+    ("not of an enum", {"enum": ["a", "b", 1, None], "not": {"enum": ["a", None]}}, "a"),
+    ("not of a const boolean", {"type": "boolean", "not": {"const": False}}, False),
+    ("not of anything (property absent)", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}},
+                                           "additionalProperties": False}, {"b": 1}),
+]
+
+
+@pytest.mark.parametrize("name, schema, violating", ENFORCED, ids=[c[0] for c in ENFORCED])
+def test_rewrites_make_the_grammar_exact(name, schema, violating):
+    original = jsonschema.Draft202012Validator(schema)
+    normalised, rewrites, problems = js.normalise(schema)
+    assert not problems and not js.unenforced(normalised, problems), js.unenforced(normalised, problems)
+    assert not original.is_valid(violating)
+    if name.startswith("oneOf"):
+        assert not rewrites  # exact as given: disjoint branches
+    else:
+        assert rewrites
+        assert grammar_accepts(schema, violating), "the raw schema's grammar must admit the violation"
+    assert not grammar_accepts(normalised, violating)
+
+    @SETTINGS
+    @given(st.one_of(JSON, from_schema(schema)) if _generatable(schema) else JSON)
+    def same_language(value):
+        assert grammar_accepts(normalised, value) == original.is_valid(value), (value, normalised)
+
+    same_language()
+
+
+RECURSIVE_CASES = [  # each rewrite applied through a recursive reference (trees, threads)
+    ("sibling beside anyOf (the issue's case)", {"type": "object", "additionalProperties": {
+        "minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}]},
+        "definitions": {"r": {"type": "object", "additionalProperties": {
+            "minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}]}}}}),
+    ("allOf with a recursive ref", {"$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "kids": {"type": "array", "items": {"allOf": [{"$ref": "#/$defs/node"}, {"required": ["name"]}]}}}}},
+        "$ref": "#/$defs/node"}),
+    ("$ref siblings on a recursive ref (2020-12)", {"$defs": {"t": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/t", "required": ["v"]}}}}, "$ref": "#/$defs/t"}),
+    ("if/then and not inside a recursion", {"$defs": {"c": {"type": "object", "properties": {
+        "kind": {"enum": ["leaf", "node"]}, "v": {"type": "integer", "not": {"const": 0}, "enum": [0, 1, 2]},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/c"}}}, "required": ["kind"], "additionalProperties": False,
+        "if": {"properties": {"kind": {"const": "node"}}}, "then": {"required": ["kids"]}, "else": {"required": ["v"]}}},
+        "$ref": "#/$defs/c"}),
+    ("mutual recursion beside oneOf", {"$defs": {
+        "a": {"type": "object", "properties": {"b": {"maxProperties": 2, "oneOf": [{"type": "null"}, {"$ref": "#/$defs/b"}]}}},
+        "b": {"type": "object", "properties": {"a": {"minProperties": 1, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}},
+        "$ref": "#/$defs/a"}),
+]
+
+
+@pytest.mark.parametrize("name, schema", RECURSIVE_CASES, ids=[c[0] for c in RECURSIVE_CASES])
+def test_rewrites_terminate_on_cycles(name, schema):
+    """Every rewrite through a recursive $ref terminates and stays exact (the grammar's language
+    equals jsonschema's verdict); strict mode accepts or names a keyword, never crashes."""
+    original = jsonschema.Draft202012Validator(schema)
+    normalised, rewrites, problems = js.normalise(schema)
+    assert rewrites and not problems
+    try:
+        prepare(ConstraintSpec("json_schema", json.dumps(schema)), "strict")
+    except RequestError as e:
+        assert e.code == "INVALID_ARGUMENT" and "strict mode" in e.message
+    exact = not js.unenforced(normalised, problems)
+    backend = jsonschema.Draft202012Validator({k: v for k, v in normalised.items() if k != "$schema"})
+
+    @SETTINGS
+    @given(JSON)
+    def same_verdict(value):
+        assert backend.is_valid(value) == original.is_valid(value), (value, normalised)
+        if exact and grammar_accepts(normalised, value):  # the backend drops unlisted properties: sound, narrower
+            assert original.is_valid(value), (value, normalised)
+
+    same_verdict()
+
+
+def test_external_refs_are_refused_naming_the_reference():
+    schema = {"type": "object", "properties": {"k": {"$ref": "https://example.com/remote.json#/defs/k"}}}
+    for mode in ("strict", "lenient"):
+        with pytest.raises(RequestError) as e:
+            prepare(ConstraintSpec("json_schema", json.dumps(schema)), mode)
+        assert e.value.code == "INVALID_ARGUMENT", e.value
+        assert "/properties/k/$ref" in e.value.message and "https://example.com/remote.json#/defs/k" in e.value.message
+        assert "never fetched" in e.value.message
