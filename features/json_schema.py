@@ -283,6 +283,8 @@ class _Normaliser:
             else:
                 self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"cannot resolve {ref!r} within the schema"))
                 continue
+            if "%" in new and resolve_pointer(root, unquote(new[1:])) is not None:
+                new = "#" + unquote(new[1:])  # the backend reads pointers as written (no percent-decoding)
             if resolve_pointer(root, new[1:]) is None:
                 self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"{ref!r} points at nothing"))
                 continue
@@ -1002,8 +1004,10 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
     checked_formats = _checked_formats()
     for at, node in walk(schema):
         if not isinstance(node, dict):
-            if node is False and at and not at.endswith(("additionalProperties", "items", "additionalItems",
-                                                         "unevaluatedProperties", "unevaluatedItems")):
+            parent, _, last = at.rpartition("/")
+            keyword_position = parent.rpartition("/")[2] not in MAP_KW + ("dependencies",) or not parent
+            if node is False and at and not (keyword_position and last in (
+                    "additionalProperties", "items", "additionalItems", "unevaluatedProperties", "unevaluatedItems")):
                 out.append(Unenforced(at, "false", "a schema that accepts nothing", rejected=True))
             continue
 
@@ -1017,7 +1021,9 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
         if "if" in node and ("then" in node or "else" in node):
             flag("if", "if/then/else not enforced")
         if node.get("uniqueItems") is True:
-            flag("uniqueItems", "not enforced")
+            why = _unique_items_gap(node, at, schema)
+            if why:
+                flag("uniqueItems", why)
         for kw in ("dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef"):
             if kw in node:
                 flag(kw, "not enforced")
@@ -1072,6 +1078,25 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
                 flag(siblings[0], f"ignored beside $ref ({', '.join(siblings)})")
         _backend_rejects(node, at, types, out)
     return out
+
+
+def _unique_items_gap(node: dict, at: str, root: Schema) -> str:
+    """Why `uniqueItems` is not enforced at decode time (features/json_tracker.py), or ""."""
+    from features.json_tracker import unique_enforceable
+
+    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+    if not all(unique_enforceable(s, root) for s in [*prefix, node.get("items", True)]):
+        return "not enforced (items that are not all scalars)"
+    parent_at, _, index = at.rpartition("/")
+    holder_at, _, kw = parent_at.rpartition("/")
+    if kw in ("anyOf", "oneOf") and index.isdigit():
+        holder = resolve_pointer(root, holder_at)
+        branches = holder.get(kw, []) if isinstance(holder, dict) else []
+        for i, b in enumerate(branches):
+            if str(i) != index and (b is True or isinstance(b, dict) and b.get("uniqueItems") is not True and (
+                    _types(b) is None or "array" in (_types(b) or []))):
+                return f"not enforced (branch {kw}/{i} admits arrays with duplicates)"
+    return ""
 
 
 def _backend_rejects(node: dict, at: str, types: list[str] | None, out: list[Unenforced]) -> None:

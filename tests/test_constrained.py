@@ -253,7 +253,7 @@ def test_corpus_sample_stop_and_satisfied_means_valid(client, hf_tokenizer):
 
 
 def test_strict_mode_refuses_and_the_lenient_default_reports(client, hf_tokenizer):
-    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3, "uniqueItems": True})
+    schema = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3, "contains": {"const": 7}})
     try:  # refused at once when the preparation is already done, else when the request is admitted
         last = collect(client.generate([[5, 6]], SamplingParams(max_new_tokens=4),
                                        [{"constrained": dict(kind="json_schema", text=schema, mode="strict")}])[0])[2]
@@ -261,14 +261,39 @@ def test_strict_mode_refuses_and_the_lenient_default_reports(client, hf_tokenize
         assert last.finish_reason is FinishReason.ERROR
     except RequestError as e:
         code, message = e.code, e.message
-    assert code == "INVALID_ARGUMENT" and "/uniqueItems: uniqueItems" in message, message
+    assert code == "INVALID_ARGUMENT" and "/contains: contains" in message, message
     outs = client.generate([chat(hf_tokenizer, "Three digits.")], SamplingParams(temperature=0, max_new_tokens=24),
                            [{"constrained": dict(kind="json_schema", text=schema)}])  # the default: lenient
     _, text, last = collect(outs[0])
     result = last.extras["constrained"]
-    assert [i.keyword for i in result["relaxed"]] == ["uniqueItems"]
+    assert [i.keyword for i in result["relaxed"]] == ["contains"]
     value = json.loads(text)
-    assert result["satisfied"] == (len(set(value)) == len(value)), (text, result)
+    assert result["satisfied"] == (7 in value), (text, result)
+
+
+def test_unique_items_enforced_while_decoding(client, hf_tokenizer):
+    """uniqueItems of scalars is enforced at decode time: strict mode accepts it, and sampled
+    outputs never repeat an item (tests/test_json_tracker.py shows the grammar alone repeating)."""
+    schema = {"type": "object", "properties": {
+        "digits": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 4}, "minItems": 3, "maxItems": 5,
+                   "uniqueItems": True},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "uniqueItems": True}},
+        "required": ["digits", "tags"], "additionalProperties": False}
+    prompt = chat(hf_tokenizer, "Five digits and some colours, with repeats, as JSON.")
+    n = 12
+    outs = client.generate([prompt] * n, [SamplingParams(temperature=1.2, seed=s, max_new_tokens=48) for s in range(n)],
+                           [{"constrained": dict(kind="json_schema", text=json.dumps(schema), mode="strict")}] * n)
+    stopped = 0
+    for o in outs:
+        _, text, last = collect(o)
+        result = last.extras["constrained"]
+        assert not result["relaxed"], result
+        if last.finish_reason is FinishReason.STOP:
+            stopped += 1
+            value = json.loads(text)
+            assert all(len(set(value[k])) == len(value[k]) for k in ("digits", "tags")), text
+            assert result["satisfied"], (text, result)
+    assert stopped >= n // 2
 
 
 TOOL_CALL = {"type": "object", "properties": {
@@ -300,17 +325,16 @@ def test_structural_tag_tool_call_parts_validate(client, hf_tokenizer):
 
 def test_grpc_constraint_result_and_modes(stub):
     schema = json.dumps({"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                                    "maxItems": 2, "uniqueItems": True}}, "required": ["tags"]})
+                                                                    "maxItems": 2, "contains": {"const": "b"}}}, "required": ["tags"]})
     req = dict(text="Tags:", sampling=pb2.SamplingParams(max_new_tokens=24, temperature=0))
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(pb2.GenerateRequest(**req, constraint=pb2.Constraint(json_schema=schema, mode=pb2.CONSTRAINT_MODE_STRICT)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "/properties/tags/uniqueItems: uniqueItems" in e.value.details() and ".cc" not in e.value.details()
+    assert "/properties/tags/contains: contains" in e.value.details() and ".cc" not in e.value.details()
     lenient = pb2.Constraint(json_schema=schema, mode=pb2.CONSTRAINT_MODE_LENIENT)
     r = stub.Generate(pb2.GenerateRequest(**req, constraint=lenient))
-    assert [i.keyword for i in r.constraint_result.relaxed] == ["uniqueItems"]
-    assert r.constraint_result.satisfied == (r.finish_reason == pb2.FINISH_REASON_STOP
-                                             and len(set(json.loads(r.text)["tags"])) == len(json.loads(r.text)["tags"]))
+    assert [i.keyword for i in r.constraint_result.relaxed] == ["contains"]
+    assert r.constraint_result.satisfied == (r.finish_reason == pb2.FINISH_REASON_STOP and "b" in json.loads(r.text)["tags"])
     stream = list(stub.GenerateStream(pb2.GenerateRequest(**req, constraint=lenient)))
     assert all(not m.HasField("constraint_result") for m in stream[:-1])
     assert stream[-1].constraint_result == r.constraint_result
