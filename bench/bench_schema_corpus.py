@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         if e is None:
             row["outcome"] = "relaxed" if prepared.relaxed else "exact"
             row["relaxed"] = dict(Counter(i.keyword for i in prepared.relaxed))
-            compiled[name] = ticket.result()
+            compiled[name] = (ticket.result(), getattr(prepared, "unique_root", None))
         else:
             row.update(outcome="refused", stage="compile", code=getattr(e, "code", "UNKNOWN"),
                        message=getattr(e, "message", repr(e))[:300])
@@ -218,15 +218,25 @@ def _reason(message: str) -> str:
 
 def mask_times(backend, C, grammars: list, rows: int, steps: int) -> dict:
     """Per-row mask fill time (µs) for batches of `rows` matchers over the corpus grammars, each
-    accepting a random allowed token per step (a matcher that terminates starts over)."""
+    accepting a random allowed token per step (a matcher that terminates starts over), with the
+    uniqueItems tracker's masking where the schema has one (as the scheduler does it)."""
     import numpy as np
     import xgrammar as xgr
 
+    try:
+        from features import json_tracker as jt
+    except ImportError:  # a checkout without it
+        jt = None
+    index = jt.TokenIndex(list(backend.info.decoded_vocab)) if jt else None
     rng = random.Random(0)
     batch = xgr.BatchGrammarMatcher(max_threads=1)
     chosen = [grammars[i % len(grammars)] for i in range(rows)]
+    roots = [u for _, u in chosen]
+    chosen = [g for g, _ in chosen]
     matchers = [backend.matcher(g) for g in chosen]
+    trackers = [jt.UniqueTracker(u, index) if jt and u is not None else None for u in roots]
     mask = backend.allocate_bitmask(rows)
+    scratch = backend.allocate_bitmask(1)
     idx = list(range(rows))
     per_row: list[float] = []  # a batch's fill time / rows
     single: list[float] = []  # one row's fill time
@@ -235,23 +245,33 @@ def mask_times(backend, C, grammars: list, rows: int, steps: int) -> dict:
         for r, m in enumerate(matchers):
             if m.is_terminated():
                 matchers[r] = backend.matcher(chosen[r])
+                if trackers[r] is not None:
+                    trackers[r].reset()
         mask.fill_(-1)
         t0 = time.perf_counter()
         batch.batch_fill_next_token_bitmask(matchers, mask, idx)
-        per_row.append((time.perf_counter() - t0) * 1e6 / rows)
-        for r, m in enumerate(matchers):  # each row alone: the per-row distribution
-            t1 = time.perf_counter()
-            m.fill_next_token_bitmask(mask, r)
-            single.append((time.perf_counter() - t1) * 1e6)
         words = mask.numpy()
+        for r, tr in enumerate(trackers):
+            if tr is not None:
+                C.forbid_tokens(words[r], tr.forbidden())
+        per_row.append((time.perf_counter() - t0) * 1e6 / rows)
+        for r, m in enumerate(matchers):  # each row alone (grammar + tracker): the per-row distribution
+            t1 = time.perf_counter()
+            m.fill_next_token_bitmask(scratch, 0)
+            if trackers[r] is not None:
+                C.forbid_tokens(scratch.numpy()[0], trackers[r].forbidden())
+            single.append((time.perf_counter() - t1) * 1e6)
         for r, m in enumerate(matchers):
             bits = np.unpackbits(words[r].view(np.uint8), bitorder="little")[:vocab]
             allowed = np.flatnonzero(bits)
             if len(allowed) == 0 or m.is_terminated():
                 matchers[r] = backend.matcher(chosen[r])
                 continue
-            m.accept_token(int(allowed[rng.randrange(len(allowed))]))
-    return {"rows": rows, "steps": steps, "grammars": len(grammars), "per_row_us_median": round(statistics.median(per_row), 1),
+            token = int(allowed[rng.randrange(len(allowed))])
+            m.accept_token(token)
+            if trackers[r] is not None:
+                trackers[r].feed_token(token)
+    return {"rows": rows, "tracked_rows": sum(t is not None for t in trackers), "steps": steps, "grammars": len(grammars), "per_row_us_median": round(statistics.median(per_row), 1),
             "per_row_us_p99": round(percentile(per_row, 0.99), 1), "per_row_us_max": round(max(per_row), 1),
             "single_row_us_median": round(statistics.median(single), 1), "single_row_us_p99": round(percentile(single, 0.99), 1)}
 

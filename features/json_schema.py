@@ -176,6 +176,26 @@ def walk(node: Schema, at: str = "") -> Iterator[tuple[str, Schema]]:
         yield from walk(s, p)
 
 
+def walk_all(schema: Schema) -> Iterator[tuple[str, Schema]]:
+    """`walk`, then the subschemas that only a local $ref reaches (a target outside any schema
+    keyword, e.g. `#/definitions/3/vars` under a plain object), each once."""
+    seen: set[str] = set()
+    pending = [""]
+    while pending:
+        start = pending.pop()
+        node = resolve_pointer(schema, start)
+        if node is None:
+            continue
+        for at, n in walk(node, start):
+            if at in seen:
+                continue
+            seen.add(at)
+            yield at, n
+            ref = n.get("$ref") if isinstance(n, dict) else None
+            if isinstance(ref, str) and ref.startswith("#") and ref[1:] not in seen:
+                pending.append(ref[1:])
+
+
 def resolve_pointer(root: Schema, pointer: str) -> Schema | None:
     node = root
     for raw in pointer.split("/")[1:] if pointer else []:
@@ -955,7 +975,7 @@ def _absent_by_backend_default(schema: Schema, n: _Normaliser) -> Schema:
     schemas, but generates no property a schema does not list (unless additionalProperties,
     patternProperties or unevaluatedProperties admit it), so x is dropped. Done last, on the final
     schema: no later merge may give x a schema again."""
-    found = [(at, node) for at, node in walk(schema) if isinstance(node, dict) and isinstance(node.get("properties"), dict)
+    found = [(at, node) for at, node in walk_all(schema) if isinstance(node, dict) and isinstance(node.get("properties"), dict)
              and any(v is False for v in node["properties"].values()) and not any(
                  k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))]
     if not found:
@@ -987,8 +1007,9 @@ class Unenforced(SchemaIssue):
 @functools.lru_cache(maxsize=4096)  # a pure function of the pattern
 def regex_supported(pattern: str) -> str | None:
     """None when xgrammar's regex converter takes the pattern, else its cleaned message."""
-    try:
+    try:  # as a regex, and as the schema converter reads a string's pattern (`\\b` fails there only)
         xgr.Grammar.from_regex(pattern)
+        xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}), any_whitespace=False)
         return None
     except Exception as e:  # noqa: BLE001 (any backend failure means unsupported)
         return clean_backend_message(str(e))
@@ -1002,7 +1023,7 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
     """Every keyword of the (normalised) schema the grammar cannot enforce, in document order."""
     out: list[Unenforced] = [Unenforced(p.pointer, p.keyword, p.message, rejected=True) for p in problems]
     checked_formats = _checked_formats()
-    for at, node in walk(schema):
+    for at, node in walk_all(schema):
         if not isinstance(node, dict):
             parent, _, last = at.rpartition("/")
             keyword_position = parent.rpartition("/")[2] not in MAP_KW + ("dependencies",) or not parent
