@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -204,8 +205,6 @@ def forbid_tokens(row: Any, tokens: list[int]) -> None:
     (then the grammar's mask stands and the output check reports what the tracker could not stop)."""
     if not tokens:
         return
-    import numpy as np
-
     ids = np.asarray(tokens, dtype=np.int64)
     ids = ids[ids < row.size * 32]
     words = row.view(np.uint32)
@@ -242,7 +241,7 @@ class ConstrainedDecoding(Feature):
         self._engine = engine
         # Build the tokenizer info in the background: the first constrained request must not
         # stall the gRPC event loop for it.
-        threading.Thread(target=lambda: self.backend, name="zerogap-grammar-init", daemon=True).start()
+        threading.Thread(target=lambda: (self.backend, self.token_index), name="zerogap-grammar-init", daemon=True).start()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -382,7 +381,7 @@ class ConstrainedDecoding(Feature):
 
     @property
     def token_index(self) -> jt.TokenIndex:
-        if self._token_index is None:  # once, on the scheduler thread
+        if self._token_index is None:  # once, built in the background at bind (else on first use)
             self._token_index = jt.TokenIndex(list(self.backend.info.decoded_vocab))
         return self._token_index
 

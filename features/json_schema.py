@@ -554,8 +554,8 @@ class _Normaliser:
         when it does; no case when the object requires p; expressible when it lists all its
         properties), and non-objects (then: `properties` and `required` do not apply to them, unless
         `if` says type object). Beside an anyOf, each of its branches is split so."""
-        if self._moves_children(at):
-            return node
+        if self._moves_children(at) or ("then" not in node and "else" not in node):
+            return node  # an `if` alone decides nothing
         cond = self._condition(node.get("if"))
         if cond is None:
             return node
