@@ -20,6 +20,7 @@ and the result goes out on the final message (`constraint_result`).
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import threading
 import time
@@ -29,16 +30,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
 from features import json_schema as js
+from features import json_tracker as jt
 from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits, settle
 from features.json_schema import SchemaIssue
 from service.core.feature import Feature, OverlapSupport
 from service.core.request import FinishReason, RequestError
 from service.models import cpu_kernels
 
+log = logging.getLogger("zerogap.constrained")
+
+UNIQUE = "constrained.unique"  # feature_state key of a request's uniqueItems tracker
 MASK_WAIT_S = 120.0  # a forward never waits forever for a mask
 MODES = ("strict", "lenient")
 MAX_PREPARED = 256  # prepared constraints kept (LRU)
@@ -62,6 +68,7 @@ class Prepared:
     relaxed: tuple[SchemaIssue, ...] = ()
     # (output text, compiled grammar) -> violations; runs on the scheduler thread at finish
     check: Callable[[str, Any], list[SchemaIssue]] = field(default=lambda text, compiled: [])
+    unique_root: Any = None  # the backend schema when it has uniqueItems: tracked at decode time
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,17 @@ def _refusal(kind: str, issues: list[js.Unenforced]) -> RequestError:
 
 
 def prepare_schema(kind: str, schema: js.Schema, mode: str) -> tuple[js.Schema, list[SchemaIssue], list[js.Unenforced]]:
-    """(schema for the backend, rewrites, relaxed issues); strict mode raises when anything is unenforced."""
-    normalised, rewrites, problems = js.normalise(schema)
+    """(schema for the backend, rewrites, relaxed issues); strict mode raises when anything is unenforced.
+    A $ref that cannot be resolved within the schema (another document, or nothing) is refused in
+    every mode: neither the grammar nor the output check could apply it, and nothing is fetched."""
+    try:
+        normalised, rewrites, problems = js.normalise(schema)
+    except js.SchemaError as e:
+        raise RequestError("INVALID_ARGUMENT", f"constraint.{kind}: {e}") from None
+    if problems:
+        listed = "; ".join(str(i) for i in problems[:MAX_LISTED_ISSUES])
+        more = f" (and {len(problems) - MAX_LISTED_ISSUES} more)" if len(problems) > MAX_LISTED_ISSUES else ""
+        raise RequestError("INVALID_ARGUMENT", f"constraint.{kind}: unresolvable $ref: {listed}{more}")
     issues = js.unenforced(normalised, problems)
     if issues and mode == "strict":
         raise _refusal(kind, issues)
@@ -107,7 +123,8 @@ def prepare(spec: ConstraintSpec, mode: str) -> Prepared:
         backend_schema, rewrites, relaxed = prepare_schema("json_schema", schema, mode)
         validator = js.OutputValidator(schema)
         return Prepared(spec.kind, json.dumps(backend_schema), tuple(rewrites), tuple(relaxed),
-                        lambda text, compiled: validator.violations(text))
+                        lambda text, compiled: validator.violations(text),
+                        backend_schema if jt.has_unique_items(backend_schema) else None)
     if spec.kind == "structural_tag":
         return _prepare_structural_tag(spec.text, mode)
     if spec.kind == "json_object":
@@ -195,6 +212,20 @@ class GrammarMaskBatch:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
+def forbid_tokens(row: Any, tokens: list[int]) -> None:
+    """Clear `tokens` from one row of an int32 bitmask (numpy), unless that leaves nothing allowed
+    (then the grammar's mask stands and the output check reports what the tracker could not stop)."""
+    if not tokens:
+        return
+    ids = np.asarray(tokens, dtype=np.int64)
+    ids = ids[ids < row.size * 32]
+    words = row.view(np.uint32)
+    before = words.copy()
+    np.bitwise_and.at(words, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+    if not words.any():
+        words[:] = before
+
+
 class ConstrainedDecoding(Feature):
     name = "constrained"
     support = OverlapSupport.FULL
@@ -216,12 +247,13 @@ class ConstrainedDecoding(Feature):
         # Fills a batch's masks in one call. One thread: the forward already has both cores here,
         # and a whole batch takes ~1 µs per row.
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        self._token_index: jt.TokenIndex | None = None
 
     def bind(self, engine: Any) -> None:
         self._engine = engine
         # Build the tokenizer info in the background: the first constrained request must not
         # stall the gRPC event loop for it.
-        threading.Thread(target=lambda: self.backend, name="zerogap-grammar-init", daemon=True).start()
+        threading.Thread(target=lambda: (self.backend, self.token_index), name="zerogap-grammar-init", daemon=True).start()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -277,7 +309,7 @@ class ConstrainedDecoding(Feature):
             raise RequestError("INVALID_ARGUMENT", f"constraint: set one of {', '.join(KINDS)}")
         if spec.kind != "json_object" and not spec.text:
             raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: empty")
-        mode = spec.mode or getattr(engine.args, "constraint_mode", "strict")
+        mode = spec.mode or getattr(engine.args, "constraint_mode", "lenient")
         if mode not in MODES:
             raise RequestError("INVALID_ARGUMENT", f"constraint.mode: {mode!r} is not one of {', '.join(MODES)}")
         if spec.kind != "json_object":
@@ -321,6 +353,12 @@ class ConstrainedDecoding(Feature):
         start = time.perf_counter()
         try:
             return prepare(spec, mode)
+        except RequestError:
+            raise
+        except Exception as e:  # never UNKNOWN: the client learns which constraint and why
+            log.exception("preparing a constraint failed")
+            raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: cannot prepare this constraint: "
+                                                   f"{type(e).__name__}: {str(e)[:300]}") from None
         finally:
             self.prepare_s.append(time.perf_counter() - start)
 
@@ -347,8 +385,17 @@ class ConstrainedDecoding(Feature):
         if c.compiled.exception() is not None:
             raise self._compile_error(c.spec, c.compiled.exception())
         if self.name not in req.feature_state:
+            p: Prepared = c.prepared.result()
+            if p.unique_root is not None:
+                req.feature_state[UNIQUE] = jt.UniqueTracker(p.unique_root, self.token_index)
             req.feature_state[self.name] = self.backend.matcher(c.compiled.result())
         return True
+
+    @property
+    def token_index(self) -> jt.TokenIndex:
+        if self._token_index is None:  # once, built in the background at bind (else on first use)
+            self._token_index = jt.TokenIndex(list(self.backend.info.decoded_vocab))
+        return self._token_index
 
     def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
         batch.fb.feature_data[self.name] = GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs)))
@@ -365,8 +412,12 @@ class ConstrainedDecoding(Feature):
                 mask = data.mask
                 start = time.perf_counter()
                 self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, live)
-                self.fill_us.append((time.perf_counter() - start) * 1e6 / len(live))
                 words = mask.numpy()  # numpy: one vectorized check, no torch op (thread team) per step
+                for r in live:
+                    tracker = batch.reqs[r].feature_state.get(UNIQUE)
+                    if tracker is not None:
+                        forbid_tokens(words[r], tracker.forbidden())
+                self.fill_us.append((time.perf_counter() - start) * 1e6 / len(live))
                 words[~words.any(axis=1)] = -1  # only live rows can be all zeros
             data.rows = live
             data.row_index = torch.tensor(live, dtype=torch.int64)
@@ -378,6 +429,9 @@ class ConstrainedDecoding(Feature):
         token = req.output_ids[-1]
         if not matcher.accept_token(token):
             raise self._rejection(req, matcher, token)
+        tracker = req.feature_state.get(UNIQUE)
+        if tracker is not None:
+            tracker.feed_token(token)
         if matcher.is_terminated():
             req.feature_stop = True
         return None
@@ -396,6 +450,7 @@ class ConstrainedDecoding(Feature):
     def on_finish(self, req: Any) -> dict[str, Any] | None:
         """The check of the finished output, for the final message (STOP / LENGTH only)."""
         matcher = req.feature_state.pop(self.name, None)
+        req.feature_state.pop(UNIQUE, None)
         c: CompilingConstraint | None = req.features.get(self.name)
         if c is not None:
             c.compiled.cancel()  # nobody waits any more: an unfinished compile stops (no-op once compiled)
@@ -429,9 +484,14 @@ class ConstrainedDecoding(Feature):
         """Rebuild a request's matcher from its kept output tokens (e.g. after retraction)."""
         matcher = req.feature_state[self.name]
         matcher.reset()
+        tracker = req.feature_state.get(UNIQUE)
+        if tracker is not None:
+            tracker.reset()
         for token in req.output_ids:
             if not matcher.accept_token(token):
                 raise RuntimeError(f"the grammar rejected kept token {token}")
+            if tracker is not None:
+                tracker.feed_token(token)
 
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ POLL_S = 0.05  # how often a running compile is checked for deadline, memory and
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    max_bytes: int = 64 << 10  # grammar text (schema / regex / EBNF) size
+    max_bytes: int = 8 << 20  # grammar text (schema / regex / EBNF) size: deadline and memory bound the compile
     max_depth: int = 64  # bracket nesting of a schema, parenthesis nesting of a regex / EBNF
     max_properties: int = 1024  # properties of one schema object (1,000: ~1 s to compile, 2,000: ~22 s)
     compile_timeout_s: float = 30.0  # from the first request for it, queueing included
@@ -219,6 +219,8 @@ class _Job:
     large: bool
     waiters: int = 0
     started: float | None = None
+    trial_s: float | None = None  # the worker's compile (the trial), seconds
+    peak_rss_mb: float = 0.0  # the worker's largest resident size seen while it compiled
 
 
 class GrammarTicket(Future):
@@ -227,6 +229,7 @@ class GrammarTicket(Future):
 
     def __init__(self, backend: "GrammarBackend", job: _Job):
         super().__init__()
+        self.job = job  # its timings (benchmarks)
         self._release = lambda: backend._release(job)
         job.result.add_done_callback(lambda src: settle(self, src))
         self.add_done_callback(lambda f: f.cancelled() and self._release())
@@ -394,7 +397,9 @@ class GrammarBackend:
             return GrammarError("CANCELLED", job.kind, "nobody waits for this grammar any more")
         if time.monotonic() > self._deadline(job):
             return self._timeout_error(job)
-        if pid is not None and _rss_mb(pid) > self.limits.max_worker_rss_mb:
+        rss = _rss_mb(pid) if pid is not None else 0.0
+        job.peak_rss_mb = max(job.peak_rss_mb, rss)
+        if rss > self.limits.max_worker_rss_mb:
             return GrammarError("RESOURCE_EXHAUSTED", job.kind, f"compiling the grammar needs more than {self.limits.max_worker_rss_mb} MB")
         return None
 
@@ -498,6 +503,7 @@ class _WorkerSlot:
                 b._fail(job, err)
                 return
             if reply is not None:
+                job.trial_s = time.monotonic() - (job.started or time.monotonic())
                 b._complete(job, reply)
                 return
             b.expire_queued()

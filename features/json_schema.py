@@ -38,6 +38,9 @@ Schema = Any  # a dict or a bool
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_COPIED_NODES = 200_000  # inlining/merging budget per schema: beyond it a rewrite is not done
+MAX_INLINE_DEPTH = 16  # $refs inlined inside one another
+MAX_SYNTH_DEFS = 256  # definitions synthesized for keywords merged into a recursive $ref
+SYNTH_PREFIX = "zerogap-merged-"
 
 # Keywords that decide which instances validate; every other key is an annotation (title,
 # description, default, vendor extensions, ...) or a container of definitions (_HELD).
@@ -174,6 +177,26 @@ def walk(node: Schema, at: str = "") -> Iterator[tuple[str, Schema]]:
         yield from walk(s, p)
 
 
+def walk_all(schema: Schema) -> Iterator[tuple[str, Schema]]:
+    """`walk`, then the subschemas that only a local $ref reaches (a target outside any schema
+    keyword, e.g. `#/definitions/3/vars` under a plain object), each once."""
+    seen: set[str] = set()
+    pending = [""]
+    while pending:
+        start = pending.pop()
+        node = resolve_pointer(schema, start)
+        if node is None:
+            continue
+        for at, n in walk(node, start):
+            if at in seen:
+                continue
+            seen.add(at)
+            yield at, n
+            ref = n.get("$ref") if isinstance(n, dict) else None
+            if isinstance(ref, str) and ref.startswith("#") and ref[1:] not in seen:
+                pending.append(ref[1:])
+
+
 def resolve_pointer(root: Schema, pointer: str) -> Schema | None:
     node = root
     for raw in pointer.split("/")[1:] if pointer else []:
@@ -232,6 +255,10 @@ class _Normaliser:
         self.problems: list[SchemaIssue] = []  # found while normalising (e.g. a remote $ref)
         self.budget = MAX_COPIED_NODES
         self.ref_targets: set[str] = set()
+        self._inlining: set[str] = set()  # $ref targets being inlined now (a cycle keeps its $ref)
+        self._inlined: dict[str, Schema] = {}  # target pointer -> its normalised copy
+        self._synth: dict[tuple[str, str], str] = {}  # (keywords, $ref target) -> name of their merged definition
+        self.defs: dict[str, Schema] = {}  # synthesized definitions, added to the root's $defs
 
     def note(self, at: str, keyword: str, message: str) -> None:
         self.rewrites.append(SchemaIssue(at, keyword, message))
@@ -270,9 +297,15 @@ class _Normaliser:
                 new = "#" + index[target]
             elif u in index and (not frag or frag.startswith("/")):
                 new = "#" + index[u] + frag
+            elif u and u not in index:
+                self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"external reference {ref!r} (another document: "
+                                                                          "never fetched; inline it under $defs)"))
+                continue
             else:
                 self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"cannot resolve {ref!r} within the schema"))
                 continue
+            if "%" in new and resolve_pointer(root, unquote(new[1:])) is not None:
+                new = "#" + unquote(new[1:])  # the backend reads pointers as written (no percent-decoding)
             if resolve_pointer(root, new[1:]) is None:
                 self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"{ref!r} points at nothing"))
                 continue
@@ -308,6 +341,12 @@ class _Normaliser:
             node = self._ref_siblings(node, at) if self.draft >= 2019 else self._drop_ref_siblings(node, at)
             if self.draft < 2019:
                 return node
+        if "not" in node:
+            node = self._not(node, at)
+            if not isinstance(node, dict):
+                return node
+        if "if" in node:
+            node = self._if_then_else(node, at)
         if isinstance(node.get("allOf"), list):
             node = self._merge_all_of(node, at)
             if not isinstance(node, dict):
@@ -359,21 +398,57 @@ class _Normaliser:
         return {k: v for k, v in node.items() if k not in rest}
 
     def _inline_ref(self, branch: Schema, stack: tuple[str, ...]) -> Schema:
-        """A branch that is only a local $ref (plus annotations), replaced by its target."""
+        """A branch that is only a local $ref (plus annotations), replaced by its normalised target.
+
+        Cycle-aware: a target being inlined further up (a recursive schema: trees, threads) keeps
+        its $ref, which is exact; each target is normalised once (memoised by pointer)."""
         while isinstance(branch, dict) and isinstance(branch.get("$ref"), str) and branch["$ref"].startswith("#"):
             if any(k in VALIDATION_KW and k != "$ref" for k in branch):
                 return branch
             target_ptr = branch["$ref"][1:]
             target = resolve_pointer(self.root, target_ptr)
-            if target is None or target_ptr in stack or len(stack) > 8:
+            if (target is None or target_ptr in stack or target_ptr in self._inlining
+                    or len(stack) + len(self._inlining) > MAX_INLINE_DEPTH):
                 return branch
             size = sum(1 for _ in walk(target))
             if size > self.budget:
                 return branch
             self.budget -= size
-            branch = self.norm(copy.deepcopy(target), target_ptr)
+            if target_ptr not in self._inlined:
+                self._inlining.add(target_ptr)
+                try:
+                    self._inlined[target_ptr] = self.norm(copy.deepcopy(target), target_ptr)
+                finally:
+                    self._inlining.discard(target_ptr)
+            branch = self._inlined[target_ptr]
             stack = stack + (target_ptr,)
         return branch
+
+    def _merge_into(self, kws: Schema, branch: Schema) -> Schema | None:
+        """merge(kws, branch); a recursive local $ref that could not be inlined gets a synthesized
+        definition `kws & target` (normalised once: the same pair further down refers to it), so
+        rewrites through a cycle stay exact and terminate."""
+        m = merge(kws, branch)
+        if m is not None or not (isinstance(branch, dict) and isinstance(branch.get("$ref"), str)
+                                 and branch["$ref"].startswith("#")
+                                 and not any(k in VALIDATION_KW and k != "$ref" for k in branch)):
+            return m
+        target_ptr = branch["$ref"][1:]
+        key = (_json_key(kws), target_ptr)
+        name = self._synth.get(key)
+        if name is None:
+            target = resolve_pointer(self.root, target_ptr)
+            size = sum(1 for _ in walk(target)) if target is not None else 0
+            if target is None or len(self._synth) >= MAX_SYNTH_DEFS or size > self.budget:
+                return None
+            self.budget -= size
+            name = f"{SYNTH_PREFIX}{len(self._synth)}"
+            self._synth[key] = name
+            body = self.norm(copy.deepcopy(target), target_ptr)  # may meet this pair again: a $ref to name
+            merged = merge(kws, body)
+            self.defs[name] = merged if merged is not None else {"allOf": [kws, {"$ref": branch["$ref"]}]}
+            self.note(ptr("", "$defs", name), "$ref", f"keywords merged into the recursive {branch['$ref']!r}")
+        return {"$ref": "#" + ptr("", "$defs", name)}
 
     def _moves_children(self, at: str) -> bool:
         """Whether a $ref points below `at` other than into its definitions (a rewrite would move it)."""
@@ -387,9 +462,23 @@ class _Normaliser:
         branches = [self._inline_ref(b, (at,)) for b in node["allOf"]]
         held = {k: v for k, v in node.items() if k in _HELD}  # definitions stay where refs expect them
         merged: Schema = {k: v for k, v in node.items() if k != "allOf" and k not in _HELD}
+        conditionals = [b for b in branches if isinstance(b, dict) and "if" in b
+                        and {k for k in b if k in VALIDATION_KW} <= {"if", "then", "else"}]
         for b in branches:
-            m = merge(merged, b)
+            if any(b is c for c in conditionals):
+                continue
+            m = self._merge_into(merged, b)
             if m is None:
+                return node
+            merged = m
+        for c in conditionals:  # each splits the merged schema into the cases of its if/then/else
+            if not isinstance(merged, dict):
+                break
+            cases = {k: v for k, v in c.items() if k in ("if", "then", "else")}
+            if "if" in merged:  # the node's own if/then/else first
+                merged = self._if_then_else(merged, at)
+            m = self._if_then_else({**merged, **cases}, at) if isinstance(merged, dict) and "if" not in merged else None
+            if not isinstance(m, dict) and m is not False or isinstance(m, dict) and "if" in m:
                 return node
             merged = m
         self.note(ptr(at, "allOf"), "allOf", f"{len(branches)} branch(es) merged into one schema")
@@ -407,7 +496,7 @@ class _Normaliser:
             return node
         branches = []
         for b in node[kw]:
-            m = merge(siblings, self._inline_ref(b, (at,)))
+            m = self._merge_into(siblings, self._inline_ref(b, (at,)))
             if m is None:
                 return node
             branches.append(m)
@@ -415,6 +504,158 @@ class _Normaliser:
         out[kw] = branches
         self.note(ptr(at, kw), kw, f"sibling keywords ({', '.join(sorted(siblings))}) distributed into each branch")
         return out
+
+    def _not(self, node: dict, at: str) -> Schema:
+        """`not` of a type, const or enum, exactly: a narrower type, a shorter enum, or false."""
+        n = node["not"]
+        core = {k: v for k, v in n.items() if k in VALIDATION_KW} if isinstance(n, dict) else None
+        rest = {k: v for k, v in node.items() if k != "not"}
+        if n is True or core == {}:
+            self.note(ptr(at, "not"), "not", "not of anything: nothing validates")
+            return False
+        if not core:
+            return node
+        types = _types(node)
+        if set(core) == {"type"} and isinstance(core["type"], (str, list)):
+            excluded = {core["type"]} if isinstance(core["type"], str) else set(core["type"])
+            if "number" in excluded:
+                excluded.add("integer")
+            current = types if types is not None else [t for t in TYPES if t != "integer"]
+            if "integer" in excluded and "number" in current and "number" not in excluded:
+                return node  # numbers that are not integers: no such type
+            left = [t for t in current if t not in excluded]
+            if not left:
+                self.note(ptr(at, "not"), "not", "not of every allowed type: nothing validates")
+                return False
+            self.note(ptr(at, "not"), "not", f"not of type {sorted(excluded)} as type {left}")
+            return {**rest, "type": left[0] if len(left) == 1 else left}
+        if set(core) in ({"enum"}, {"const"}):
+            values = core["enum"] if "enum" in core else [core["const"]]
+            if not isinstance(values, list):
+                return node
+            keys = {_json_key(v) for v in values}
+            if isinstance(node.get("enum"), list) or "const" in node:
+                own = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]]
+                kept = [v for v in own if _json_key(v) not in keys]
+                self.note(ptr(at, "not"), "not", "not of values removed from the enum")
+                if not kept:
+                    return False
+                return {**{k: v for k, v in rest.items() if k != "const"}, "enum": kept}
+            if types is not None and set(types) <= {"boolean", "null"}:
+                domain = [v for t in types for v in ((True, False) if t == "boolean" else (None,))]
+                kept = [v for v in domain if _json_key(v) not in keys]
+                self.note(ptr(at, "not"), "not", f"not of values over {types} as an enum")
+                return {**rest, "enum": kept} if kept else False
+        return node
+
+    def _if_then_else(self, node: dict, at: str) -> Schema:
+        """if/then/else on a property's value (`if: {properties: {p: {const|enum}}, required?: [p]}`)
+        as the anyOf of its cases, exactly: p in the values (then), p outside them (else: needs p's
+        own values listed, an enum or a boolean), p absent (then when `if` does not require p, else
+        when it does; no case when the object requires p; expressible when it lists all its
+        properties), and non-objects (then: `properties` and `required` do not apply to them, unless
+        `if` says type object). Beside an anyOf, each of its branches is split so."""
+        if self._moves_children(at) or ("then" not in node and "else" not in node):
+            return node  # an `if` alone decides nothing
+        cond = self._condition(node.get("if"))
+        if cond is None:
+            return node
+        then, other = node.get("then", True), node.get("else", True)
+        core = {k: v for k, v in node.items() if k not in ("if", "then", "else") and k in VALIDATION_KW}
+        held = {k: v for k, v in node.items() if k not in ("if", "then", "else") and k not in VALIDATION_KW}
+        if isinstance(core.get("anyOf"), list):
+            rest = {k: v for k, v in core.items() if k != "anyOf"}
+            bases = [merge(rest, self._inline_ref(b, (at,))) for b in core["anyOf"]]
+        else:
+            bases = [core]
+        branches: list[Schema] = []
+        for base in bases:
+            split = None if base is None else self._split_if(base, cond, then, other)
+            if split is None:
+                return node
+            branches.extend(split)
+        if len(branches) > MAX_CROSS_BRANCHES or sum(sum(1 for _ in walk(b)) for b in branches) > self.budget:
+            return node
+        self.budget -= sum(sum(1 for _ in walk(b)) for b in branches)
+        self.note(ptr(at, "if"), "if", f"if/then/else on {cond[0]!r} as {len(branches)} anyOf branch(es)")
+        return {**held, "anyOf": branches} if branches else False
+
+    @staticmethod
+    def _condition(cond: Schema) -> tuple[str, list, bool, bool] | None:
+        """(property, values, `if` requires it, `if` says type object) of an `if` on one property's values."""
+        if not isinstance(cond, dict):
+            return None
+        ccore = {k: v for k, v in cond.items() if k in VALIDATION_KW}
+        props = ccore.get("properties")
+        if not isinstance(props, dict) or len(props) != 1 or not set(ccore) <= {"properties", "required", "type"}:
+            return None
+        (name, pschema), = props.items()
+        req = ccore.get("required", [])
+        if not isinstance(pschema, dict) or _values(pschema) is None or not isinstance(req, list) \
+                or not set(req) <= {name} or {k for k in pschema if k in VALIDATION_KW} - {"const", "enum"} \
+                or ccore.get("type", "object") not in ("object", ["object"]):
+            return None
+        values = pschema["enum"] if isinstance(pschema.get("enum"), list) else [pschema["const"]]
+        return name, values, name in req, "type" in ccore
+
+    def _split_if(self, base: Schema, cond: tuple[str, list, bool, bool], then: Schema, other: Schema) -> list | None:
+        """The non-empty cases of `base & if/then/else` (see _if_then_else), None when not expressible."""
+        if base is False:
+            return []
+        if not isinstance(base, dict):
+            base = {}
+        name, in_values, if_requires, cond_object = cond
+        keys = {_json_key(v) for v in in_values}
+        types = _types(base)
+        pairs: list[tuple[Schema, Schema]] = []
+        if types is None or "object" in types:
+            own = property_schema(base, name)
+            if isinstance(own, dict) and isinstance(own.get("$ref"), str) and own["$ref"].startswith("#"):
+                own = resolve_pointer(self.root, own["$ref"][1:])
+            if isinstance(own, dict) and isinstance(own.get("enum"), list):
+                raw = own["enum"]
+            elif isinstance(own, dict) and "const" in own:
+                raw = [own["const"]]
+            elif isinstance(own, dict) and _types(own) == ["boolean"]:
+                raw = [True, False]
+            elif own is False:
+                raw = []
+            else:
+                return None  # p outside the values: not expressible without p's own values
+            rest_values = [v for v in raw if _json_key(v) not in keys]
+            pairs.append(({"type": "object", "required": [name], "properties": {name: {"enum": in_values}}}, then))
+            if rest_values:
+                pairs.append(({"type": "object", "required": [name], "properties": {name: {"enum": rest_values}}}, other))
+            if name not in base.get("required", []):
+                absent = self._absent(base, name)
+                if absent is None:
+                    return None
+                pairs.append((absent, other if if_requires else then))
+        non_object = [t for t in (types or TYPES) if t != "object" and not (t == "integer" and types is None)]
+        if non_object:
+            pairs.append(({"type": non_object if len(non_object) > 1 else non_object[0]},
+                          _strip_object_keywords(other if cond_object else then)))
+        branches = []
+        for case, applies in pairs:
+            b = merge(base if case.get("type") == "object" else _strip_object_keywords(base), case)
+            b = merge(b, applies) if b is not None else None
+            if b is None:
+                return None
+            b = _drop_false_properties(b)
+            if not is_empty(b):
+                branches.append(b)
+        return branches
+
+    @staticmethod
+    def _absent(base: dict, name: str) -> dict | None:
+        """A schema of exactly the objects (under `base`) without property `name`, when expressible:
+        `base` refuses names it does not list, so the case lists every property but `name`."""
+        if base.get("additionalProperties") is not False or base.get("patternProperties"):
+            return None
+        props = base.get("properties", {})
+        if not isinstance(props, dict):
+            return None
+        return {"type": "object", "properties": {k: v for k, v in props.items() if k != name}, "additionalProperties": False}
 
     def _integer_bounds(self, node: dict, at: str) -> dict:
         if _types(node) != ["integer"]:
@@ -528,6 +769,24 @@ def property_schema(node: dict, name: str) -> Schema:
     return node.get("additionalProperties", True)
 
 
+def _drop_false_properties(s: Schema) -> Schema:
+    """Without `"x": false` properties that additionalProperties refuses anyway (exact; the backend
+    rejects false properties)."""
+    if not isinstance(s, dict) or not isinstance(s.get("properties"), dict) or s.get("additionalProperties") is not False \
+            or s.get("patternProperties") or not any(v is False for v in s["properties"].values()):
+        return s
+    if any(s["properties"].get(n) is False for n in s.get("required", [])):
+        return False
+    return {**s, "properties": {k: v for k, v in s["properties"].items() if v is not False}}
+
+
+def _strip_object_keywords(s: Schema) -> Schema:
+    """`s` as it applies to a non-object (its object keywords do not)."""
+    if not isinstance(s, dict):
+        return s
+    return {k: v for k, v in s.items() if k not in OBJECT_KW + ("dependentRequired", "dependentSchemas", "dependencies")}
+
+
 def _is_true(s: Schema) -> bool:
     return s is True or (isinstance(s, dict) and not any(k in VALIDATION_KW or k in _HELD for k in s))
 
@@ -562,9 +821,14 @@ def merge(a: Schema, b: Schema) -> Schema | None:
             continue
         if _json_key(va) == _json_key(vb):
             continue
-        r = _merge_keyword(k, va, vb)
+        if k == "anyOf" and isinstance(va, list) and isinstance(vb, list):
+            r = _cross_any_of(va, vb)
+        else:
+            r = _merge_keyword(k, va, vb)
         if r is None:
             return None
+        if r is _EMPTY:
+            return False
         out[k] = r
     obj = _merge_object_group(a, b)
     if obj is None:
@@ -582,6 +846,41 @@ def merge(a: Schema, b: Schema) -> Schema | None:
                 continue
             return None
     return out
+
+
+_EMPTY = object()  # a keyword merge that no instance satisfies
+MAX_CROSS_BRANCHES = 64  # allOf of two anyOfs: at most this many merged branches
+
+
+def _cross_any_of(xs: list, ys: list) -> list | object | None:
+    """anyOf [x & y for x, y]: exactly allOf [anyOf xs, anyOf ys]; branches no instance satisfies
+    dropped (e.g. two different discriminator values); None when a pair has no known merge."""
+    if len(xs) * len(ys) > 4 * MAX_CROSS_BRANCHES:
+        return None
+    out = []
+    for x in xs:
+        for y in ys:
+            m = merge(x, y)
+            if m is None:
+                return None
+            if not is_empty(m):
+                out.append(m)
+    if len(out) > MAX_CROSS_BRANCHES:
+        return None
+    return out or _EMPTY
+
+
+def is_empty(s: Schema) -> bool:
+    """Provably satisfied by no instance (false, or an object requiring a false property)."""
+    if s is False:
+        return True
+    if not isinstance(s, dict):
+        return False
+    if s.get("type") == "object" or _types(s) == ["object"]:
+        props = s.get("properties", {})
+        if isinstance(props, dict) and any(isinstance(n, str) and props.get(n) is False for n in s.get("required", [])):
+            return True
+    return isinstance(s.get("enum"), list) and not s["enum"]
 
 
 def _keep_annotations(a: dict, b: Schema) -> Schema:
@@ -606,7 +905,7 @@ def _merge_keyword(k: str, va: Any, vb: Any) -> Any | None:
     if k == "enum":
         keys = {_json_key(v) for v in vb}
         kept = [v for v in va if _json_key(v) in keys]
-        return kept or None
+        return kept or _EMPTY  # no value in both: nothing validates
     if k == "uniqueItems":
         return bool(va or vb)
     if k == "propertyNames":
@@ -662,8 +961,38 @@ def normalise(schema: Schema) -> tuple[Schema, list[SchemaIssue], list[SchemaIss
     n = _Normaliser(schema)
     root = n.retarget_refs(schema)
     n.root = root
-    out = n.norm(root, "")
+    try:
+        out = n.norm(root, "")
+    except RecursionError:
+        raise SchemaError(SchemaIssue("", "schema", "too deeply nested to normalise")) from None
+    if n.defs and isinstance(out, dict):
+        out = {**out, "$defs": {**(out.get("$defs") if isinstance(out.get("$defs"), dict) else {}), **n.defs}}
+    out = _absent_by_backend_default(out, n)
     return out, n.rewrites, n.problems
+
+
+def _absent_by_backend_default(schema: Schema, n: _Normaliser) -> Schema:
+    """`"x": false` beside no additionalProperties (x must be absent): the backend rejects false
+    schemas, but generates no property a schema does not list (unless additionalProperties,
+    patternProperties or unevaluatedProperties admit it), so x is dropped. Done last, on the final
+    schema: no later merge may give x a schema again."""
+    found = [(at, node) for at, node in walk_all(schema) if isinstance(node, dict) and isinstance(node.get("properties"), dict)
+             and any(v is False for v in node["properties"].values()) and not any(
+                 k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))]
+    if not found:
+        return schema
+    schema = copy.deepcopy(schema)
+    for at, _ in found:
+        node = resolve_pointer(schema, at)
+        if not isinstance(node, dict):
+            continue
+        drop = [k for k, v in node["properties"].items() if v is False and k not in node.get("required", [])]
+        for k in drop:
+            del node["properties"][k]
+        if drop:
+            n.note(ptr(at, "properties"), "properties", f"false schemas of {', '.join(drop)} dropped (the grammar "
+                                                        "generates no property the schema does not list)")
+    return schema
 
 
 # ---------------------------------------------------------------------------------------
@@ -679,8 +1008,9 @@ class Unenforced(SchemaIssue):
 @functools.lru_cache(maxsize=4096)  # a pure function of the pattern
 def regex_supported(pattern: str) -> str | None:
     """None when xgrammar's regex converter takes the pattern, else its cleaned message."""
-    try:
+    try:  # as a regex, and as the schema converter reads a string's pattern (`\\b` fails there only)
         xgr.Grammar.from_regex(pattern)
+        xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": pattern}), any_whitespace=False)
         return None
     except Exception as e:  # noqa: BLE001 (any backend failure means unsupported)
         return clean_backend_message(str(e))
@@ -694,10 +1024,12 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
     """Every keyword of the (normalised) schema the grammar cannot enforce, in document order."""
     out: list[Unenforced] = [Unenforced(p.pointer, p.keyword, p.message, rejected=True) for p in problems]
     checked_formats = _checked_formats()
-    for at, node in walk(schema):
+    for at, node in walk_all(schema):
         if not isinstance(node, dict):
-            if node is False and at and not at.endswith(("additionalProperties", "items", "additionalItems",
-                                                         "unevaluatedProperties", "unevaluatedItems")):
+            parent, _, last = at.rpartition("/")
+            keyword_position = parent.rpartition("/")[2] not in MAP_KW + ("dependencies",) or not parent
+            if node is False and at and not (keyword_position and last in (
+                    "additionalProperties", "items", "additionalItems", "unevaluatedProperties", "unevaluatedItems")):
                 out.append(Unenforced(at, "false", "a schema that accepts nothing", rejected=True))
             continue
 
@@ -711,7 +1043,9 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
         if "if" in node and ("then" in node or "else" in node):
             flag("if", "if/then/else not enforced")
         if node.get("uniqueItems") is True:
-            flag("uniqueItems", "not enforced")
+            why = _unique_items_gap(node, at, schema)
+            if why:
+                flag("uniqueItems", why)
         for kw in ("dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef", "$recursiveRef"):
             if kw in node:
                 flag(kw, "not enforced")
@@ -766,6 +1100,25 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
                 flag(siblings[0], f"ignored beside $ref ({', '.join(siblings)})")
         _backend_rejects(node, at, types, out)
     return out
+
+
+def _unique_items_gap(node: dict, at: str, root: Schema) -> str:
+    """Why `uniqueItems` is not enforced at decode time (features/json_tracker.py), or ""."""
+    from features.json_tracker import unique_enforceable
+
+    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+    if not all(unique_enforceable(s, root) for s in [*prefix, node.get("items", True)]):
+        return "not enforced (items that are not all scalars)"
+    parent_at, _, index = at.rpartition("/")
+    holder_at, _, kw = parent_at.rpartition("/")
+    if kw in ("anyOf", "oneOf") and index.isdigit():
+        holder = resolve_pointer(root, holder_at)
+        branches = holder.get(kw, []) if isinstance(holder, dict) else []
+        for i, b in enumerate(branches):
+            if str(i) != index and (b is True or isinstance(b, dict) and b.get("uniqueItems") is not True and (
+                    _types(b) is None or "array" in (_types(b) or []))):
+                return f"not enforced (branch {kw}/{i} admits arrays with duplicates)"
+    return ""
 
 
 def _backend_rejects(node: dict, at: str, types: list[str] | None, out: list[Unenforced]) -> None:

@@ -57,10 +57,10 @@ class ServerArgs:
     max_stop_token_ids: int = 64
     grammar_workers: int = 2  # compile worker processes
     grammar_worker_max_rss_mb: int = 2048  # a compile growing its worker past this is stopped
-    max_constraint_bytes: int = 64 << 10  # schema / regex / EBNF text
+    max_constraint_bytes: int = 8 << 20  # schema / regex / EBNF text (compiles are bounded by deadline and memory)
     max_constraint_depth: int = 64  # bracket / parenthesis nesting
     max_constraint_properties: int = 1024  # properties of one JSON-schema object
-    constraint_mode: str = "strict"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
+    constraint_mode: str = "lenient"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
     max_image_bytes: int = 10 << 20  # one image's encoded bytes (INVALID_ARGUMENT beyond)
     max_image_pixels: int = 25_000_000  # one image's width x height, read from its header before decoding
     max_images_per_request: int = 8

@@ -17,6 +17,7 @@ from hypothesis_jsonschema import from_schema
 from xgrammar.testing import _is_grammar_accept_string
 
 from features import json_schema as js
+from features import json_tracker as jt
 from features.constrained import ConstraintSpec, prepare
 from service.core.request import RequestError
 from tests.data.make_schema_corpus import PINNED, corpus, outcome
@@ -119,18 +120,22 @@ def test_xgrammar_ignores_what_the_walk_or_normaliser_handles(schema, instance):
     normalised, _, problems = js.normalise(schema)
     fixed = not js.unenforced(normalised, problems) and not _is_grammar_accept_string(
         xgr.Grammar.from_json_schema(json.dumps(normalised), any_whitespace=False), json.dumps(instance))
-    assert fixed or js.unenforced(normalised, problems)
+    tracked = not js.unenforced(normalised, problems) and jt.has_unique_items(normalised)  # at decode time
+    assert fixed or tracked or js.unenforced(normalised, problems)
 
 
 @pytest.mark.parametrize("schema, pointer, keyword", [
-    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}, "/properties/tags/uniqueItems", "uniqueItems"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "object"}, "uniqueItems": True}}}, "/properties/tags/uniqueItems", "uniqueItems"),
+    ({"type": "object", "properties": {"tags": {"anyOf": [{"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                                                          {"type": "array"}]}}}, "/properties/tags/anyOf/0/uniqueItems", "uniqueItems"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x+$"}}}, "/properties/a/pattern", "pattern"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2}, "/minItems", "minItems"),
     ({"type": "object", "properties": {"a": {}}, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "/if", "if"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"properties": {"a": {"const": "x"}}},
+      "then": {"required": ["b"]}}, "/if", "if"),  # "a" outside "x": not expressible for any string
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/oneOf", "oneOf"),
     ({"type": "string", "format": "idn-email"}, "/format", "format"),
     ({"type": "integer", "minimum": -1e20}, "/minimum", "minimum"),
-    ({"type": "object", "properties": {"k": {"$ref": "https://example.com/remote.json"}}}, "/properties/k/$ref", "$ref"),
     ({"allOf": [{"type": "object", "properties": {"a": {"$ref": "#/allOf/0"}}}, {"required": ["a"]}]}, "/allOf", "allOf"),
 ])
 def test_strict_refuses_naming_pointer_and_keyword(schema, pointer, keyword):
@@ -235,3 +240,190 @@ def test_corpus_outcomes_are_pinned():
     assert outcomes == {"compiled exactly", "normalised", "refused in strict"}
     # The issue's case: travis keeps every constraint under a top-level allOf; it is merged.
     assert pinned["schemastore/travis"]["rewrites"].get("allOf")
+
+
+# ---- rewrites checked against the grammar's own language ----------------------------------------
+def _compact(value, order: dict[str, int]):
+    """`value` as the grammar writes it: compact, integral floats as integers (the same JSON
+    Schema value), object keys in the schema's property order (the grammar's order)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_compact(v, order) for v in value]
+    if isinstance(value, dict):
+        return {k: _compact(value[k], order) for k in sorted(value, key=lambda k: (order.get(k, 1 << 30), k))}
+    return value
+
+
+def _property_order(schema) -> dict[str, int]:
+    order: dict[str, int] = {}
+    for _, node in js.walk(schema):
+        if isinstance(node, dict) and isinstance(node.get("properties"), dict):
+            for k in node["properties"]:
+                order.setdefault(k, len(order))
+    return order
+
+
+def grammar_accepts(schema, value) -> bool:
+    """Whether the backend's grammar of `schema` (as the server compiles it) produces `value`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+    text = json.dumps(_compact(value, _property_order(schema)), separators=(",", ":"))
+    return _is_grammar_accept_string(grammar, text)
+
+
+# Decode-time rewrites: each schema's grammar language equals jsonschema's verdict (generated
+# valid instances and arbitrary small values), and the raw schema's grammar admits a violating
+# document that the normalised one cannot produce.
+KIND3 = {"kind": {"enum": ["a", "b", "c"]}, "x": {"type": "integer"}, "y": {"type": "string"}}
+ENFORCED = [
+    ("if/then/else on a required const", {
+        "type": "object", "properties": KIND3, "required": ["kind"], "additionalProperties": False,
+        "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}, "else": {"required": ["y"]}},
+     {"kind": "a", "y": "s"}),
+    ("if/then on an optional enum (if requires it)", {
+        "type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}}, "additionalProperties": False,
+        "if": {"properties": {"kind": {"enum": ["a"]}}, "required": ["kind"]}, "then": {"required": ["x"]},
+        "else": {"properties": {"x": {"maximum": 3}}}},
+     {"kind": "a"}),
+    ("if/then/else on an optional boolean, untyped", {
+        "properties": {"on": {"type": "boolean"}, "x": {"type": "integer"}}, "additionalProperties": False,
+        "if": {"properties": {"on": {"const": True}}}, "then": {"required": ["x"]}, "else": {"maxProperties": 1}},
+     {"on": True}),
+    ("allOf of if/thens (one per discriminator value)", {
+        "type": "object", "properties": KIND3, "required": ["kind"], "additionalProperties": False,
+        "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}},
+                  {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
+     {"kind": "b", "x": 1}),
+    ("oneOf discriminated by a required const", {
+        "oneOf": [{"type": "object", "properties": {"t": {"const": "p"}, "x": {"type": "integer"}}, "required": ["t", "x"], "additionalProperties": False},
+                  {"type": "object", "properties": {"t": {"const": "q"}, "x": {"type": "string"}}, "required": ["t"], "additionalProperties": False}]},
+     {"t": "q", "x": 1}),
+    ("not of a type", {"type": ["string", "integer", "null"], "not": {"type": ["string", "null"]}}, "s"),
+    ("not of an enum", {"enum": ["a", "b", 1, None], "not": {"enum": ["a", None]}}, "a"),
+    ("not of a const boolean", {"type": "boolean", "not": {"const": False}}, False),
+    ("not of anything (property absent)", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}},
+                                           "additionalProperties": False}, {"b": 1}),
+]
+
+
+@pytest.mark.parametrize("name, schema, violating", ENFORCED, ids=[c[0] for c in ENFORCED])
+def test_rewrites_make_the_grammar_exact(name, schema, violating):
+    original = jsonschema.Draft202012Validator(schema)
+    normalised, rewrites, problems = js.normalise(schema)
+    assert not problems and not js.unenforced(normalised, problems), js.unenforced(normalised, problems)
+    assert not original.is_valid(violating)
+    if name.startswith("oneOf"):
+        assert not rewrites  # exact as given: disjoint branches
+    else:
+        assert rewrites
+        assert grammar_accepts(schema, violating), "the raw schema's grammar must admit the violation"
+    assert not grammar_accepts(normalised, violating)
+
+    @SETTINGS
+    @given(st.one_of(JSON, from_schema(schema)) if _generatable(schema) else JSON)
+    def same_language(value):
+        assert grammar_accepts(normalised, value) == original.is_valid(value), (value, normalised)
+
+    same_language()
+
+
+RECURSIVE_CASES = [  # each rewrite applied through a recursive reference (trees, threads)
+    ("sibling beside anyOf (the issue's case)", {"type": "object", "additionalProperties": {
+        "minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}]},
+        "definitions": {"r": {"type": "object", "additionalProperties": {
+            "minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}]}}}}),
+    ("allOf with a recursive ref", {"$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "kids": {"type": "array", "items": {"allOf": [{"$ref": "#/$defs/node"}, {"required": ["name"]}]}}}}},
+        "$ref": "#/$defs/node"}),
+    ("$ref siblings on a recursive ref (2020-12)", {"$defs": {"t": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/t", "required": ["v"]}}}}, "$ref": "#/$defs/t"}),
+    ("if/then and not inside a recursion", {"$defs": {"c": {"type": "object", "properties": {
+        "kind": {"enum": ["leaf", "node"]}, "v": {"type": "integer", "not": {"const": 0}, "enum": [0, 1, 2]},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/c"}}}, "required": ["kind"], "additionalProperties": False,
+        "if": {"properties": {"kind": {"const": "node"}}}, "then": {"required": ["kids"]}, "else": {"required": ["v"]}}},
+        "$ref": "#/$defs/c"}),
+    ("mutual recursion beside oneOf", {"$defs": {
+        "a": {"type": "object", "properties": {"b": {"maxProperties": 2, "oneOf": [{"type": "null"}, {"$ref": "#/$defs/b"}]}}},
+        "b": {"type": "object", "properties": {"a": {"minProperties": 1, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}},
+        "$ref": "#/$defs/a"}),
+]
+
+
+@pytest.mark.parametrize("name, schema", RECURSIVE_CASES, ids=[c[0] for c in RECURSIVE_CASES])
+def test_rewrites_terminate_on_cycles(name, schema):
+    """Every rewrite through a recursive $ref terminates and stays exact (the grammar's language
+    equals jsonschema's verdict); strict mode accepts or names a keyword, never crashes."""
+    original = jsonschema.Draft202012Validator(schema)
+    normalised, rewrites, problems = js.normalise(schema)
+    assert rewrites and not problems
+    try:
+        prepare(ConstraintSpec("json_schema", json.dumps(schema)), "strict")
+    except RequestError as e:
+        assert e.code == "INVALID_ARGUMENT" and "strict mode" in e.message
+    exact = not js.unenforced(normalised, problems)
+    backend = jsonschema.Draft202012Validator({k: v for k, v in normalised.items() if k != "$schema"})
+
+    @SETTINGS
+    @given(JSON)
+    def same_verdict(value):
+        assert backend.is_valid(value) == original.is_valid(value), (value, normalised)
+        if exact and grammar_accepts(normalised, value):  # the backend drops unlisted properties: sound, narrower
+            assert original.is_valid(value), (value, normalised)
+
+    same_verdict()
+
+
+def test_external_refs_are_refused_naming_the_reference():
+    schema = {"type": "object", "properties": {"k": {"$ref": "https://example.com/remote.json#/defs/k"}}}
+    for mode in ("strict", "lenient"):
+        with pytest.raises(RequestError) as e:
+            prepare(ConstraintSpec("json_schema", json.dumps(schema)), mode)
+        assert e.value.code == "INVALID_ARGUMENT", e.value
+        assert "/properties/k/$ref" in e.value.message and "https://example.com/remote.json#/defs/k" in e.value.message
+        assert "never fetched" in e.value.message
+
+
+def test_vendored_schemas_served_by_default(hf_tokenizer):
+    """The 26 SchemaStore schemas check-jsonschema vendors, with the server's default flags:
+    each compiles (lenient: relaxed keywords listed) or is refused with a clear guard or $ref
+    message — never UNKNOWN/INTERNAL, never the size cap."""
+    from pathlib import Path
+
+    import check_jsonschema
+
+    from features.grammar_backend import GrammarBackend, GrammarLimits, check_limits
+    from service.config import ServerArgs
+
+    d = ServerArgs()
+    limits = GrammarLimits(max_bytes=d.max_constraint_bytes, max_depth=d.max_constraint_depth,
+                           max_properties=d.max_constraint_properties, compile_timeout_s=d.grammar_compile_timeout_s,
+                           max_worker_rss_mb=d.grammar_worker_max_rss_mb, workers=2)
+    vendor = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor"
+    texts = {f.stem: f.read_text() for f in sorted(vendor.glob("*.json"))}
+    assert len(texts) == 26
+    backend = GrammarBackend(hf_tokenizer, len(hf_tokenizer), [hf_tokenizer.eos_token_id], limits)
+    outcomes: dict[str, str] = {}
+    try:
+        assert backend.wait_ready(120)
+        for name, text in texts.items():
+            try:
+                check_limits("json_schema", text, limits)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    p = prepare(ConstraintSpec("json_schema", text), d.constraint_mode)
+                backend.compile("json_schema", p.backend_text).result(timeout=limits.compile_timeout_s + 30)
+                outcomes[name] = "relaxed" if p.relaxed else "exact"
+            except RequestError as e:
+                assert e.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED") or (
+                    e.code == "INVALID_ARGUMENT" and "$ref" in e.message), (name, e.code, e.message)
+                assert "bytes exceed" not in e.message and ".cc" not in e.message, (name, e.message)
+                outcomes[name] = e.code
+    finally:
+        backend.shutdown()
+    served = [n for n, o in outcomes.items() if o in ("exact", "relaxed")]
+    assert len(served) >= 23, outcomes  # the rest: drone-ci's external $refs, a compile past the deadline
+    for must in ("github-workflows", "gitlab-ci", "compose-spec", "github-issue-forms", "circle-ci", "mergify",
+                 "snapcraft", "renovate", "dependabot", "readthedocs", "travis"):
+        assert must in served, outcomes

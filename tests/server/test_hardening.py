@@ -498,7 +498,8 @@ def test_mixed_prompt_lengths_cost_about_their_tokens(server, stub, monkeypatch)
     (dict(sampling=greedy(4, stop=["a"] * 17)), "INVALID_ARGUMENT", "sampling.stop: 17 strings exceed the limit of 16"),
     (dict(sampling=greedy(4, stop=["a" * 257])), "INVALID_ARGUMENT", "sampling.stop: a string of 257 bytes exceed the limit of 256"),
     (dict(sampling=greedy(4, stop_token_ids=list(range(65)))), "INVALID_ARGUMENT", "sampling.stop_token_ids: 65 ids exceed"),
-    (dict(constraint=pb2.Constraint(regex="a" * 70_000)), "INVALID_ARGUMENT", "constraint.regex: 70000 bytes exceed the limit of 65536"),
+    (dict(constraint=pb2.Constraint(regex="a" * ((8 << 20) + 1))), "INVALID_ARGUMENT",
+     "constraint.regex: 8388609 bytes exceed the limit of 8388608"),
     (dict(text="x" * (17 << 20)), "RESOURCE_EXHAUSTED", "message larger than max"),
 ])
 def test_input_limits_refused_with_the_right_status(server, stub, kw, code, says):
