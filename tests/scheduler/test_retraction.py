@@ -252,7 +252,7 @@ def test_abort_while_retracted(loop, tiny_llama_dir, reference):
     """The first victim is aborted while it waits to be re-prefilled: it ends ABORT with the tokens it had
     (a prefix of its reference), its KV is not freed twice, the others are unchanged."""
     client = make_client(tiny_llama_dir, loop)
-    s = client.engine.scheduler
+    s = client.engine.scheduler.retraction
     retract = s.retract
     victims: list[str] = []
 
@@ -286,7 +286,7 @@ def test_client_cancel_while_retracted(tiny_llama_dir, reference):
     s = srv.engine.scheduler
     calls: dict[str, grpc.Future] = {}
     cancelled: list[str] = []
-    retract = s.retract
+    retract = s.retraction.retract
 
     def retract_and_cancel(req: Req) -> None:
         retract(req)
@@ -295,7 +295,7 @@ def test_client_cancel_while_retracted(tiny_llama_dir, reference):
             calls[req.rid].cancel()
             assert wait_until(lambda: s.inbox.qsize() > 0, 10)  # the server's abort, before re-admission
 
-    s.retract = retract_and_cancel
+    s.retraction.retract = retract_and_cancel
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb2_grpc.GenerationStub(ch)
