@@ -1104,8 +1104,6 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
 
 def _unique_items_gap(node: dict, at: str, root: Schema) -> str:
     """Why `uniqueItems` is not enforced at decode time (features/json_tracker.py), or ""."""
-    from features.json_tracker import unique_enforceable
-
     prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
     if not all(unique_enforceable(s, root) for s in [*prefix, node.get("items", True)]):
         return "not enforced (items that are not all scalars)"
@@ -1258,3 +1256,58 @@ def text_checker(kind: str, text: str) -> Callable[[str], bool] | None:
     except re.error:
         return None
     return lambda s: compiled.fullmatch(s) is not None
+
+
+# ---- shared with the uniqueItems tracker (features/json_tracker.py) ----
+
+MAX_CANDIDATES = 32  # schema nodes tracked for one place (anyOf branches, refs)
+
+
+def schema_candidates(root: Schema, node: Schema, out: list, depth: int = 0) -> None:
+    """The schema nodes an instance at `node` must (or, for branches, may) satisfy, flattened."""
+    if len(out) >= MAX_CANDIDATES or depth > 8:
+        out.append(True)  # unknown: enforce nothing there
+        return
+    if not isinstance(node, dict):
+        out.append(node)
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = resolve_pointer(root, ref[1:])
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        schema_candidates(root, target if target is not None else True, out, depth + 1)
+        if any(k in VALIDATION_KW for k in rest):
+            out.append(rest)
+        return
+    branches = [b for kw in ("anyOf", "oneOf") for b in (node.get(kw) or [])]
+    if branches:
+        rest = {k: v for k, v in node.items() if k not in ("anyOf", "oneOf")}
+        if any(k in VALIDATION_KW for k in rest):
+            out.append(rest)
+        for b in branches:
+            schema_candidates(root, b, out, depth + 1)
+        return
+    out.append(node)
+    for b in node.get("allOf") or []:
+        schema_candidates(root, b, out, depth + 1)
+
+
+def unique_enforceable(items: Schema, root: Schema) -> bool:
+    """Whether every item an array's `items` admits is a scalar (what the tracker dedups)."""
+    cands: list = []
+    schema_candidates(root, items, cands)
+    for c in cands:
+        if not isinstance(c, dict):
+            return False
+        if isinstance(c.get("enum"), list):
+            if any(isinstance(v, (dict, list)) for v in c["enum"]):
+                return False
+            continue
+        if "const" in c:
+            if isinstance(c["const"], (dict, list)):
+                return False
+            continue
+        types = _types(c)
+        if types is None or any(t in ("object", "array") for t in types):
+            return False
+    return True

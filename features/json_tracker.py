@@ -23,7 +23,6 @@ from typing import Any
 
 from features import json_schema as js
 
-MAX_CANDIDATES = 32  # schema nodes tracked for one place (anyOf branches, refs)
 _WS = b" \t\r\n"
 
 
@@ -60,35 +59,6 @@ class TokenIndex:
         return self._ids[lo:hi]
 
 
-def _resolve(root: js.Schema, node: js.Schema, out: list, depth: int = 0) -> None:
-    """The schema nodes an instance at `node` must (or, for branches, may) satisfy, flattened."""
-    if len(out) >= MAX_CANDIDATES or depth > 8:
-        out.append(True)  # unknown: enforce nothing there
-        return
-    if not isinstance(node, dict):
-        out.append(node)
-        return
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        target = js.resolve_pointer(root, ref[1:])
-        rest = {k: v for k, v in node.items() if k != "$ref"}
-        _resolve(root, target if target is not None else True, out, depth + 1)
-        if any(k in js.VALIDATION_KW for k in rest):
-            out.append(rest)
-        return
-    branches = [b for kw in ("anyOf", "oneOf") for b in (node.get(kw) or [])]
-    if branches:
-        rest = {k: v for k, v in node.items() if k not in ("anyOf", "oneOf")}
-        if any(k in js.VALIDATION_KW for k in rest):
-            out.append(rest)
-        for b in branches:
-            _resolve(root, b, out, depth + 1)
-        return
-    out.append(node)
-    for b in node.get("allOf") or []:
-        _resolve(root, b, out, depth + 1)
-
-
 def _child(root: js.Schema, cands: list, key: str | None, index: int) -> list:
     out: list = []
     for c in cands:
@@ -100,7 +70,7 @@ def _child(root: js.Schema, cands: list, key: str | None, index: int) -> list:
         else:
             prefix = c.get("prefixItems") if isinstance(c.get("prefixItems"), list) else []
             s = prefix[index] if index < len(prefix) else c.get("items", True)
-        _resolve(root, s, out)
+        js.schema_candidates(root, s, out)
     return out
 
 
@@ -176,7 +146,7 @@ class UniqueTracker:
 
     def reset(self) -> None:
         cands: list = []
-        _resolve(self.root, self.root, cands)
+        js.schema_candidates(self.root, self.root, cands)
         self.stack: list[_Frame] = []
         self.pending = cands  # schema nodes of the value about to start
         self.mode = "value"  # value | string | escape | bare | after | key | colon
@@ -333,22 +303,3 @@ def _terminated(item: bytes) -> tuple[bytes, ...]:
     return (item,) if item[:1] == b'"' else (item + b",", item + b"]")
 
 
-def unique_enforceable(items: js.Schema, root: js.Schema) -> bool:
-    """Whether every item an array's `items` admits is a scalar (what the tracker dedups)."""
-    cands: list = []
-    _resolve(root, items, cands)
-    for c in cands:
-        if not isinstance(c, dict):
-            return False
-        if isinstance(c.get("enum"), list):
-            if any(isinstance(v, (dict, list)) for v in c["enum"]):
-                return False
-            continue
-        if "const" in c:
-            if isinstance(c["const"], (dict, list)):
-                return False
-            continue
-        types = js._types(c)
-        if types is None or any(t in ("object", "array") for t in types):
-            return False
-    return True
