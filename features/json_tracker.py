@@ -89,6 +89,7 @@ def _unique(cands: list) -> bool:
 
 
 MAX_DOMAIN = 256
+MAX_LEFT = 16  # values left of a domain below which tokens leading only to written values are masked too
 
 
 def _domain(cands: list) -> list[bytes] | None:
@@ -268,9 +269,9 @@ class UniqueTracker:
             partial, lead = b"", b","
         else:
             return []
-        if top.domain is not None:  # few values: forbid what leads only to values already written
-            seen = set(top.seen)
-            left = [v for v in top.domain if v not in seen]
+        seen = set(top.seen)
+        left = [v for v in top.domain if v not in seen] if top.domain is not None else None
+        if left is not None and len(left) <= MAX_LEFT:  # few values: forbid what leads only to written ones
             bad: set[int] = set()
             for item in seen:
                 for text in _terminated(item):
