@@ -79,9 +79,8 @@ RUN useradd --create-home --uid 10001 --user-group zerogap \
     && chown -R zerogap:zerogap "$ZEROGAP_CACHE"
 COPY --from=model --chown=10001:10001 /opt/zerogap/cache /opt/zerogap/cache
 
-# 3. The code. The stubs are generated from proto/ at first import into
-#    service/_gen; generate them now (as root) so that the non-root user never
-#    needs to write there. PYTHONPATH=/app runs this tree, which carries proto/.
+# 3. The code (the gRPC stubs come with the client distribution installed above;
+#    the last step checks that they load). PYTHONPATH=/app runs this tree.
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY service ./service

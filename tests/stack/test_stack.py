@@ -113,7 +113,7 @@ def test_dockerfile_essentials() -> None:
     assert re.search(r"^USER (?!root)\S+", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\n?.*python\", \"-m\", \"service\", \"healthcheck\"", text, re.M)
     assert re.search(r"^EXPOSE 50051\b", text, re.M)
-    assert "COPY zerogap ./zerogap" in text
+    assert "COPY clients/python ./clients/python" in text  # the client distribution: the stubs
     ignored = (ROOT / ".dockerignore").read_text().split()
     for entry in (".venv", ".git", "service/_gen"):
         assert entry in ignored
