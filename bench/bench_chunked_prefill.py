@@ -83,13 +83,23 @@ def pct(xs: list[float], q: float) -> float:
 def run_config(name: str, model_dir: Path, a: argparse.Namespace, **server_args) -> Result:
     rng = random.Random(0)
     rec = Recorder()
-    args = ServerArgs(dtype=a.dtype, loop=a.loop, max_running_requests=a.streams + 2,
-                      kv_cache_tokens=(a.streams + 1) * (a.long + a.max_new_tokens + 64), **server_args)
+    args = ServerArgs(
+        dtype=a.dtype,
+        loop=a.loop,
+        max_running_requests=a.streams + 2,
+        kv_cache_tokens=(a.streams + 1) * (a.long + a.max_new_tokens + 64),
+        **server_args,
+    )
     engine = Engine(args, model_dir, rec)
     try:
+
         def submit(rid: str, n: int, max_new: int) -> None:
             prompt = [rng.randrange(3, 49000) for _ in range(n)]
-            engine.submit(engine.build_request(rid, prompt, SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)))
+            engine.submit(
+                engine.build_request(
+                    rid, prompt, SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
+                )
+            )
 
         submit("warmup", a.long, 2)  # kernels, allocator and the long-prompt path, before timing
         rec.wait(lambda: "warmup" in rec.done)
@@ -131,7 +141,9 @@ def main() -> None:
     p.add_argument("--long", type=int, default=2000, help="tokens of the arriving prompt")
     p.add_argument("--max-new-tokens", type=int, default=160, help="per decoding stream")
     p.add_argument("--long-new-tokens", type=int, default=32)
-    p.add_argument("--warm-tokens", type=int, default=16, help="tokens each stream has before the long prompt arrives")
+    p.add_argument(
+        "--warm-tokens", type=int, default=16, help="tokens each stream has before the long prompt arrives"
+    )
     p.add_argument("--sizes", default="256", help="comma list of --chunked-prefill-size values to run")
     a = p.parse_args()
     model_dir = resolve_model_path(a.model)
@@ -139,18 +151,24 @@ def main() -> None:
     for size in (int(s) for s in a.sizes.split(",")):
         configs.append((f"chunked {size}", dict(chunked_prefill_size=size, enable_mixed_chunk=False)))
         configs.append((f"chunked {size} + mixed", dict(chunked_prefill_size=size, enable_mixed_chunk=True)))
-    print(f"model={model_dir.name} dtype={a.dtype} loop={a.loop} streams={a.streams} long={a.long} "
-          f"max_new={a.max_new_tokens} load={os.getloadavg()[0]:.2f}")
+    print(
+        f"model={model_dir.name} dtype={a.dtype} loop={a.loop} streams={a.streams} long={a.long} "
+        f"max_new={a.max_new_tokens} load={os.getloadavg()[0]:.2f}"
+    )
     results = [run_config(name, model_dir, a, **kw) for name, kw in configs]
     base = results[0]
-    print(f"{'config':<22} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'ITL max ms':>10} {'p99 all ms':>10} "
-          f"{'TTFT s':>7} {'tok/s':>7} {'x off':>6} {'p99 gain':>8}  counters")
+    print(
+        f"{'config':<22} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'ITL max ms':>10} {'p99 all ms':>10} "
+        f"{'TTFT s':>7} {'tok/s':>7} {'x off':>6} {'p99 gain':>8}  counters"
+    )
     for r in results:
-        print(f"{r.name:<22} {1e3 * statistics.median(r.itl_window or [float('nan')]):>10.1f} "
-              f"{1e3 * pct(r.itl_window, 0.99):>10.1f} {1e3 * max(r.itl_window or [float('nan')]):>10.1f} "
-              f"{1e3 * pct(r.itl_all, 0.99):>10.1f} {r.ttft:>7.2f} {r.tokens / r.wall:>7.1f} "
-              f"{(r.tokens / r.wall) / (base.tokens / base.wall):>6.2f} "
-              f"{pct(base.itl_window, 0.99) / pct(r.itl_window, 0.99):>8.2f}  {r.counters}")
+        print(
+            f"{r.name:<22} {1e3 * statistics.median(r.itl_window or [float('nan')]):>10.1f} "
+            f"{1e3 * pct(r.itl_window, 0.99):>10.1f} {1e3 * max(r.itl_window or [float('nan')]):>10.1f} "
+            f"{1e3 * pct(r.itl_all, 0.99):>10.1f} {r.ttft:>7.2f} {r.tokens / r.wall:>7.1f} "
+            f"{(r.tokens / r.wall) / (base.tokens / base.wall):>6.2f} "
+            f"{pct(base.itl_window, 0.99) / pct(r.itl_window, 0.99):>8.2f}  {r.counters}"
+        )
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -93,7 +93,9 @@ async def _load(address: str, streams: int, requests: int, tokens: int) -> Phase
     async with AsyncClient(address, timeout=None) as client:
         sem = asyncio.Semaphore(streams)
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_stream(client, make_request(p, tokens, True), sem) for p in prompts))
+        results = await asyncio.gather(
+            *(one_stream(client, make_request(p, tokens, True), sem) for p in prompts)
+        )
         return Phase(streams, sum(r[2] for r in results), time.perf_counter() - t0)
 
 
@@ -104,9 +106,32 @@ class DockerServer:
         self.port = free_port()
         mounts = [arg for d in ("service", "features") for arg in ("-v", f"{ROOT / d}:/app/{d}:ro")]
         self.cid = subprocess.run(
-            ["docker", "run", "-d", "--rm", "--cpus", cpus, "-p", f"127.0.0.1:{self.port}:50051", *mounts, image,
-             "python", "-m", "service", "serve", "--host", "0.0.0.0", "--port", "50051", "--dtype", dtype],
-            check=True, capture_output=True, text=True).stdout.strip()
+            [
+                "docker",
+                "run",
+                "-d",
+                "--rm",
+                "--cpus",
+                cpus,
+                "-p",
+                f"127.0.0.1:{self.port}:50051",
+                *mounts,
+                image,
+                "python",
+                "-m",
+                "service",
+                "serve",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "50051",
+                "--dtype",
+                dtype,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         deadline = time.monotonic() + timeout_s
         while "listening" not in self.logs():
             if time.monotonic() > deadline:
@@ -130,8 +155,19 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
     else:
         flags, env = SETUPS[name]
         port = free_port()
-        cmd = [sys.executable, "-m", "service", "serve", "--model", args.model, "--port", str(port), "--dtype", args.dtype,
-               *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "service",
+            "serve",
+            "--model",
+            args.model,
+            "--port",
+            str(port),
+            "--dtype",
+            args.dtype,
+            *flags,
+        ]
         server = ServerProcess(cmd, port, env=env)
         read_log = lambda: Path(server.log.name).read_text(errors="replace")  # noqa: E731
     address = f"127.0.0.1:{server.port}"
@@ -148,10 +184,16 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
                 if hogged:
                     hogs.__exit__()
             out[label] = {"single_tok_s": single.tok_per_s, "16_streams_tok_s": many.tok_per_s}
-            print(f"[contention] {name:10s} {label:5s}: single {single.tok_per_s:6.1f} tok/s, "
-                  f"16 streams {many.tok_per_s:6.1f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"[contention] {name:10s} {label:5s}: single {single.tok_per_s:6.1f} tok/s, "
+                f"16 streams {many.tok_per_s:6.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
         log = read_log()
-        out["engine_cpu_line"] = next((ln.split("CPU: ", 1)[1] for ln in log.splitlines() if "CPU: " in ln), "")
+        out["engine_cpu_line"] = next(
+            (ln.split("CPU: ", 1)[1] for ln in log.splitlines() if "CPU: " in ln), ""
+        )
     finally:
         server.stop()
     out["slowdown"] = {k: out["quiet"][k] / out["hog"][k] for k in out["quiet"]}
@@ -175,14 +217,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", default="zerogap:local", help="for docker-cpus=N set-ups")
     args = p.parse_args(argv)
     args.model = str(args.model or prepare_default_model())
-    report = {"cpu": cpu_model(), "cpus": len(os.sched_getaffinity(0)), "loadavg_at_start": os.getloadavg()[0],
-              "setups": [run_setup(s.strip(), args) for s in args.setups.split(",") if s.strip()]}
+    report = {
+        "cpu": cpu_model(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "loadavg_at_start": os.getloadavg()[0],
+        "setups": [run_setup(s.strip(), args) for s in args.setups.split(",") if s.strip()],
+    }
     print(f"\n{report['cpu']}, {report['cpus']} CPUs; slowdown = quiet tok/s / tok/s beside one hog per CPU")
-    print(f"{'setup':12s} {'single quiet':>12s} {'single hog':>10s} {'x':>6s} {'16s quiet':>10s} {'16s hog':>8s} {'x':>6s}")
+    print(
+        f"{'setup':12s} {'single quiet':>12s} {'single hog':>10s} {'x':>6s} {'16s quiet':>10s} {'16s hog':>8s} {'x':>6s}"
+    )
     for r in report["setups"]:
         q, h, s = r["quiet"], r["hog"], r["slowdown"]
-        print(f"{r['setup']:12s} {q['single_tok_s']:12.1f} {h['single_tok_s']:10.1f} {s['single_tok_s']:6.2f} "
-              f"{q['16_streams_tok_s']:10.1f} {h['16_streams_tok_s']:8.1f} {s['16_streams_tok_s']:6.2f}")
+        print(
+            f"{r['setup']:12s} {q['single_tok_s']:12.1f} {h['single_tok_s']:10.1f} {s['single_tok_s']:6.2f} "
+            f"{q['16_streams_tok_s']:10.1f} {h['16_streams_tok_s']:8.1f} {s['16_streams_tok_s']:6.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -59,15 +59,25 @@ def make_workload(n: int, max_new: int, seed: int = 0):
 
 def measure(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
     """The median of `--repeats` runs (tok/s), so that one noisy run does not decide a ratio."""
-    runs = [measure_once(model_dir, args, prompts, params, feats, on_client, **server_args) for _ in range(args.repeats)]
+    runs = [
+        measure_once(model_dir, args, prompts, params, feats, on_client, **server_args)
+        for _ in range(args.repeats)
+    ]
     runs.sort(key=lambda m: m.tokens_per_s)
     return runs[len(runs) // 2]
 
 
 def measure_once(model_dir, args, prompts, params, feats, on_client=None, **server_args) -> Measured:
     client = SyncClient(
-        ServerArgs(**{"max_running_requests": len(prompts), "kv_cache_tokens": len(prompts) * (args.max_new_tokens + 64),
-                      "dtype": args.dtype, "loop": args.loop, **server_args}),
+        ServerArgs(
+            **{
+                "max_running_requests": len(prompts),
+                "kv_cache_tokens": len(prompts) * (args.max_new_tokens + 64),
+                "dtype": args.dtype,
+                "loop": args.loop,
+                **server_args,
+            }
+        ),
         model_dir,
         features=fake_features(),
     )
@@ -77,19 +87,26 @@ def measure_once(model_dir, args, prompts, params, feats, on_client=None, **serv
         outs = client.generate(prompts, params, feats)
         elapsed = time.perf_counter() - start
         tokens = sum(len(collect(o)[0]) for o in outs)
-        counters = {r.feature: (r.batches_overlapped, r.batches_fallback, r.batches_normal_loop)
-                    for r in client.engine.features.matrix()}
+        counters = {
+            r.feature: (r.batches_overlapped, r.batches_fallback, r.batches_normal_loop)
+            for r in client.engine.features.matrix()
+        }
         if on_client is not None:
             on_client(client, outs)
-        return Measured(tokens / elapsed, client.engine.stats().forward_busy_fraction, client.engine.mode, counters)
+        return Measured(
+            tokens / elapsed, client.engine.stats().forward_busy_fraction, client.engine.mode, counters
+        )
     finally:
         client.close()
 
 
 def report(name: str, m: Measured, feature: str) -> None:
     o, f, n = m.counters.get(feature, (0, 0, 0))
-    print(f"{name:>14}: {m.tokens_per_s:7.1f} tok/s  busy={m.busy:.3f}  loop={m.mode:<8} "
-          f"{feature} batches overlapped={o} fallback={f} normal-loop={n}", flush=True)
+    print(
+        f"{name:>14}: {m.tokens_per_s:7.1f} tok/s  busy={m.busy:.3f}  loop={m.mode:<8} "
+        f"{feature} batches overlapped={o} fallback={f} normal-loop={n}",
+        flush=True,
+    )
 
 
 def bench_fallback(model_dir, args) -> None:
@@ -115,8 +132,10 @@ def bench_logprobs(model_dir, args) -> None:
     top5 = [{"logprobs": dict(return_logprob=True, top_logprobs_num=5)}] * len(prompts)
     with_lp = measure(model_dir, args, prompts, params, top5)
     report("top-5 logprobs", with_lp, "logprobs")
-    print(f"top-5 logprobs / none throughput: {with_lp.tokens_per_s / plain.tokens_per_s:.3f}x "
-          f"(forward busy {with_lp.busy:.3f} vs {plain.busy:.3f})")
+    print(
+        f"top-5 logprobs / none throughput: {with_lp.tokens_per_s / plain.tokens_per_s:.3f}x "
+        f"(forward busy {with_lp.busy:.3f} vs {plain.busy:.3f})"
+    )
 
 
 # A realistic schema for the compile-time figure (nested objects, arrays, enums, patterns, $ref).
@@ -125,12 +144,28 @@ ORDER_SCHEMA = {
     "type": "object",
     "properties": {
         "id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
-        "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 60},
-                                                      "tier": {"type": "string", "enum": ["free", "pro", "enterprise"]}},
-                     "required": ["name", "tier"]},
-        "lines": {"type": "array", "minItems": 1, "maxItems": 20, "items": {
-            "type": "object", "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
-                                             "price": {"$ref": "#/$defs/money"}}, "required": ["sku", "qty", "price"]}},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 60},
+                "tier": {"type": "string", "enum": ["free", "pro", "enterprise"]},
+            },
+            "required": ["name", "tier"],
+        },
+        "lines": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 20,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string"},
+                    "qty": {"type": "integer", "minimum": 1},
+                    "price": {"$ref": "#/$defs/money"},
+                },
+                "required": ["sku", "qty", "price"],
+            },
+        },
         "total": {"$ref": "#/$defs/money"},
         "notes": {"anyOf": [{"type": "string"}, {"type": "null"}]},
     },
@@ -142,7 +177,12 @@ def bench_constrained(model_dir, args) -> None:
     import json
 
     n_items = max(1, (args.max_new_tokens - 2) // 2)  # "[d,d,...,d]": 2 tokens per item + brackets
-    schema = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": n_items, "maxItems": n_items}
+    schema = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 1, "maximum": 9},
+        "minItems": n_items,
+        "maxItems": n_items,
+    }
     prompts, _ = make_workload(args.num_requests, args.max_new_tokens)
     lengths: list[int] = []
     stats: dict = {}
@@ -164,26 +204,41 @@ def bench_constrained(model_dir, args) -> None:
 
         checks = sorted(feature.check_us)
         stats["check"] = (statistics.median(checks), checks[int(0.99 * (len(checks) - 1))])
-        for name, schema_text in (("order", text), ("travis (SchemaStore, 32 KB)", travis_schema())) if "prepare" not in stats else ():
+        for name, schema_text in (
+            (("order", text), ("travis (SchemaStore, 32 KB)", travis_schema()))
+            if "prepare" not in stats
+            else ()
+        ):
             t = time.perf_counter()
             prepare(ConstraintSpec("json_schema", schema_text), "lenient")
             stats.setdefault("prepare", []).append((name, time.perf_counter() - t))
 
     constrained = [{"constrained": dict(kind="json_schema", text=json.dumps(schema))}] * len(prompts)
     greedy = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens) for _ in prompts]
-    plain_params = [SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True) for _ in prompts]
+    plain_params = [
+        SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True) for _ in prompts
+    ]
     # One engine; the two configurations alternate (C U, U C, C U, ...) so that a shared machine's
     # load drifts into both alike; the grammar compiles in the untimed warm-up (a cached schema).
     client = SyncClient(
-        ServerArgs(max_running_requests=len(prompts), kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
-                   dtype=args.dtype, loop=args.loop),
-        model_dir, features=fake_features())
+        ServerArgs(
+            max_running_requests=len(prompts),
+            kv_cache_tokens=len(prompts) * (args.max_new_tokens + 64),
+            dtype=args.dtype,
+            loop=args.loop,
+        ),
+        model_dir,
+        features=fake_features(),
+    )
     try:
         client.generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=4))
         client.generate(prompts[:2], greedy[:2], constrained[:2])
         runs: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
         cpu: dict[str, list[float]] = {"constrained": [], "unconstrained": []}  # process CPU s per 1k tokens
-        configs = [("constrained", greedy, constrained), ("unconstrained", plain_params, [None] * len(prompts))]
+        configs = [
+            ("constrained", greedy, constrained),
+            ("unconstrained", plain_params, [None] * len(prompts)),
+        ]
         for i in range(args.repeats):
             for name, params, feats in configs if i % 2 == 0 else configs[::-1]:  # ABBA: no side always first
                 start, start_cpu = time.perf_counter(), time.process_time()
@@ -199,17 +254,28 @@ def bench_constrained(model_dir, args) -> None:
     finally:
         client.close()
     n = round(sum(lengths) / len(lengths))
-    print(f"workload: {len(prompts)} requests; constrained outputs average {n} tokens (incl. EOS), unconstrained "
-          f"{args.max_new_tokens}; loop={mode}; {args.repeats} alternating runs each, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"workload: {len(prompts)} requests; constrained outputs average {n} tokens (incl. EOS), unconstrained "
+        f"{args.max_new_tokens}; loop={mode}; {args.repeats} alternating runs each, load average {os.getloadavg()[0]:.1f}"
+    )
     for name, xs in runs.items():
-        print(f"{name:>14}: median {statistics.median(xs):7.1f} tok/s, {statistics.median(cpu[name]):.2f} CPU s per 1k tokens"
-              f" (all threads); runs " + " ".join(f"{x:.1f}" for x in xs))
+        print(
+            f"{name:>14}: median {statistics.median(xs):7.1f} tok/s, {statistics.median(cpu[name]):.2f} CPU s per 1k tokens"
+            f" (all threads); runs " + " ".join(f"{x:.1f}" for x in xs)
+        )
     ratios = [c / u for c, u in zip(runs["constrained"], runs["unconstrained"])]
-    print(f"constrained / unconstrained throughput: {statistics.median(ratios):.3f}x (median of pairs; pairs "
-          + " ".join(f"{r:.3f}" for r in ratios) + ")")
-    print(f"mask fill per row (one call per batch): median {stats['fill'][0]:.1f} us, p99 {stats['fill'][1]:.1f} us")
+    print(
+        f"constrained / unconstrained throughput: {statistics.median(ratios):.3f}x (median of pairs; pairs "
+        + " ".join(f"{r:.3f}" for r in ratios)
+        + ")"
+    )
+    print(
+        f"mask fill per row (one call per batch): median {stats['fill'][0]:.1f} us, p99 {stats['fill'][1]:.1f} us"
+    )
     print(f"grammar compile: cold {stats['cold'] * 1e3:.1f} ms, cached {stats['cached'] * 1e3:.3f} ms")
-    print(f"output check at finish (decode + jsonschema): median {stats['check'][0]:.0f} us, p99 {stats['check'][1]:.0f} us per request")
+    print(
+        f"output check at finish (decode + jsonschema): median {stats['check'][0]:.0f} us, p99 {stats['check'][1]:.0f} us per request"
+    )
     for name, secs in stats["prepare"]:
         print(f"schema preparation (uncached, once per distinct schema): {name} {secs * 1e3:.1f} ms")
 
@@ -229,11 +295,17 @@ def main() -> None:
     p.add_argument("--fraction", type=float, default=0.1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is reported")
-    p.add_argument("--loop", default="overlap", choices=["overlap", "normal", "auto"],
-                   help="the scheduler loop of every configuration (auto: normal on CPU, overlap on CUDA)")
+    p.add_argument(
+        "--loop",
+        default="overlap",
+        choices=["overlap", "normal", "auto"],
+        help="the scheduler loop of every configuration (auto: normal on CPU, overlap on CUDA)",
+    )
     args = p.parse_args()
     model_dir = resolve_model_path(args.model)
-    {"fallback": bench_fallback, "logprobs": bench_logprobs, "constrained": bench_constrained}[args.scenario](model_dir, args)
+    {"fallback": bench_fallback, "logprobs": bench_logprobs, "constrained": bench_constrained}[args.scenario](
+        model_dir, args
+    )
 
 
 if __name__ == "__main__":

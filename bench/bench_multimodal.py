@@ -50,23 +50,39 @@ def build_bench_llava(smol: Path, out: Path, vision_hidden: int, vision_layers: 
     text = AutoConfig.from_pretrained(smol)
     text.vocab_size = IMAGE_TOKEN + 1
     text.tie_word_embeddings = True
-    vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=4 * vision_hidden, num_hidden_layers=vision_layers,
-                              num_attention_heads=max(1, vision_hidden // 64), image_size=224, patch_size=16)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, vision_feature_layer=-2,
-                      image_seq_length=196, tie_word_embeddings=True)
+    vision = CLIPVisionConfig(
+        hidden_size=vision_hidden,
+        intermediate_size=4 * vision_hidden,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=max(1, vision_hidden // 64),
+        image_size=224,
+        patch_size=16,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        vision_feature_layer=-2,
+        image_seq_length=196,
+        tie_word_embeddings=True,
+    )
     cfg.architectures = ["LlavaForConditionalGeneration"]
     cfg.save_pretrained(out)
     torch.manual_seed(0)
     enc = VisionEncoder(cfg)
     tensors = {f"vision_tower.{k}": v.contiguous() for k, v in enc.tower.state_dict().items()}
-    tensors.update({f"multi_modal_projector.{k}": v.contiguous() for k, v in enc.projector.state_dict().items()})
+    tensors.update(
+        {f"multi_modal_projector.{k}": v.contiguous() for k, v in enc.projector.state_dict().items()}
+    )
     save_file(tensors, str(out / "model.safetensors"))
     tok = AutoTokenizer.from_pretrained(smol)
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     tok.save_pretrained(out)
     if (smol / "chat_template.jinja").exists():
         shutil.copy(smol / "chat_template.jinja", out / "chat_template.jinja")
-    CLIPImageProcessorPil(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}).save_pretrained(out)
+    CLIPImageProcessorPil(
+        size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224}
+    ).save_pretrained(out)
     return out
 
 
@@ -76,7 +92,10 @@ def picture(i: int) -> bytes:
     d = ImageDraw.Draw(img)
     for _ in range(8):
         x, y = rng.randrange(300), rng.randrange(220)
-        d.ellipse((x, y, x + rng.randrange(10, 120), y + rng.randrange(10, 120)), fill=tuple(rng.randrange(256) for _ in range(3)))
+        d.ellipse(
+            (x, y, x + rng.randrange(10, 120), y + rng.randrange(10, 120)),
+            fill=tuple(rng.randrange(256) for _ in range(3)),
+        )
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
@@ -87,7 +106,10 @@ def workload(tok, n: int, fraction: float, max_new: int, seed: int = 0):
     users = set(rng.sample(range(n), max(1, round(n * fraction))))
     prompts, feats = [], []
     for i in range(n):
-        words = " ".join(rng.choice(["cat", "tree", "river", "blue", "quickly", "house", "seven"]) for _ in range(rng.randrange(12, 40)))
+        words = " ".join(
+            rng.choice(["cat", "tree", "river", "blue", "quickly", "house", "seven"])
+            for _ in range(rng.randrange(12, 40))
+        )
         if i in users:
             prompts.append(tok.encode(f"Describe <image> with {words}"))
             feats.append({"multimodal": ImageInputs((picture(i),))})
@@ -100,14 +122,27 @@ def workload(tok, n: int, fraction: float, max_new: int, seed: int = 0):
 
 def run_loop(model_dir: Path, loop: str, args, prompts, params, feats) -> dict:
     n = len(prompts)
-    client = SyncClient(ServerArgs(dtype=args.dtype, loop=loop, load_format="dummy", max_running_requests=n,
-                                   kv_cache_tokens=n * (args.max_new_tokens + 300)), model_dir)
+    client = SyncClient(
+        ServerArgs(
+            dtype=args.dtype,
+            loop=loop,
+            load_format="dummy",
+            max_running_requests=n,
+            kv_cache_tokens=n * (args.max_new_tokens + 300),
+        ),
+        model_dir,
+    )
     try:
         # Warm-up (text and one image, not in the workload): kernels, the encoder's first run.
         tok = client.engine.tokenizer
-        client.generate([tok.encode("Warm up the text path")], SamplingParams(temperature=0, max_new_tokens=4))
-        client.generate([tok.encode("<image> hi")], SamplingParams(temperature=0, max_new_tokens=4),
-                        [{"multimodal": ImageInputs((picture(10_000),))}])
+        client.generate(
+            [tok.encode("Warm up the text path")], SamplingParams(temperature=0, max_new_tokens=4)
+        )
+        client.generate(
+            [tok.encode("<image> hi")],
+            SamplingParams(temperature=0, max_new_tokens=4),
+            [{"multimodal": ImageInputs((picture(10_000),))}],
+        )
         f = client.engine.features.features["multimodal"]
         sched0, work0 = f.scheduler_s, sum(f.worker_s)
         start = time.perf_counter()
@@ -116,11 +151,17 @@ def run_loop(model_dir: Path, loop: str, args, prompts, params, feats) -> dict:
         errors = [o[-1].error for o in outs if o[-1].error]
         assert not errors, errors[:3]
         row = {r.feature: r for r in client.engine.features.matrix()}["multimodal"]
-        return dict(loop=client.engine.mode, tok_s=sum(len(collect(o)[0]) for o in outs) / elapsed, elapsed=elapsed,
-                    sched_ms=(f.scheduler_s - sched0) * 1e3, worker_ms=(sum(f.worker_s) - work0) * 1e3,
-                    encodes=f.encoder_runs - 1, busy=client.engine.stats().forward_busy_fraction,
-                    batches=(row.batches_overlapped, row.batches_fallback, row.batches_normal_loop),
-                    ids=[collect(o)[0] for o in outs])
+        return dict(
+            loop=client.engine.mode,
+            tok_s=sum(len(collect(o)[0]) for o in outs) / elapsed,
+            elapsed=elapsed,
+            sched_ms=(f.scheduler_s - sched0) * 1e3,
+            worker_ms=(sum(f.worker_s) - work0) * 1e3,
+            encodes=f.encoder_runs - 1,
+            busy=client.engine.stats().forward_busy_fraction,
+            batches=(row.batches_overlapped, row.batches_fallback, row.batches_normal_loop),
+            ids=[collect(o)[0] for o in outs],
+        )
     finally:
         client.close()
 
@@ -139,24 +180,36 @@ def main() -> None:
         model_dir = build_bench_llava(resolve_model_path(None), tmp, args.vision_hidden, args.vision_layers)
         from transformers import AutoTokenizer
 
-        prompts, params, feats = workload(AutoTokenizer.from_pretrained(model_dir), args.num_requests, args.image_fraction,
-                                          args.max_new_tokens)
+        prompts, params, feats = workload(
+            AutoTokenizer.from_pretrained(model_dir),
+            args.num_requests,
+            args.image_fraction,
+            args.max_new_tokens,
+        )
         n_img = sum(f is not None for f in feats)
-        print(f"workload: {len(prompts)} requests ({n_img} with one 320x240 PNG -> 196 image tokens), "
-              f"{args.max_new_tokens} new tokens each; vision tower {args.vision_layers}x{args.vision_hidden}; "
-              f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"workload: {len(prompts)} requests ({n_img} with one 320x240 PNG -> 196 image tokens), "
+            f"{args.max_new_tokens} new tokens each; vision tower {args.vision_layers}x{args.vision_hidden}; "
+            f"load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
         results = {}
         for loop in ("normal", "overlap"):
             r = results[loop] = run_loop(model_dir, loop, args, prompts, params, feats)
-            print(f"{loop:>8}: {r['tok_s']:7.1f} tok/s ({r['elapsed']:.2f} s)  forward busy={r['busy']:.3f}  "
-                  f"images encoded={r['encodes']}  scheduler thread in image hooks={r['sched_ms']:.2f} ms "
-                  f"({r['sched_ms'] / 10 / r['elapsed']:.3f}% of wall)  image workers={r['worker_ms']:.0f} ms  "
-                  f"multimodal batches (overlapped, fallback, normal loop)={r['batches']}", flush=True)
+            print(
+                f"{loop:>8}: {r['tok_s']:7.1f} tok/s ({r['elapsed']:.2f} s)  forward busy={r['busy']:.3f}  "
+                f"images encoded={r['encodes']}  scheduler thread in image hooks={r['sched_ms']:.2f} ms "
+                f"({r['sched_ms'] / 10 / r['elapsed']:.3f}% of wall)  image workers={r['worker_ms']:.0f} ms  "
+                f"multimodal batches (overlapped, fallback, normal loop)={r['batches']}",
+                flush=True,
+            )
         o, n = results["overlap"], results["normal"]
         same = sum(a == b for a, b in zip(o["ids"], n["ids"]))
-        print(f"overlap / normal throughput: {o['tok_s'] / n['tok_s']:.3f}x; requests with the same tokens in both loops: "
-              f"{same}/{len(prompts)} (float32: all; bfloat16: batches form as images finish encoding, and a row's "
-              f"low bits depend on its batch); load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"overlap / normal throughput: {o['tok_s'] / n['tok_s']:.3f}x; requests with the same tokens in both loops: "
+            f"{same}/{len(prompts)} (float32: all; bfloat16: batches form as images finish encoding, and a row's "
+            f"low bits depend on its batch); load average {os.getloadavg()[0]:.2f}"
+        )
         print(json.dumps({k: {x: v for x, v in r.items() if x != "ids"} for k, r in results.items()}))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

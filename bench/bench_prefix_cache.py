@@ -36,10 +36,22 @@ SYSTEM = (
     "one example when it helps, never invent APIs, and say so when you do not know. Use plain text."
 )
 QUESTIONS = [
-    "What is a mutex?", "How does TCP slow start work?", "Explain a B-tree index.", "What is a race condition?",
-    "Why use connection pooling?", "What does fsync do?", "How do hash maps resize?", "What is a deadlock?",
-    "Explain copy-on-write.", "What is an inode?", "How does DNS caching work?", "What is a memory barrier?",
-    "Explain MVCC.", "What is a page fault?", "How does a CPU cache line work?", "What is backpressure?",
+    "What is a mutex?",
+    "How does TCP slow start work?",
+    "Explain a B-tree index.",
+    "What is a race condition?",
+    "Why use connection pooling?",
+    "What does fsync do?",
+    "How do hash maps resize?",
+    "What is a deadlock?",
+    "Explain copy-on-write.",
+    "What is an inode?",
+    "How does DNS caching work?",
+    "What is a memory barrier?",
+    "Explain MVCC.",
+    "What is a page fault?",
+    "How does a CPU cache line work?",
+    "What is backpressure?",
 ]
 
 
@@ -110,7 +122,9 @@ def shared_system(h: Harness, n: int, max_new: int, gap_s: float) -> None:
     events = []
     for i in range(n):
         q = f"{QUESTIONS[i % len(QUESTIONS)]} (question {i})"
-        prompt = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], True)[1]
+        prompt = tok.encode_chat(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], True
+        )[1]
         events.append(h.submit(f"ss-{i}", prompt, max_new))
         time.sleep(gap_s)
     for ev in events:
@@ -123,8 +137,13 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run(workload: str, cache: bool, model_dir: str, a: argparse.Namespace) -> dict:
-    args = ServerArgs(dtype=a.dtype, loop=a.loop, disable_prefix_cache=not cache, kv_cache_tokens=a.kv_tokens,
-                      max_running_requests=64)
+    args = ServerArgs(
+        dtype=a.dtype,
+        loop=a.loop,
+        disable_prefix_cache=not cache,
+        kv_cache_tokens=a.kv_tokens,
+        max_running_requests=64,
+    )
     h = Harness(args, model_dir)
     try:
         h.submit("warmup", [5, 6, 7, 8], 2).wait(120)
@@ -138,8 +157,15 @@ def run(workload: str, cache: bool, model_dir: str, a: argparse.Namespace) -> di
         wall = time.perf_counter() - start
         info = h.engine.stats().prefix_cache
         ttft = h.ttfts()
-        return {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99), "rps": len(ttft) / wall, "hit": info.hit_rate,
-                "ids": dict(h.t.ids), "mode": h.engine.mode, "dtype": str(h.engine.dtype).removeprefix("torch.")}
+        return {
+            "p50": pct(ttft, 0.5),
+            "p99": pct(ttft, 0.99),
+            "rps": len(ttft) / wall,
+            "hit": info.hit_rate,
+            "ids": dict(h.t.ids),
+            "mode": h.engine.mode,
+            "dtype": str(h.engine.dtype).removeprefix("torch."),
+        }
     finally:
         h.close()
 
@@ -167,8 +193,10 @@ def main() -> int:
         print(f"  {'cache':6} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'req/s':>8} {'hit rate':>9}")
         for name, r in (("off", off), ("on", on)):
             print(f"  {name:6} {r['p50'] * 1e3:12.1f} {r['p99'] * 1e3:12.1f} {r['rps']:8.2f} {r['hit']:9.2f}")
-        print(f"  on/off: TTFT p50 {off['p50'] / on['p50']:.2f}x better, p99 {off['p99'] / on['p99']:.2f}x, "
-              f"req/s {on['rps'] / off['rps']:.2f}x; identical outputs: {same:.0%}")
+        print(
+            f"  on/off: TTFT p50 {off['p50'] / on['p50']:.2f}x better, p99 {off['p99'] / on['p99']:.2f}x, "
+            f"req/s {on['rps'] / off['rps']:.2f}x; identical outputs: {same:.0%}"
+        )
     print(f"\nload average after: {os.getloadavg()}")
     return 0
 

@@ -74,13 +74,29 @@ def make_workload(n: int, max_new: int, median: int, seed: int = 0):
 
 def run(model_dir: Path, args, prompts, lengths, **server_args) -> dict[str, Any]:
     client = TimedClient(
-        ServerArgs(**{"max_running_requests": len(prompts), "kv_cache_tokens": args.kv_tokens, "dtype": args.dtype, **server_args}),
-        model_dir, features=[StopAtLength()])
+        ServerArgs(
+            **{
+                "max_running_requests": len(prompts),
+                "kv_cache_tokens": args.kv_tokens,
+                "dtype": args.dtype,
+                **server_args,
+            }
+        ),
+        model_dir,
+        features=[StopAtLength()],
+    )
     try:
         client.generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=4))  # warm-up
         e = client.engine
-        reqs = [e.build_request(f"b-{i}", p, SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True),
-                                {"bench_stop_at": n}) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        reqs = [
+            e.build_request(
+                f"b-{i}",
+                p,
+                SamplingParams(temperature=0, max_new_tokens=args.max_new_tokens, ignore_eos=True),
+                {"bench_stop_at": n},
+            )
+            for i, (p, n) in enumerate(zip(prompts, lengths))
+        ]
         start = time.perf_counter()
         e.submit_all(reqs)
         outs = [client.wait(r.rid, timeout=3600) for r in reqs]
@@ -89,10 +105,18 @@ def run(model_dir: Path, args, prompts, lengths, **server_args) -> dict[str, Any
         tokens = sum(len(collect(o)[0]) for o in outs)
         assert [len(collect(o)[0]) for o in outs] == lengths, "a request did not stop at its length"
         st = e.scheduler.admission.stats
-        return dict(req_s=len(reqs) / makespan, tok_s=tokens / makespan, p50=lat[len(lat) // 2],
-                    p99=lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)], retractions=st.retractions,
-                    sync_points=st.sync_points, peak=st.peak_running, reprefill=st.reprefill_tokens,
-                    ratio=e.stats().new_token_ratio, busy=e.stats().forward_busy_fraction)
+        return dict(
+            req_s=len(reqs) / makespan,
+            tok_s=tokens / makespan,
+            p50=lat[len(lat) // 2],
+            p99=lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)],
+            retractions=st.retractions,
+            sync_points=st.sync_points,
+            peak=st.peak_running,
+            reprefill=st.reprefill_tokens,
+            ratio=e.stats().new_token_ratio,
+            busy=e.stats().forward_busy_fraction,
+        )
     finally:
         client.close()
 
@@ -105,31 +129,58 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--median-len", type=int, default=40)
     p.add_argument("--kv-tokens", type=int, default=4096)
-    p.add_argument("--low-ratio", type=float, default=0.2,
-                   help="initial new-token ratio of the configurations that run under retraction pressure")
-    p.add_argument("--only", default="reserve,optimistic,low-normal,low-overlap",
-                   help="configurations to run (comma list of reserve, optimistic, low-normal, low-overlap)")
+    p.add_argument(
+        "--low-ratio",
+        type=float,
+        default=0.2,
+        help="initial new-token ratio of the configurations that run under retraction pressure",
+    )
+    p.add_argument(
+        "--only",
+        default="reserve,optimistic,low-normal,low-overlap",
+        help="configurations to run (comma list of reserve, optimistic, low-normal, low-overlap)",
+    )
     args = p.parse_args()
     model_dir = resolve_model_path(args.model)
     prompts, lengths = make_workload(args.n, args.max_new_tokens, args.median_len)
     s = sorted(lengths)
-    print(f"{args.n} requests, prompts 16-63 tokens, max_new_tokens {args.max_new_tokens}, actual lengths: "
-          f"median {s[len(s) // 2]}, p90 {s[int(0.9 * len(s))]}, max {s[-1]}, total {sum(s)}; KV pool {args.kv_tokens} tokens")
+    print(
+        f"{args.n} requests, prompts 16-63 tokens, max_new_tokens {args.max_new_tokens}, actual lengths: "
+        f"median {s[len(s) // 2]}, p90 {s[int(0.9 * len(s))]}, max {s[-1]}, total {sum(s)}; KV pool {args.kv_tokens} tokens"
+    )
     low = dict(init_new_token_ratio=args.low_ratio, min_new_token_ratio=min(0.1, args.low_ratio))
-    configs = [("reserve", "reserve, normal", dict(admission_policy="reserve", loop="normal")),
-               ("optimistic", "optimistic, normal", dict(admission_policy="optimistic", loop="normal")),
-               ("low-normal", f"optimistic {args.low_ratio:g}, normal", dict(admission_policy="optimistic", loop="normal", **low)),
-               ("low-overlap", f"optimistic {args.low_ratio:g}, overlap", dict(admission_policy="optimistic", loop="overlap", **low))]
+    configs = [
+        ("reserve", "reserve, normal", dict(admission_policy="reserve", loop="normal")),
+        ("optimistic", "optimistic, normal", dict(admission_policy="optimistic", loop="normal")),
+        (
+            "low-normal",
+            f"optimistic {args.low_ratio:g}, normal",
+            dict(admission_policy="optimistic", loop="normal", **low),
+        ),
+        (
+            "low-overlap",
+            f"optimistic {args.low_ratio:g}, overlap",
+            dict(admission_policy="optimistic", loop="overlap", **low),
+        ),
+    ]
     configs = [c for c in configs if c[0] in args.only.split(",")]
-    print(f"{'admission, loop':26} {'req/s':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'retract':>7} {'syncs':>5} "
-          f"{'peak':>4} {'re-prefill':>10} {'ratio':>5} {'busy':>5}")
+    print(
+        f"{'admission, loop':26} {'req/s':>6} {'tok/s':>7} {'p50 s':>6} {'p99 s':>6} {'retract':>7} {'syncs':>5} "
+        f"{'peak':>4} {'re-prefill':>10} {'ratio':>5} {'busy':>5}"
+    )
     results = {}
     for key, name, cfg in configs:
         r = results[key] = run(model_dir, args, prompts, lengths, **cfg)
-        print(f"{name:26} {r['req_s']:6.2f} {r['tok_s']:7.1f} {r['p50']:6.1f} {r['p99']:6.1f} {r['retractions']:7d} "
-              f"{r['sync_points']:5d} {r['peak']:4d} {r['reprefill']:10d} {r['ratio']:5.2f} {r['busy']:5.2f}", flush=True)
-    for a, b, what in (("optimistic", "reserve", "optimistic / reserve"), ("low-normal", "reserve", f"optimistic {args.low_ratio:g} / reserve"),
-                       ("low-overlap", "low-normal", f"overlap / normal at ratio {args.low_ratio:g}")):
+        print(
+            f"{name:26} {r['req_s']:6.2f} {r['tok_s']:7.1f} {r['p50']:6.1f} {r['p99']:6.1f} {r['retractions']:7d} "
+            f"{r['sync_points']:5d} {r['peak']:4d} {r['reprefill']:10d} {r['ratio']:5.2f} {r['busy']:5.2f}",
+            flush=True,
+        )
+    for a, b, what in (
+        ("optimistic", "reserve", "optimistic / reserve"),
+        ("low-normal", "reserve", f"optimistic {args.low_ratio:g} / reserve"),
+        ("low-overlap", "low-normal", f"overlap / normal at ratio {args.low_ratio:g}"),
+    ):
         if a in results and b in results:
             x, y = results[a], results[b]
             print(f"{what}: {x['req_s'] / y['req_s']:.2f}x req/s, p99 latency {x['p99'] / y['p99']:.2f}x")

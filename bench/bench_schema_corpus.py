@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sources", default="vendor,project,schemastore")
     ap.add_argument("--mode", default=None, help="strict | lenient (default: the server's --constraint-mode)")
-    ap.add_argument("--max-bytes", type=int, default=None, help="default: the server's --max-constraint-bytes")
+    ap.add_argument(
+        "--max-bytes", type=int, default=None, help="default: the server's --max-constraint-bytes"
+    )
     ap.add_argument("--timeout", type=float, default=None, help="compile deadline (default: the server's)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--limit", type=int, default=0, help="first N schemas only")
@@ -102,18 +104,25 @@ def main(argv: list[str] | None = None) -> int:
 
     d = ServerArgs()
     mode = a.mode or d.constraint_mode
-    limits = GrammarLimits(max_bytes=a.max_bytes or d.max_constraint_bytes, max_depth=d.max_constraint_depth,
-                           max_properties=d.max_constraint_properties,
-                           compile_timeout_s=a.timeout or d.grammar_compile_timeout_s,
-                           max_worker_rss_mb=d.grammar_worker_max_rss_mb, workers=a.workers)
+    limits = GrammarLimits(
+        max_bytes=a.max_bytes or d.max_constraint_bytes,
+        max_depth=d.max_constraint_depth,
+        max_properties=d.max_constraint_properties,
+        compile_timeout_s=a.timeout or d.grammar_compile_timeout_s,
+        max_worker_rss_mb=d.grammar_worker_max_rss_mb,
+        workers=a.workers,
+    )
     texts = corpus(a.sources.split(","))
     if a.limit:
         texts = dict(list(texts.items())[: a.limit])
     tok = AutoTokenizer.from_pretrained(prepare_default_model())
     backend = GrammarBackend(tok, len(tok), [tok.eos_token_id], limits)
     backend.wait_ready(120)
-    print(f"{len(texts)} schemas, mode {mode}, max bytes {limits.max_bytes}, deadline {limits.compile_timeout_s:g}s,"
-          f" {limits.max_worker_rss_mb} MB per worker, code {a.code}", flush=True)
+    print(
+        f"{len(texts)} schemas, mode {mode}, max bytes {limits.max_bytes}, deadline {limits.compile_timeout_s:g}s,"
+        f" {limits.max_worker_rss_mb} MB per worker, code {a.code}",
+        flush=True,
+    )
 
     rows: dict[str, dict] = {}
     inflight: list[tuple[str, object, object, float]] = []
@@ -131,8 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             row["relaxed"] = dict(Counter(i.keyword for i in prepared.relaxed))
             compiled[name] = (ticket.result(), getattr(prepared, "unique_root", None))
         else:
-            row.update(outcome="refused", stage="compile", code=getattr(e, "code", "UNKNOWN"),
-                       message=getattr(e, "message", repr(e))[:300])
+            row.update(
+                outcome="refused",
+                stage="compile",
+                code=getattr(e, "code", "UNKNOWN"),
+                message=getattr(e, "message", repr(e))[:300],
+            )
 
     def drain(n: int) -> None:
         while len(inflight) > n:
@@ -155,7 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(outcome="refused", stage="prepare", code=e.code, message=e.message[:300])
                 continue
             except Exception as e:  # noqa: BLE001 (what a server would answer UNKNOWN)
-                row.update(outcome="refused", stage="prepare", code="UNKNOWN", message=f"{type(e).__name__}: {e}"[:300])
+                row.update(
+                    outcome="refused",
+                    stage="prepare",
+                    code="UNKNOWN",
+                    message=f"{type(e).__name__}: {e}"[:300],
+                )
                 continue
             row["prepare_s"] = round(time.monotonic() - t0, 3)
             drain(0)  # one compile at a time: the deadline counts queueing, which a corpus run must not
@@ -167,13 +185,19 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = summarise(rows)
     summary["wall_s"] = round(time.monotonic() - start, 1)
-    summary["mode"], summary["max_bytes"], summary["deadline_s"] = mode, limits.max_bytes, limits.compile_timeout_s
+    summary["mode"], summary["max_bytes"], summary["deadline_s"] = (
+        mode,
+        limits.max_bytes,
+        limits.compile_timeout_s,
+    )
     if a.mask_rows and compiled:
         summary["mask"] = mask_times(backend, C, list(compiled.values()), a.mask_rows, a.mask_steps)
     backend.shutdown()
     print(json.dumps(summary, indent=1))
     if a.out:
-        Path(a.out).write_text(json.dumps({"summary": summary, "schemas": rows}, indent=1, sort_keys=True) + "\n")
+        Path(a.out).write_text(
+            json.dumps({"summary": summary, "schemas": rows}, indent=1, sort_keys=True) + "\n"
+        )
     return 0
 
 
@@ -192,12 +216,21 @@ def summarise(rows: dict[str, dict]) -> dict:
         "accepted": sum(r["outcome"] != "refused" for r in rows.values()),
         "by_source": {k: dict(v) for k, v in sorted(by_source.items())},
         "refusal_reasons": dict(reasons.most_common()),
-        "relaxed_keywords": dict(sum((Counter(r.get("relaxed", {})) for r in rows.values()), Counter()).most_common(12)),
-        "compile_trial_s": {"n": len(times), "median": round(statistics.median(times), 3) if times else 0,
-                            "p90": percentile(times, 0.9), "p99": percentile(times, 0.99), "max": max(times, default=0)},
+        "relaxed_keywords": dict(
+            sum((Counter(r.get("relaxed", {})) for r in rows.values()), Counter()).most_common(12)
+        ),
+        "compile_trial_s": {
+            "n": len(times),
+            "median": round(statistics.median(times), 3) if times else 0,
+            "p90": percentile(times, 0.9),
+            "p99": percentile(times, 0.99),
+            "max": max(times, default=0),
+        },
         "worker_peak_rss_mb": {"median": statistics.median(rss) if rss else 0, "max": max(rss, default=0)},
-        "slowest": [{"name": n, "s": s, **{k: rows[n].get(k) for k in ("bytes", "outcome", "code", "peak_rss_mb")}}
-                    for s, n in slowest],
+        "slowest": [
+            {"name": n, "s": s, **{k: rows[n].get(k) for k in ("bytes", "outcome", "code", "peak_rss_mb")}}
+            for s, n in slowest
+        ],
     }
 
 
@@ -206,11 +239,29 @@ def _reason(message: str) -> str:
     import re
 
     m = message.split(": ", 1)[-1]
-    for pat, label in ((r"bytes exceed", "size cap"), (r"strict mode", "strict: " + ",".join(sorted(set(
-            re.findall(r": (\w+|\$ref): (?:not enforced|enforced as|ignored|if/then|type ignored|unsupported|branches)", message))))),
-            (r"external reference", "external $ref"), (r"unresolvable \$ref", "unresolvable $ref"),
-            (r"took longer", "deadline"), (r"needs more than", "memory bound"), (r"nesting depth", "nesting cap"),
-            (r"properties exceeds", "properties cap")):
+    for pat, label in (
+        (r"bytes exceed", "size cap"),
+        (
+            r"strict mode",
+            "strict: "
+            + ",".join(
+                sorted(
+                    set(
+                        re.findall(
+                            r": (\w+|\$ref): (?:not enforced|enforced as|ignored|if/then|type ignored|unsupported|branches)",
+                            message,
+                        )
+                    )
+                )
+            ),
+        ),
+        (r"external reference", "external $ref"),
+        (r"unresolvable \$ref", "unresolvable $ref"),
+        (r"took longer", "deadline"),
+        (r"needs more than", "memory bound"),
+        (r"nesting depth", "nesting cap"),
+        (r"properties exceeds", "properties cap"),
+    ):
         if re.search(pat, message):
             return label
     return m[:80]
@@ -271,9 +322,17 @@ def mask_times(backend, C, grammars: list, rows: int, steps: int) -> dict:
             m.accept_token(token)
             if trackers[r] is not None:
                 trackers[r].feed_token(token)
-    return {"rows": rows, "tracked_rows": sum(t is not None for t in trackers), "steps": steps, "grammars": len(grammars), "per_row_us_median": round(statistics.median(per_row), 1),
-            "per_row_us_p99": round(percentile(per_row, 0.99), 1), "per_row_us_max": round(max(per_row), 1),
-            "single_row_us_median": round(statistics.median(single), 1), "single_row_us_p99": round(percentile(single, 0.99), 1)}
+    return {
+        "rows": rows,
+        "tracked_rows": sum(t is not None for t in trackers),
+        "steps": steps,
+        "grammars": len(grammars),
+        "per_row_us_median": round(statistics.median(per_row), 1),
+        "per_row_us_p99": round(percentile(per_row, 0.99), 1),
+        "per_row_us_max": round(max(per_row), 1),
+        "single_row_us_median": round(statistics.median(single), 1),
+        "single_row_us_p99": round(percentile(single, 0.99), 1),
+    }
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ def build_prompts(n: int) -> list[str]:
 
 
 def make_request(prompt: str, max_new_tokens: int, ignore_eos: bool) -> tuple[Chat, Sampling]:
-    return Chat([("user", prompt)]), Sampling(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos)
+    return Chat([("user", prompt)]), Sampling(
+        max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos
+    )
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -129,11 +131,17 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m service serve ...` in its own process group, logging to a temp file."""
 
-    def __init__(self, cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None):
+    def __init__(
+        self, cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None
+    ):
         self.cmd, self.port = cmd, port
         self.log = tempfile.NamedTemporaryFile("w+", prefix="zerogap-bench-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env=None if env is None else {**os.environ, **env},
         )
         _LIVE.add(self)
@@ -184,7 +192,9 @@ def server_cmd(args: argparse.Namespace, config: str, port: int) -> list[str]:
 
 
 # ---- client --------------------------------------------------------------------------
-async def one_stream(client: AsyncClient, req: tuple[Chat, Sampling], sem: asyncio.Semaphore) -> tuple[float, float | None, int]:
+async def one_stream(
+    client: AsyncClient, req: tuple[Chat, Sampling], sem: asyncio.Semaphore
+) -> tuple[float, float | None, int]:
     """(ttft s, itl s or None, output tokens) for one streamed request."""
     async with sem:
         t0 = time.perf_counter()
@@ -276,9 +286,11 @@ def bench_hf(args: argparse.Namespace, prompts: list[str]) -> HfResult:
 # ---- report --------------------------------------------------------------------------
 def print_report(rep: Report) -> None:
     p = rep.params
-    print(f"\nworkload: {p['num_prompts']} prompts x {p['max_new_tokens']} new tokens, "
-          f"concurrency {p['concurrency']}, dtype {p['dtype']}, ignore_eos {p['ignore_eos']}, "
-          f"threads {p['num_threads'] or 'all'}")
+    print(
+        f"\nworkload: {p['num_prompts']} prompts x {p['max_new_tokens']} new tokens, "
+        f"concurrency {p['concurrency']}, dtype {p['dtype']}, ignore_eos {p['ignore_eos']}, "
+        f"threads {p['num_threads'] or 'all'}"
+    )
     print(f"host: {p['cpu_count']} cores, 1-min load average at start {p['loadavg_1m_at_start']:.2f}")
     head = f"{'config':<14}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}" \
            f"{'busy':>7}{'gap ms':>8}{'steps':>7}{'vs HF':>7}"  # fmt: skip

@@ -52,29 +52,63 @@ GOAL_SPEEDUP = 1.30  # overlap / normal throughput on the 135M shape
 
 SHAPES = {
     # SmolLM2-135M
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, rope_theta=100000.0),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+    ),
     # Llama-3.2-1B's layers (vocabulary: SmolLM2's, to share its tokenizer)
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64, rope_theta=500000.0),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        rope_theta=500000.0,
+    ),
     # --quick on CPU
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, rope_theta=10000.0),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+    ),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU run of the script itself)")
-    p.add_argument("--models", default=None, help="comma-separated shapes (default: smollm2-135m,llama-1b; quick: tiny)")
-    p.add_argument("--requests", type=int, default=None, help="concurrent greedy requests (default 64; quick 8)")
+    p.add_argument(
+        "--models", default=None, help="comma-separated shapes (default: smollm2-135m,llama-1b; quick: tiny)"
+    )
+    p.add_argument(
+        "--requests", type=int, default=None, help="concurrent greedy requests (default 64; quick 8)"
+    )
     p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 128; quick 8)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: the prepared SmolLM2)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (default: CUDA graphs on CUDA)")
+    p.add_argument(
+        "--tokenizer", default=None, help="directory with tokenizer.json (default: the prepared SmolLM2)"
+    )
+    p.add_argument(
+        "--no-cuda-graph", action="store_true", help="decode eagerly (default: CUDA graphs on CUDA)"
+    )
     p.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,loops,syncs")
     p.add_argument("--out", default=None, help="write the results here as JSON")
     return p.parse_args()
@@ -105,7 +139,9 @@ def sdpa_reference(fb, data, hq: int, hkv: int, window: int | None):
         if window:
             mask &= kp > qp - window
         qb = q[starts[b] : starts[b] + n].transpose(0, 1)  # [Hq, n, D]
-        out[starts[b] : starts[b] + n] = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask).transpose(0, 1)
+        out[starts[b] : starts[b] + n] = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask).transpose(
+            0, 1
+        )
     return out.reshape(q.shape[0], -1)
 
 
@@ -126,22 +162,71 @@ def kernel_cases(quick: bool) -> list[dict]:
     rng = random.Random(0)
     if quick:
         return [
-            dict(name="decode tiny", hq=4, hkv=2, d=16, prefix=[rng.randrange(1, 60) for _ in range(4)], ext=[1] * 4),
+            dict(
+                name="decode tiny",
+                hq=4,
+                hkv=2,
+                d=16,
+                prefix=[rng.randrange(1, 60) for _ in range(4)],
+                ext=[1] * 4,
+            ),
             dict(name="extend tiny", hq=4, hkv=2, d=16, prefix=[0, 5, 0], ext=[7, 20, 33]),
             dict(name="decode tiny window", hq=4, hkv=2, d=16, prefix=[10, 50], ext=[1, 1], window=16),
         ]
     cases = []
     for model, hq, hkv in (("smollm2-135m", 9, 3), ("llama-1b", 32, 8)):
-        cases.append(dict(name=f"decode {model} bs64 L<=2048", hq=hq, hkv=hkv, d=64,
-                          prefix=[rng.randrange(16, 2048) for _ in range(64)], ext=[1] * 64))
-        cases.append(dict(name=f"extend {model} 8 prompts <=1024", hq=hq, hkv=hkv, d=64,
-                          prefix=[0] * 8, ext=[rng.randrange(17, 1024) for _ in range(8)]))
-        cases.append(dict(name=f"extend {model} cached prefix", hq=hq, hkv=hkv, d=64,
-                          prefix=[rng.randrange(1, 700) for _ in range(8)], ext=[rng.randrange(1, 300) for _ in range(8)]))
-    cases.append(dict(name="decode window 512 (Mistral-like)", hq=32, hkv=8, d=128,
-                      prefix=[rng.randrange(16, 2048) for _ in range(32)], ext=[1] * 32, window=512))
-    cases.append(dict(name="extend window 512 (Mistral-like)", hq=32, hkv=8, d=128,
-                      prefix=[0, 100, 0, 900], ext=[1500, 700, 64, 333], window=512))
+        cases.append(
+            dict(
+                name=f"decode {model} bs64 L<=2048",
+                hq=hq,
+                hkv=hkv,
+                d=64,
+                prefix=[rng.randrange(16, 2048) for _ in range(64)],
+                ext=[1] * 64,
+            )
+        )
+        cases.append(
+            dict(
+                name=f"extend {model} 8 prompts <=1024",
+                hq=hq,
+                hkv=hkv,
+                d=64,
+                prefix=[0] * 8,
+                ext=[rng.randrange(17, 1024) for _ in range(8)],
+            )
+        )
+        cases.append(
+            dict(
+                name=f"extend {model} cached prefix",
+                hq=hq,
+                hkv=hkv,
+                d=64,
+                prefix=[rng.randrange(1, 700) for _ in range(8)],
+                ext=[rng.randrange(1, 300) for _ in range(8)],
+            )
+        )
+    cases.append(
+        dict(
+            name="decode window 512 (Mistral-like)",
+            hq=32,
+            hkv=8,
+            d=128,
+            prefix=[rng.randrange(16, 2048) for _ in range(32)],
+            ext=[1] * 32,
+            window=512,
+        )
+    )
+    cases.append(
+        dict(
+            name="extend window 512 (Mistral-like)",
+            hq=32,
+            hkv=8,
+            d=128,
+            prefix=[0, 100, 0, 900],
+            ext=[1500, 700, 64, 333],
+            window=512,
+        )
+    )
     return cases
 
 
@@ -157,7 +242,9 @@ def check_kernels(device, quick: bool) -> list[dict]:
     rows = []
     for case in kernel_cases(quick):
         for dtype in dtypes:
-            fb, data = make_batch(case["prefix"], case["ext"], case["hq"], case["hkv"], case["d"], dtype, device=device)
+            fb, data = make_batch(
+                case["prefix"], case["ext"], case["hq"], case["hkv"], case["d"], dtype, device=device
+            )
             window = case.get("window")
             ref = sdpa_reference(fb, data, case["hq"], case["hkv"], window)
             triton_be, torch_be = TritonAttention(), TorchAttention()
@@ -166,17 +253,30 @@ def check_kernels(device, quick: bool) -> list[dict]:
             err = (out.float() - ref).abs()
             terr = (tout.float() - ref).abs()
             limit = max(tol.get(dtype, 1e-4), 2 * float(terr.max()))
-            row = dict(case=case["name"], dtype=str(dtype).replace("torch.", ""),
-                       tokens=int(fb.seq_lens.sum()), max_err=float(err.max()), mean_err=float(err.mean()),
-                       torch_backend_max_err=float(terr.max()), store_ok=bool(torch.equal(kc, tkc) and torch.equal(vc, tvc)))
+            row = dict(
+                case=case["name"],
+                dtype=str(dtype).replace("torch.", ""),
+                tokens=int(fb.seq_lens.sum()),
+                max_err=float(err.max()),
+                mean_err=float(err.mean()),
+                torch_backend_max_err=float(terr.max()),
+                store_ok=bool(torch.equal(kc, tkc) and torch.equal(vc, tvc)),
+            )
             row["ok"] = row["store_ok"] and row["max_err"] <= limit
             if device.type == "cuda":
                 row["triton_ms"] = time_backend(triton_be, fb, data, case["hq"], case["hkv"], window, kc, vc)
                 row["torch_ms"] = time_backend(torch_be, fb, data, case["hq"], case["hkv"], window, tkc, tvc)
             rows.append(row)
-            print(f"  {row['case']:<40} {row['dtype']:<9} max|err| {row['max_err']:.2e} (torch backend {row['torch_backend_max_err']:.2e})"
-                  + (f"  triton {row['triton_ms']:.3f} ms  torch {row['torch_ms']:.3f} ms" if "triton_ms" in row else "")
-                  + ("" if row["ok"] else "  FAIL"), flush=True)
+            print(
+                f"  {row['case']:<40} {row['dtype']:<9} max|err| {row['max_err']:.2e} (torch backend {row['torch_backend_max_err']:.2e})"
+                + (
+                    f"  triton {row['triton_ms']:.3f} ms  torch {row['torch_ms']:.3f} ms"
+                    if "triton_ms" in row
+                    else ""
+                )
+                + ("" if row["ok"] else "  FAIL"),
+                flush=True,
+            )
     return rows
 
 
@@ -186,8 +286,16 @@ def make_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
 
     out = root / shape
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, initializer_range=0.02, **SHAPES[shape])
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.02,
+        **SHAPES[shape],
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.save_pretrained(out)
     for f in TOKENIZER_FILES:
@@ -196,8 +304,17 @@ def make_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
     return out
 
 
-def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: int, tokens: int, prompt_len: int,
-             cuda_graph: bool = True, sync_log: list | None = None) -> dict:
+def run_loop(
+    model_dir: Path,
+    overlap: bool,
+    device_name: str,
+    dtype: str,
+    n: int,
+    tokens: int,
+    prompt_len: int,
+    cuda_graph: bool = True,
+    sync_log: list | None = None,
+) -> dict:
     """Warm up, then one measured run of n requests; with `sync_log`, the measured run
     is under CUDA's sync debug mode and each synchronizing call is logged (thread, stack)."""
     from service.config import ServerArgs
@@ -207,10 +324,20 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
 
     # Grammars are not measured here: no grammar-init thread (nor xgrammar) needed.
     off = [f.name for f in builtin_features() if f.name == "constrained"]
-    args = ServerArgs(model=str(model_dir), device=device_name, dtype=dtype, load_format="dummy", disabled_features=off,
-                      loop="overlap" if overlap else "normal", max_running_requests=n, max_queued_requests=4 * n,
-                      kv_cache_tokens=n * (prompt_len + tokens) + 64, context_length=prompt_len + tokens + 8,
-                      max_prefill_tokens=max(4096, n * prompt_len), disable_cuda_graph=not cuda_graph)
+    args = ServerArgs(
+        model=str(model_dir),
+        device=device_name,
+        dtype=dtype,
+        load_format="dummy",
+        disabled_features=off,
+        loop="overlap" if overlap else "normal",
+        max_running_requests=n,
+        max_queued_requests=4 * n,
+        kv_cache_tokens=n * (prompt_len + tokens) + 64,
+        context_length=prompt_len + tokens + 8,
+        max_prefill_tokens=max(4096, n * prompt_len),
+        disable_cuda_graph=not cuda_graph,
+    )
     client = SyncClient(args, model_dir)
     engine = client.engine
     rng = random.Random(1)
@@ -218,7 +345,9 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
     sp = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True)
 
     def once(tag: str) -> tuple[list[list[int]], float]:
-        reqs = [engine.build_request(f"{tag}-{i}", p, SamplingParams(**vars(sp))) for i, p in enumerate(prompts)]
+        reqs = [
+            engine.build_request(f"{tag}-{i}", p, SamplingParams(**vars(sp))) for i, p in enumerate(prompts)
+        ]
         t0 = time.perf_counter()
         engine.submit_all(reqs)  # admitted together: the same batches in both loops
         outs = [collect(client.wait(r.rid, timeout=600))[0] for r in reqs]
@@ -238,35 +367,74 @@ def run_loop(model_dir: Path, overlap: bool, device_name: str, dtype: str, n: in
         busy, host_gap = engine.timeline.forward_stats()
     finally:
         client.close()
-    return dict(loop="overlap" if overlap else "normal", wall_s=wall, tokens_per_s=n * tokens / wall,
-                decode_pairs=dev.pairs, median_decode_gap_ms=dev.median_gap_ms, median_decode_forward_ms=dev.median_forward_ms,
-                device_busy_fraction=dev.busy_fraction, host_median_gap_ms=host_gap * 1e3,
-                attention_backend=engine.attention_backend, cuda_graphs=engine.worker.graphs is not None,
-                graph_replays=engine.worker.graphs.replays if engine.worker.graphs is not None else 0, outputs=outs)
+    return dict(
+        loop="overlap" if overlap else "normal",
+        wall_s=wall,
+        tokens_per_s=n * tokens / wall,
+        decode_pairs=dev.pairs,
+        median_decode_gap_ms=dev.median_gap_ms,
+        median_decode_forward_ms=dev.median_forward_ms,
+        device_busy_fraction=dev.busy_fraction,
+        host_median_gap_ms=host_gap * 1e3,
+        attention_backend=engine.attention_backend,
+        cuda_graphs=engine.worker.graphs is not None,
+        graph_replays=engine.worker.graphs.replays if engine.worker.graphs is not None else 0,
+        outputs=outs,
+    )
 
 
-def check_loops(model_dirs: dict[str, Path], device_name: str, dtype: str, n: int, tokens: int, prompt_len: int,
-                cuda_graph: bool) -> list[dict]:
+def check_loops(
+    model_dirs: dict[str, Path],
+    device_name: str,
+    dtype: str,
+    n: int,
+    tokens: int,
+    prompt_len: int,
+    cuda_graph: bool,
+) -> list[dict]:
     rows = []
     for shape, model_dir in model_dirs.items():
         try:
-            res = {o: run_loop(model_dir, o, device_name, dtype, n, tokens, prompt_len, cuda_graph) for o in (False, True)}
+            res = {
+                o: run_loop(model_dir, o, device_name, dtype, n, tokens, prompt_len, cuda_graph)
+                for o in (False, True)
+            }
         except Exception:
             rows.append(dict(model=shape, identical_tokens=False, error=traceback.format_exc()))
             print(f"  {shape} FAILED:\n{rows[-1]['error']}", flush=True)
             continue
         normal, overlap = res[False], res[True]
         identical = normal.pop("outputs") == overlap.pop("outputs")
-        gap_ratio = overlap["median_decode_gap_ms"] / normal["median_decode_gap_ms"] if normal["median_decode_gap_ms"] else float("nan")
+        gap_ratio = (
+            overlap["median_decode_gap_ms"] / normal["median_decode_gap_ms"]
+            if normal["median_decode_gap_ms"]
+            else float("nan")
+        )
         speedup = overlap["tokens_per_s"] / normal["tokens_per_s"]
-        row = dict(model=shape, requests=n, tokens=tokens, dtype=dtype, identical_tokens=identical, cuda_graphs=overlap["cuda_graphs"],
-                   normal=normal, overlap=overlap, gap_ratio=gap_ratio, speedup=speedup)
+        row = dict(
+            model=shape,
+            requests=n,
+            tokens=tokens,
+            dtype=dtype,
+            identical_tokens=identical,
+            cuda_graphs=overlap["cuda_graphs"],
+            normal=normal,
+            overlap=overlap,
+            gap_ratio=gap_ratio,
+            speedup=speedup,
+        )
         rows.append(row)
         for r in (normal, overlap):
-            print(f"  {shape:<14} {r['loop']:<8} {r['tokens_per_s']:9.0f} tok/s  decode forward {r['median_decode_forward_ms']:.3f} ms"
-                  f"  gap {r['median_decode_gap_ms']:.3f} ms  busy {r['device_busy_fraction']:.1%}  ({r['attention_backend']}"
-                  f"{', cuda graphs: {} replays'.format(r['graph_replays']) if r['cuda_graphs'] else ', eager'})", flush=True)
-        print(f"  {shape:<14} overlap/normal {speedup:.2f}x  gap ratio {gap_ratio:.3f}  tokens identical: {identical}", flush=True)
+            print(
+                f"  {shape:<14} {r['loop']:<8} {r['tokens_per_s']:9.0f} tok/s  decode forward {r['median_decode_forward_ms']:.3f} ms"
+                f"  gap {r['median_decode_gap_ms']:.3f} ms  busy {r['device_busy_fraction']:.1%}  ({r['attention_backend']}"
+                f"{', cuda graphs: {} replays'.format(r['graph_replays']) if r['cuda_graphs'] else ', eager'})",
+                flush=True,
+            )
+        print(
+            f"  {shape:<14} overlap/normal {speedup:.2f}x  gap ratio {gap_ratio:.3f}  tokens identical: {identical}",
+            flush=True,
+        )
     return rows
 
 
@@ -280,8 +448,14 @@ def sync_debug(log: list):
 
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message) and "prototype" not in str(message):
-            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]]
-            log.append(dict(thread=threading.current_thread().name, message=str(message).splitlines()[0], stack=frames))
+            frames = [
+                f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]
+            ]
+            log.append(
+                dict(
+                    thread=threading.current_thread().name, message=str(message).splitlines()[0], stack=frames
+                )
+            )
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -304,7 +478,10 @@ def check_syncs(model_dir: Path, device_name: str, dtype: str, cuda_graph: bool)
     run_loop(model_dir, True, device_name, dtype, 8, 16, 16, cuda_graph, sync_log=log)
     print(f"  synchronizing CUDA calls during a measured overlap run: {len(log)}", flush=True)
     for entry in log[:5]:
-        print(f"    [{entry['thread']}] {entry['message']}\n      " + "\n      ".join(entry["stack"]), flush=True)
+        print(
+            f"    [{entry['thread']}] {entry['message']}\n      " + "\n      ".join(entry["stack"]),
+            flush=True,
+        )
     return dict(sync_calls=len(log), first=log[:5])
 
 
@@ -331,11 +508,18 @@ def main() -> int:
     skip = set(filter(None, a.skip.split(",")))
     import triton
 
-    info = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-                torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                interpret=os.environ.get("TRITON_INTERPRET") == "1")
-    print(f"gpu_check on {info['device']}: torch {info['torch']}, triton {info['triton']}"
-          + (" (interpreter)" if info["interpret"] else ""), flush=True)
+    info = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        interpret=os.environ.get("TRITON_INTERPRET") == "1",
+    )
+    print(
+        f"gpu_check on {info['device']}: torch {info['torch']}, triton {info['triton']}"
+        + (" (interpreter)" if info["interpret"] else ""),
+        flush=True,
+    )
     results: dict = dict(info=info, goals=dict(gap_ratio_below=GOAL_GAP_RATIO, speedup_at_least=GOAL_SPEEDUP))
     t0 = time.perf_counter()
     errors: dict[str, str] = {}
@@ -356,21 +540,36 @@ def main() -> int:
         dirs = {m: make_model_dir(m, tok, Path(tmp)) for m in models}
         if "loops" not in skip:
             print(f"2. {n} greedy requests x {tokens} tokens, normal vs overlap loop ({dtype})", flush=True)
-            part("loops", lambda: check_loops(dirs, str(device), dtype, n, tokens, a.prompt_len, not a.no_cuda_graph))
+            part(
+                "loops",
+                lambda: check_loops(dirs, str(device), dtype, n, tokens, a.prompt_len, not a.no_cuda_graph),
+            )
         if "syncs" not in skip:
             print("3. host syncs", flush=True)
             part("syncs", lambda: check_syncs(dirs[models[0]], str(device), dtype, not a.no_cuda_graph))
     results["errors"] = errors
     results["elapsed_s"] = time.perf_counter() - t0
-    ok = (not errors and all(r["ok"] for r in results.get("kernels", []))
-          and all(r["identical_tokens"] for r in results.get("loops", [])))
+    ok = (
+        not errors
+        and all(r["ok"] for r in results.get("kernels", []))
+        and all(r["identical_tokens"] for r in results.get("loops", []))
+    )
     goals = []
     for r in results.get("loops", []):
         if r["model"] in ("smollm2-135m", "tiny") and "error" not in r:
-            goals.append(dict(model=r["model"], gap_ratio_ok=r["gap_ratio"] < GOAL_GAP_RATIO, speedup_ok=r["speedup"] >= GOAL_SPEEDUP))
+            goals.append(
+                dict(
+                    model=r["model"],
+                    gap_ratio_ok=r["gap_ratio"] < GOAL_GAP_RATIO,
+                    speedup_ok=r["speedup"] >= GOAL_SPEEDUP,
+                )
+            )
     results["goals_met"] = goals
     results["ok"] = ok
-    print(f"done in {results['elapsed_s']:.0f}s: correctness {'OK' if ok else 'FAILED'}; goals {goals}", flush=True)
+    print(
+        f"done in {results['elapsed_s']:.0f}s: correctness {'OK' if ok else 'FAILED'}; goals {goals}",
+        flush=True,
+    )
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
     return 0 if ok else 1

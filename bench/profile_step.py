@@ -35,10 +35,20 @@ from service.models.loader import load_model  # noqa: E402
 def greedy_sampling(bs: int, vocab: int) -> SamplingBatch:
     f = torch.zeros(bs)
     return SamplingBatch(
-        temperatures=f, top_ks=torch.full((bs,), vocab), top_ps=f + 1, min_ps=f, repetition_penalties=f + 1,
-        frequency_penalties=f, presence_penalties=f, seeds=torch.zeros(bs, dtype=torch.int64),
-        steps=torch.zeros(bs, dtype=torch.int64), req_slots=torch.arange(bs), all_greedy=True,
-        need_top_k_p=False, need_min_p=False, need_penalties=False,
+        temperatures=f,
+        top_ks=torch.full((bs,), vocab),
+        top_ps=f + 1,
+        min_ps=f,
+        repetition_penalties=f + 1,
+        frequency_penalties=f,
+        presence_penalties=f,
+        seeds=torch.zeros(bs, dtype=torch.int64),
+        steps=torch.zeros(bs, dtype=torch.int64),
+        req_slots=torch.arange(bs),
+        all_greedy=True,
+        need_top_k_p=False,
+        need_min_p=False,
+        need_penalties=False,
     )
 
 
@@ -63,7 +73,9 @@ def extend_batch(bs: int, n: int, table: torch.Tensor, kv: TokenToKVPool, vocab:
     )
 
 
-def decode_batch(bs: int, pos: int, table: torch.Tensor, kv: TokenToKVPool, ids: torch.Tensor, vocab: int) -> ForwardBatch:
+def decode_batch(
+    bs: int, pos: int, table: torch.Tensor, kv: TokenToKVPool, ids: torch.Tensor, vocab: int
+) -> ForwardBatch:
     locs = kv.alloc(bs)
     table[:bs, pos] = locs
     positions = torch.full((bs,), pos)
@@ -133,8 +145,10 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps - args.steps // 2):
                 step()
-    print(f"decode bs={bs}: forward median {statistics.median(fwd) * 1e3:.1f} ms, "
-          f"sampling median {statistics.median(smp) * 1e3:.2f} ms (unprofiled steps: {len(fwd) - args.steps // 2 or len(fwd)})")
+    print(
+        f"decode bs={bs}: forward median {statistics.median(fwd) * 1e3:.1f} ms, "
+        f"sampling median {statistics.median(smp) * 1e3:.2f} ms (unprofiled steps: {len(fwd) - args.steps // 2 or len(fwd)})"
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

@@ -35,11 +35,24 @@ from service import protos  # noqa: E402
 
 pb2, pb2_grpc = protos.load()
 
-PROMPTS = ["Tell me a short story about a fox.", "List three colours.", "What is 17 times 3?",
-           "Write a haiku about rain.", "Describe a cat in one sentence.", "Name two planets."]
-SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-                     "required": ["name", "age"]})
+PROMPTS = [
+    "Tell me a short story about a fox.",
+    "List three colours.",
+    "What is 17 times 3?",
+    "Write a haiku about rain.",
+    "Describe a cat in one sentence.",
+    "Name two planets.",
+]
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    }
+)
 REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)", r"[A-Z][a-z]{2,8}"]
 
 
@@ -89,7 +102,9 @@ def make_request(rng: random.Random, i: int) -> tuple[pb2.GenerateRequest, str]:
     return req, label
 
 
-async def one(stub, rng: random.Random, i: int, t0: float, totals: Totals, samples: list[Sample], cancel_p: float) -> None:
+async def one(
+    stub, rng: random.Random, i: int, t0: float, totals: Totals, samples: list[Sample], cancel_p: float
+) -> None:
     req, _ = make_request(rng, i)
     totals.requests += 1
     plan = rng.random()
@@ -141,6 +156,7 @@ async def drive(address: str, args, t0: float, totals: Totals, samples: list[Sam
 
 def rss_mb(pid: int) -> tuple[float, float]:
     """(server RSS, its children's RSS) in MB, from /proc."""
+
     def one_rss(p: int) -> float:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -179,8 +195,14 @@ def windows(samples: list[Sample], width: float, duration: float) -> list[dict]:
     t = 0.0
     while t < duration:
         w = [s for s in samples if t <= s.t < t + width]
-        out.append({"t": t + width / 2, "n": len(w), "ttft_p99": p99([s.ttft for s in w]),
-                    "per_token_p99": p99([s.per_token for s in w])})
+        out.append(
+            {
+                "t": t + width / 2,
+                "n": len(w),
+                "ttft_p99": p99([s.ttft for s in w]),
+                "per_token_p99": p99([s.per_token for s in w]),
+            }
+        )
         t += width
     return out
 
@@ -203,7 +225,9 @@ def plot(path: Path, rss: list[tuple[float, float, float]], wins: list[dict], ti
     a.legend()
     a.set_title(title)
     b.plot([w["t"] for w in wins], [w["ttft_p99"] for w in wins], marker="o", label="TTFT p99")
-    b.plot([w["t"] for w in wins], [w["per_token_p99"] * 10 for w in wins], marker="s", label="per-token p99 x10")
+    b.plot(
+        [w["t"] for w in wins], [w["per_token_p99"] * 10 for w in wins], marker="s", label="per-token p99 x10"
+    )
     b.set_ylabel("seconds")
     b.set_xlabel("time (s)")
     b.legend()
@@ -226,8 +250,18 @@ def main() -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    cmd = [sys.executable, "-m", "service", "serve", "--port", str(args.port), "--max-running-requests", str(args.concurrency),
-           *(["--model", args.model] if args.model else []), *args.server_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service",
+        "serve",
+        "--port",
+        str(args.port),
+        "--max-running-requests",
+        str(args.concurrency),
+        *(["--model", args.model] if args.model else []),
+        *args.server_arg,
+    ]
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log_lines: list[str] = []
     try:
@@ -262,7 +296,11 @@ def main() -> int:
             deadline = time.monotonic() + 60
             while True:
                 info = stub.GetServerInfo(pb2.GetServerInfoRequest())
-                idle = info.running_requests == 0 and info.queued_requests == 0 and info.kv_pool_free_tokens == info.kv_pool_total_tokens
+                idle = (
+                    info.running_requests == 0
+                    and info.queued_requests == 0
+                    and info.kv_pool_free_tokens == info.kv_pool_total_tokens
+                )
                 if idle or time.monotonic() > deadline:
                     break
                 time.sleep(0.5)
@@ -271,23 +309,41 @@ def main() -> int:
         wins = windows(samples, args.window_s, args.duration_s)
         full = [w for w in wins if w["n"]]
         summary = {
-            "duration_s": round(run_s, 1), "concurrency": args.concurrency,
-            "requests": totals.requests, "completed": totals.ok, "cancelled_by_client": totals.cancelled_by_us,
-            "deadline_by_client": totals.deadline_by_us, "errors": dict(totals.errors),
+            "duration_s": round(run_s, 1),
+            "concurrency": args.concurrency,
+            "requests": totals.requests,
+            "completed": totals.ok,
+            "cancelled_by_client": totals.cancelled_by_us,
+            "deadline_by_client": totals.deadline_by_us,
+            "errors": dict(totals.errors),
             "output_tokens": sum(s.tokens for s in samples),
-            "after": {"kv_free": info.kv_pool_free_tokens, "kv_total": info.kv_pool_total_tokens,
-                      "running": info.running_requests, "queued": info.queued_requests},
-            "rss_mb": {"server_first": round(rss[0][1]), "server_max": round(max(r[1] for r in rss)),
-                       "server_last": round(rss[-1][1]), "workers_max": round(max(r[2] for r in rss))},
+            "after": {
+                "kv_free": info.kv_pool_free_tokens,
+                "kv_total": info.kv_pool_total_tokens,
+                "running": info.running_requests,
+                "queued": info.queued_requests,
+            },
+            "rss_mb": {
+                "server_first": round(rss[0][1]),
+                "server_max": round(max(r[1] for r in rss)),
+                "server_last": round(rss[-1][1]),
+                "workers_max": round(max(r[2] for r in rss)),
+            },
             "windows": full,
             # last window over the first one after the warm-up window (all streams start at once there)
-            "p99_drift": {"ttft": full[-1]["ttft_p99"] / base["ttft_p99"],
-                          "per_token": full[-1]["per_token_p99"] / base["per_token_p99"]} if (base := warm(full)) else None,
+            "p99_drift": {
+                "ttft": full[-1]["ttft_p99"] / base["ttft_p99"],
+                "per_token": full[-1]["per_token_p99"] / base["per_token_p99"],
+            }
+            if (base := warm(full))
+            else None,
         }
         (out / "soak.json").write_text(json.dumps(summary, indent=2, default=str))
         print(json.dumps({k: v for k, v in summary.items() if k != "windows"}, indent=2, default=str))
         for w in full:
-            print(f"  t={w['t']:6.0f}s  n={w['n']:4d}  TTFT p99 {w['ttft_p99']:.2f}s  per-token p99 {w['per_token_p99'] * 1000:.0f} ms")
+            print(
+                f"  t={w['t']:6.0f}s  n={w['n']:4d}  TTFT p99 {w['ttft_p99']:.2f}s  per-token p99 {w['per_token_p99'] * 1000:.0f} ms"
+            )
         try:
             plot(out / "soak.png", rss, wins, f"soak: {args.concurrency} streams, {run_s / 60:.0f} min")
             print(f"plot: {out / 'soak.png'}")

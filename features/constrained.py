@@ -91,11 +91,16 @@ def _grammar_check(text: str, compiled: Any) -> list[SchemaIssue]:
 def _refusal(kind: str, issues: list[js.Unenforced]) -> RequestError:
     listed = "; ".join(str(i) for i in issues[:MAX_LISTED_ISSUES])
     more = f" (and {len(issues) - MAX_LISTED_ISSUES} more)" if len(issues) > MAX_LISTED_ISSUES else ""
-    return RequestError("INVALID_ARGUMENT", f"constraint.{kind}: strict mode: the grammar cannot enforce {listed}{more}; "
-                                            "set constraint.mode to LENIENT to relax these and check the output instead")
+    return RequestError(
+        "INVALID_ARGUMENT",
+        f"constraint.{kind}: strict mode: the grammar cannot enforce {listed}{more}; "
+        "set constraint.mode to LENIENT to relax these and check the output instead",
+    )
 
 
-def prepare_schema(kind: str, schema: js.Schema, mode: str) -> tuple[js.Schema, list[SchemaIssue], list[js.Unenforced]]:
+def prepare_schema(
+    kind: str, schema: js.Schema, mode: str
+) -> tuple[js.Schema, list[SchemaIssue], list[js.Unenforced]]:
     """(schema for the backend, rewrites, relaxed issues); strict mode raises when anything is unenforced.
     A $ref that cannot be resolved within the schema (another document, or nothing) is refused in
     every mode: neither the grammar nor the output check could apply it, and nothing is fetched."""
@@ -122,9 +127,14 @@ def prepare(spec: ConstraintSpec, mode: str) -> Prepared:
             raise RequestError("INVALID_ARGUMENT", f"constraint.json_schema: {e}") from None
         backend_schema, rewrites, relaxed = prepare_schema("json_schema", schema, mode)
         validator = js.OutputValidator(schema)
-        return Prepared(spec.kind, json.dumps(backend_schema), tuple(rewrites), tuple(relaxed),
-                        lambda text, compiled: validator.violations(text),
-                        backend_schema if jt.has_unique_items(backend_schema) else None)
+        return Prepared(
+            spec.kind,
+            json.dumps(backend_schema),
+            tuple(rewrites),
+            tuple(relaxed),
+            lambda text, compiled: validator.violations(text),
+            backend_schema if jt.has_unique_items(backend_schema) else None,
+        )
     if spec.kind == "structural_tag":
         return _prepare_structural_tag(spec.text, mode)
     if spec.kind == "json_object":
@@ -132,8 +142,15 @@ def prepare(spec: ConstraintSpec, mode: str) -> Prepared:
     if spec.kind == "regex":
         full = js.text_checker("regex", spec.text)
         if full is not None:
-            return Prepared(spec.kind, spec.text, check=lambda text, compiled: [] if full(text) else [
-                SchemaIssue("", "regex", "the output does not fully match the regex")])
+            return Prepared(
+                spec.kind,
+                spec.text,
+                check=lambda text, compiled: (
+                    []
+                    if full(text)
+                    else [SchemaIssue("", "regex", "the output does not fully match the regex")]
+                ),
+            )
     return Prepared(spec.kind, spec.text, check=_grammar_check)
 
 
@@ -144,7 +161,9 @@ def _prepare_structural_tag(text: str, mode: str) -> Prepared:
         xgr.StructuralTag.from_json(tag)  # the format's own checks (pydantic), for a clean message
     except Exception as e:  # noqa: BLE001 (ValueError / pydantic ValidationError)
         first = str(e).strip().splitlines()
-        raise RequestError("INVALID_ARGUMENT", f"constraint.structural_tag: {'; '.join(first[:3])[:400]}") from None
+        raise RequestError(
+            "INVALID_ARGUMENT", f"constraint.structural_tag: {'; '.join(first[:3])[:400]}"
+        ) from None
     rewrites: list[SchemaIssue] = []
     relaxed: list[SchemaIssue] = []
     parts: list[tuple[str, list[str], js.OutputValidator]] = []
@@ -170,10 +189,21 @@ def _prepare_structural_tag(text: str, mode: str) -> Prepared:
             return {**node, "json_schema": backend_schema}
         out = {k: visit(v, js.ptr(at, k)) for k, v in node.items()}
         content = node.get("content")
-        if node.get("type") == "tag" and isinstance(node.get("begin"), str) and isinstance(content, dict) \
-                and content.get("type") == "json_schema" and content.get("style", "json") == "json":
+        if (
+            node.get("type") == "tag"
+            and isinstance(node.get("begin"), str)
+            and isinstance(content, dict)
+            and content.get("type") == "json_schema"
+            and content.get("style", "json") == "json"
+        ):
             ends = [node["end"]] if isinstance(node.get("end"), str) else list(node.get("end") or [])
-            parts.append((node["begin"], [e for e in ends if isinstance(e, str) and e], js.OutputValidator(content["json_schema"])))
+            parts.append(
+                (
+                    node["begin"],
+                    [e for e in ends if isinstance(e, str) and e],
+                    js.OutputValidator(content["json_schema"]),
+                )
+            )
         return out
 
     backend = visit(tag, "")
@@ -184,7 +214,9 @@ def _prepare_structural_tag(text: str, mode: str) -> Prepared:
     return Prepared("structural_tag", json.dumps(backend), tuple(rewrites), tuple(relaxed), check)
 
 
-def _check_tagged_parts(text: str, parts: list[tuple[str, list[str], js.OutputValidator]]) -> list[SchemaIssue]:
+def _check_tagged_parts(
+    text: str, parts: list[tuple[str, list[str], js.OutputValidator]]
+) -> list[SchemaIssue]:
     """Each `begin ... end` span of the output validated by its tag's schema."""
     out: list[SchemaIssue] = []
     for begin, ends, validator in parts:
@@ -196,7 +228,10 @@ def _check_tagged_parts(text: str, parts: list[tuple[str, list[str], js.OutputVa
                 out.append(SchemaIssue(f"@{i}", "tag", f"{begin!r} is never closed"))
                 break
             j, e = min(hits)
-            out.extend(SchemaIssue(f"@{i}{v.pointer}", v.keyword, v.message) for v in validator.violations(text[start:j]))
+            out.extend(
+                SchemaIssue(f"@{i}{v.pointer}", v.keyword, v.message)
+                for v in validator.violations(text[start:j])
+            )
             pos = j + len(e)
     return out
 
@@ -230,8 +265,10 @@ class ConstrainedDecoding(Feature):
     name = "constrained"
     support = OverlapSupport.FULL
     reads_raw_logits = False  # masks the logits in whatever dtype the model produced
-    reason = ("the mask is filled by the scheduler while the forward runs, after the previous tokens were "
-              "accepted; the forward waits for it only at sampling")
+    reason = (
+        "the mask is filled by the scheduler while the forward runs, after the previous tokens were "
+        "accepted; the forward waits for it only at sampling"
+    )
 
     def __init__(self) -> None:
         self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogap-constraint")
@@ -253,7 +290,9 @@ class ConstrainedDecoding(Feature):
         self._engine = engine
         # Build the tokenizer info in the background: the first constrained request must not
         # stall the gRPC event loop for it.
-        threading.Thread(target=lambda: (self.backend, self.token_index), name="zerogap-grammar-init", daemon=True).start()
+        threading.Thread(
+            target=lambda: (self.backend, self.token_index), name="zerogap-grammar-init", daemon=True
+        ).start()
 
     @property
     def backend(self) -> GrammarBackend:
@@ -267,9 +306,14 @@ class ConstrainedDecoding(Feature):
 
     def limits(self) -> GrammarLimits:
         a = self._engine.args
-        return GrammarLimits(max_bytes=a.max_constraint_bytes, max_depth=a.max_constraint_depth,
-                             max_properties=a.max_constraint_properties, compile_timeout_s=a.grammar_compile_timeout_s,
-                             max_worker_rss_mb=a.grammar_worker_max_rss_mb, workers=a.grammar_workers)
+        return GrammarLimits(
+            max_bytes=a.max_constraint_bytes,
+            max_depth=a.max_constraint_depth,
+            max_properties=a.max_constraint_properties,
+            compile_timeout_s=a.grammar_compile_timeout_s,
+            max_worker_rss_mb=a.grammar_worker_max_rss_mb,
+            workers=a.grammar_workers,
+        )
 
     def shutdown(self) -> None:
         with self._backend_lock:
@@ -311,9 +355,13 @@ class ConstrainedDecoding(Feature):
             raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: empty")
         mode = spec.mode or getattr(engine.args, "constraint_mode", "lenient")
         if mode not in MODES:
-            raise RequestError("INVALID_ARGUMENT", f"constraint.mode: {mode!r} is not one of {', '.join(MODES)}")
+            raise RequestError(
+                "INVALID_ARGUMENT", f"constraint.mode: {mode!r} is not one of {', '.join(MODES)}"
+            )
         if spec.kind != "json_object":
-            check_limits(spec.kind, spec.text, self.limits())  # before parsing: bounded size, nesting, objects
+            check_limits(
+                spec.kind, spec.text, self.limits()
+            )  # before parsing: bounded size, nesting, objects
         prepared = self._prepare(spec, mode)
         compiled: Future = Future()
 
@@ -323,7 +371,9 @@ class ConstrainedDecoding(Feature):
                 return
             p: Prepared = f.result()
             try:
-                inner = self.backend.compile(p.kind, p.backend_text)  # a ticket: cancelling it stops the compile
+                inner = self.backend.compile(
+                    p.kind, p.backend_text
+                )  # a ticket: cancelling it stops the compile
             except RequestError as e:
                 settle(compiled, e)
                 return
@@ -357,8 +407,10 @@ class ConstrainedDecoding(Feature):
             raise
         except Exception as e:  # never UNKNOWN: the client learns which constraint and why
             log.exception("preparing a constraint failed")
-            raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: cannot prepare this constraint: "
-                                                   f"{type(e).__name__}: {str(e)[:300]}") from None
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"constraint.{spec.kind}: cannot prepare this constraint: {type(e).__name__}: {str(e)[:300]}",
+            ) from None
         finally:
             self.prepare_s.append(time.perf_counter() - start)
 
@@ -369,7 +421,9 @@ class ConstrainedDecoding(Feature):
         return RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: {js.clean_backend_message(str(e))}")
 
     def pending(self, payload: Any) -> Future:
-        return payload.compiled  # its errors are RequestErrors; cancelling it stops the compile (nobody waits)
+        return (
+            payload.compiled
+        )  # its errors are RequestErrors; cancelling it stops the compile (nobody waits)
 
     # ---- scheduler thread ----------------------------------------------------------------
     def on_admit(self, req: Any) -> None:
@@ -380,7 +434,10 @@ class ConstrainedDecoding(Feature):
         if not c.compiled.done():
             timeout = self._engine.args.grammar_compile_timeout_s
             if time.monotonic() - req.arrival > timeout:
-                raise RequestError("DEADLINE_EXCEEDED", f"constraint.{c.spec.kind}: grammar compilation took longer than {timeout:g}s")
+                raise RequestError(
+                    "DEADLINE_EXCEEDED",
+                    f"constraint.{c.spec.kind}: grammar compilation took longer than {timeout:g}s",
+                )
             return False
         if c.compiled.exception() is not None:
             raise self._compile_error(c.spec, c.compiled.exception())
@@ -406,7 +463,9 @@ class ConstrainedDecoding(Feature):
         then fails that request with a clear message."""
         data: GrammarMaskBatch = batch.fb.feature_data[self.name]
         try:
-            live = [r for r in rows if not batch.reqs[r].finished and self.name in batch.reqs[r].feature_state]
+            live = [
+                r for r in rows if not batch.reqs[r].finished and self.name in batch.reqs[r].feature_state
+            ]
             if live:
                 matchers = [batch.reqs[r].feature_state[self.name] for r in live]
                 mask = data.mask
@@ -443,8 +502,11 @@ class ConstrainedDecoding(Feature):
         matcher.fill_next_token_bitmask(mask, 0)
         if not bool(mask.any()):
             kind = req.features[self.name].spec.kind
-            return RequestError("INVALID_ARGUMENT", f"constraint.{kind}: the grammar allows no continuation after "
-                                f"{len(req.output_ids) - 1} tokens (it matches no complete string there)")
+            return RequestError(
+                "INVALID_ARGUMENT",
+                f"constraint.{kind}: the grammar allows no continuation after "
+                f"{len(req.output_ids) - 1} tokens (it matches no complete string there)",
+            )
         return RuntimeError(f"the grammar rejected token {token}")
 
     def on_finish(self, req: Any) -> dict[str, Any] | None:
@@ -464,8 +526,12 @@ class ConstrainedDecoding(Feature):
         except Exception as e:  # noqa: BLE001 (a check must never fail the request)
             violations = [SchemaIssue("", "check", f"could not check the output: {type(e).__name__}: {e}")]
         self.check_us.append((time.perf_counter() - start) * 1e6)
-        return {"satisfied": not violations, "relaxed": list(p.relaxed), "violations": violations,
-                "normalized": list(p.normalized)}
+        return {
+            "satisfied": not violations,
+            "relaxed": list(p.relaxed),
+            "violations": violations,
+            "normalized": list(p.normalized),
+        }
 
     def output_text(self, req: Any) -> str:
         """The client's text without the end-of-sequence token that completed the grammar, cut at a

@@ -52,7 +52,9 @@ POLL_S = 0.05  # how often a running compile is checked for deadline, memory and
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    max_bytes: int = 8 << 20  # grammar text (schema / regex / EBNF) size: deadline and memory bound the compile
+    max_bytes: int = (
+        8 << 20
+    )  # grammar text (schema / regex / EBNF) size: deadline and memory bound the compile
     max_depth: int = 64  # bracket nesting of a schema, parenthesis nesting of a regex / EBNF
     max_properties: int = 1024  # properties of one schema object (1,000: ~1 s to compile, 2,000: ~22 s)
     compile_timeout_s: float = 30.0  # from the first request for it, queueing included
@@ -103,10 +105,18 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
     """Refuse, before compiling, a grammar text beyond the size, nesting or object-size limits."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > limits.max_bytes:
-        raise GrammarError("INVALID_ARGUMENT", kind, f"{size} bytes exceed the limit of {limits.max_bytes} (--max-constraint-bytes)")
+        raise GrammarError(
+            "INVALID_ARGUMENT",
+            kind,
+            f"{size} bytes exceed the limit of {limits.max_bytes} (--max-constraint-bytes)",
+        )
     depth = nesting_depth(text, kind)
     if depth > limits.max_depth:
-        raise GrammarError("INVALID_ARGUMENT", kind, f"nesting depth {depth} exceeds the limit of {limits.max_depth} (--max-constraint-depth)")
+        raise GrammarError(
+            "INVALID_ARGUMENT",
+            kind,
+            f"nesting depth {depth} exceeds the limit of {limits.max_depth} (--max-constraint-depth)",
+        )
     if kind in JSON_KINDS:
         try:
             schema = json.loads(text)  # safe: the nesting is bounded
@@ -114,8 +124,12 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
             return  # reported as invalid JSON by the caller
         most = max_object_properties(schema)
         if most > limits.max_properties:
-            raise GrammarError("INVALID_ARGUMENT", kind, f"an object with {most} properties exceeds the limit of "
-                               f"{limits.max_properties} (--max-constraint-properties)")
+            raise GrammarError(
+                "INVALID_ARGUMENT",
+                kind,
+                f"an object with {most} properties exceeds the limit of "
+                f"{limits.max_properties} (--max-constraint-properties)",
+            )
 
 
 def max_object_properties(schema: Any) -> int:
@@ -137,7 +151,9 @@ def compile_text(compiler: xgr.GrammarCompiler, kind: str, text: str) -> xgr.Com
     if kind == "json_schema":
         return compiler.compile_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
     if kind == "json_object":  # an object or array, compact
-        return compiler.compile_json_schema(ANY_JSON, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False)
+        return compiler.compile_json_schema(
+            ANY_JSON, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=False
+        )
     if kind == "regex":
         return compiler.compile_regex(text)
     if kind == "ebnf":
@@ -241,9 +257,17 @@ class GrammarTicket(Future):
 class GrammarBackend:
     """Compiles grammars for one tokenizer/vocabulary in worker processes and builds matchers."""
 
-    def __init__(self, hf_tokenizer, model_vocab_size: int, stop_token_ids: list[int], limits: GrammarLimits | None = None):
+    def __init__(
+        self,
+        hf_tokenizer,
+        model_vocab_size: int,
+        stop_token_ids: list[int],
+        limits: GrammarLimits | None = None,
+    ):
         # The model's vocabulary may be larger than the tokenizer's: xgrammar masks the padding rows.
-        self.info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=model_vocab_size, stop_token_ids=stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=model_vocab_size, stop_token_ids=stop_token_ids
+        )
         self.vocab_size = model_vocab_size
         self.limits = limits or GrammarLimits()
         self.stats = CompileStats()
@@ -254,7 +278,9 @@ class GrammarBackend:
         self._cv = threading.Condition()
         self._closed = False
         self._in_process = 0  # trial-approved compiles running in this process (shutdown waits for them)
-        self._ready_at: float | None = None  # when the first worker was ready: deadlines never count its start-up
+        self._ready_at: float | None = (
+            None  # when the first worker was ready: deadlines never count its start-up
+        )
         self._slots = [_WorkerSlot(self, i) for i in range(max(1, self.limits.workers))]
         for slot in self._slots:  # only now: a slot's thread reads the others'
             slot.start()
@@ -265,7 +291,9 @@ class GrammarBackend:
         before it is prepared (a prepared schema may be longer); deadline and memory bound the rest."""
         key = (kind, text)
         with self._cv:
-            job = self._jobs.get(key)  # pending, compiled or known-bad: failures for other reasons are dropped
+            job = self._jobs.get(
+                key
+            )  # pending, compiled or known-bad: failures for other reasons are dropped
             if job is not None:
                 self.stats.cache_hits += 1  # compiled, compiling or known-bad: shared
                 self._jobs.move_to_end(key)
@@ -358,8 +386,12 @@ class GrammarBackend:
         if small is not None:
             return small
         now = time.monotonic()
-        running_large = sum(1 for s in self._slots if s.job is not None and (
-            s.job.large or now - (s.job.started or now) > self.limits.small_compile_s))
+        running_large = sum(
+            1
+            for s in self._slots
+            if s.job is not None
+            and (s.job.large or now - (s.job.started or now) > self.limits.small_compile_s)
+        )
         if running_large < max(1, len(self._slots) - 1):
             return next(iter(self._queue), None)
         return None
@@ -388,7 +420,11 @@ class GrammarBackend:
             self._fail(job, self._timeout_error(job))
 
     def _timeout_error(self, job: _Job) -> GrammarError:
-        return GrammarError("DEADLINE_EXCEEDED", job.kind, f"grammar compilation took longer than {self.limits.compile_timeout_s:g}s")
+        return GrammarError(
+            "DEADLINE_EXCEEDED",
+            job.kind,
+            f"grammar compilation took longer than {self.limits.compile_timeout_s:g}s",
+        )
 
     def _why_stop(self, job: _Job, pid: int | None) -> GrammarError | None:
         if self._closed:
@@ -400,7 +436,11 @@ class GrammarBackend:
         rss = _rss_mb(pid) if pid is not None else 0.0
         job.peak_rss_mb = max(job.peak_rss_mb, rss)
         if rss > self.limits.max_worker_rss_mb:
-            return GrammarError("RESOURCE_EXHAUSTED", job.kind, f"compiling the grammar needs more than {self.limits.max_worker_rss_mb} MB")
+            return GrammarError(
+                "RESOURCE_EXHAUSTED",
+                job.kind,
+                f"compiling the grammar needs more than {self.limits.max_worker_rss_mb} MB",
+            )
         return None
 
     def _complete(self, job: _Job, reply: tuple[str, str]) -> None:
@@ -421,7 +461,9 @@ class GrammarBackend:
                 self._in_process -= 1
                 self._cv.notify_all()
         if self.accepts_nothing(compiled):
-            self._fail(job, GrammarError("INVALID_ARGUMENT", job.kind, "the grammar accepts no output at all"))
+            self._fail(
+                job, GrammarError("INVALID_ARGUMENT", job.kind, "the grammar accepts no output at all")
+            )
             return
         self.stats.compiles += 1
         self.stats.last_compile_s = time.monotonic() - (job.started or time.monotonic())
@@ -476,7 +518,9 @@ class _WorkerSlot:
             proc.start()
             theirs.close()
             self.proc, self.conn = proc, conn
-        conn.send(self.backend._info_json)  # read once the worker imported xgrammar; kill() may close it meanwhile
+        conn.send(
+            self.backend._info_json
+        )  # read once the worker imported xgrammar; kill() may close it meanwhile
         while not conn.poll(POLL_S):
             if not proc.is_alive() or self.backend._closed:
                 raise RuntimeError(f"the grammar worker exited at start-up (exit code {proc.exitcode})")
@@ -498,7 +542,8 @@ class _WorkerSlot:
                 reply = conn.recv() if conn.poll(POLL_S) else None
             except (EOFError, OSError, ValueError):  # the worker died, or kill() closed the pipe
                 err = b._why_stop(job, None) or GrammarError(
-                    "INVALID_ARGUMENT", job.kind, f"the grammar compiler crashed (exit code {proc.exitcode})")
+                    "INVALID_ARGUMENT", job.kind, f"the grammar compiler crashed (exit code {proc.exitcode})"
+                )
                 self.kill()
                 b._fail(job, err)
                 return
@@ -511,7 +556,9 @@ class _WorkerSlot:
             if err is not None:
                 self.kill()
                 b.stats.stopped[err.code] = b.stats.stopped.get(err.code, 0) + 1
-                log.warning("grammar compile stopped after %.1fs: %s", time.monotonic() - (job.started or 0), err)
+                log.warning(
+                    "grammar compile stopped after %.1fs: %s", time.monotonic() - (job.started or 0), err
+                )
                 b._fail(job, err)
                 return
 

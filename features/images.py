@@ -53,7 +53,9 @@ def decode(data: bytes, limits: ImageLimits) -> Image.Image:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own pixel limit applies
             img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
-        raise ImageError(f"too many pixels, over the limit of {limits.max_pixels} (--max-image-pixels): {e}") from None
+        raise ImageError(
+            f"too many pixels, over the limit of {limits.max_pixels} (--max-image-pixels): {e}"
+        ) from None
     except UnidentifiedImageError:
         raise ImageError("not a PNG, JPEG or WebP image (unrecognised data)") from None
     except Exception as e:  # noqa: BLE001 (a corrupt header can raise anything from a plugin)
@@ -64,7 +66,9 @@ def decode(data: bytes, limits: ImageLimits) -> Image.Image:
     if w < 1 or h < 1:
         raise ImageError(f"empty image ({w}x{h})")
     if w * h > limits.max_pixels:
-        raise ImageError(f"{w}x{h} = {w * h} pixels exceed the limit of {limits.max_pixels} (--max-image-pixels)")
+        raise ImageError(
+            f"{w}x{h} = {w * h} pixels exceed the limit of {limits.max_pixels} (--max-image-pixels)"
+        )
     try:
         img.load()
         return img.convert("RGB")
@@ -78,12 +82,16 @@ class Preprocessor:
     def __init__(self, model_dir: str | Path, image_size: int):
         from transformers import AutoImageProcessor
 
-        self.processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil", local_files_only=True)
+        self.processor = AutoImageProcessor.from_pretrained(
+            str(model_dir), backend="pil", local_files_only=True
+        )
         self.image_size = image_size
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
         px = self.processor(images=[img], return_tensors="pt")["pixel_values"][0]
         if tuple(px.shape[-2:]) != (self.image_size, self.image_size):
-            raise RuntimeError(f"the image processor gives {tuple(px.shape[-2:])} pixels; the vision tower takes "
-                               f"{self.image_size}x{self.image_size}")
+            raise RuntimeError(
+                f"the image processor gives {tuple(px.shape[-2:])} pixels; the vision tower takes "
+                f"{self.image_size}x{self.image_size}"
+            )
         return px

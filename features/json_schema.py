@@ -44,33 +44,99 @@ SYNTH_PREFIX = "zerogap-merged-"
 
 # Keywords that decide which instances validate; every other key is an annotation (title,
 # description, default, vendor extensions, ...) or a container of definitions (_HELD).
-VALIDATION_KW = frozenset({
-    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains",
-    "minContains", "maxProperties", "minProperties", "required", "dependentRequired", "dependencies",
-    "dependentSchemas", "properties", "patternProperties", "additionalProperties", "propertyNames", "items",
-    "prefixItems", "additionalItems", "contains", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf",
-    "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
-})
+VALIDATION_KW = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "multipleOf",
+        "maximum",
+        "exclusiveMaximum",
+        "minimum",
+        "exclusiveMinimum",
+        "maxLength",
+        "minLength",
+        "pattern",
+        "format",
+        "maxItems",
+        "minItems",
+        "uniqueItems",
+        "maxContains",
+        "minContains",
+        "maxProperties",
+        "minProperties",
+        "required",
+        "dependentRequired",
+        "dependencies",
+        "dependentSchemas",
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "propertyNames",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "contains",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+    }
+)
 _HELD = ("$defs", "definitions", "$id", "$anchor")
 # Subschema positions: a map of schemas / one schema / a list of schemas.
 MAP_KW = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-ONE_KW = ("additionalProperties", "items", "additionalItems", "contains", "propertyNames", "not", "if", "then",
-          "else", "unevaluatedProperties", "unevaluatedItems")
+ONE_KW = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 LIST_KW = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 # Formats the grammar enforces (probed on xgrammar 0.2.9, pinned by tests/test_json_schema.py).
-GRAMMAR_FORMATS = frozenset({
-    "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference",
-    "uuid", "uri-template", "json-pointer", "relative-json-pointer",
-})
+GRAMMAR_FORMATS = frozenset(
+    {
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uuid",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
 # Calendar-exact patterns for the formats whose backend grammar admits impossible days (xgrammar
 # 0.2.9's `date` takes 2021-02-31, 2021-04-31 and year 0000): what `datetime.date.fromisoformat`
 # accepts after jsonschema's 4-2-2 digit check — years 0001-9999, each month's days, Feb 29 in leap
 # years (multiples of 4 but not of 100, or of 400).
 _YEAR = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9][0-9]|[0-9][1-9][0-9]{2}|[1-9][0-9]{3})"
 _LEAP_2 = r"(?:0[48]|[2468][048]|[13579][26])"  # two digits, a multiple of 4 other than 00
-_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-              r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_MONTH_DAY = (
+    r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    r"|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
 DATE_RE = rf"(?:{_YEAR}-{_MONTH_DAY}|(?:[0-9]{{2}}{_LEAP_2}|{_LEAP_2}00)-02-29)"
 # RFC 3339 date-time with that date, exactly as rfc3339-validator (jsonschema's date-time checker)
 # reads it: upper-case T/Z, seconds 00-59 (no leap second), offsets up to 23:59.
@@ -80,8 +146,15 @@ FORMAT_PATTERNS = {"date": f"^{DATE_RE}$", "date-time": f"^{DATE_TIME_RE}$"}
 NUMERIC_KW = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 STRING_KW = ("minLength", "maxLength", "pattern", "format")
 ARRAY_KW = ("minItems", "maxItems", "items", "prefixItems", "uniqueItems", "contains")
-OBJECT_KW = ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
-             "maxProperties", "propertyNames")
+OBJECT_KW = (
+    "properties",
+    "required",
+    "additionalProperties",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
+    "propertyNames",
+)
 TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
 _BACKEND_MSG = re.compile(r"^\s*\[[0-9:]+\]\s+\S+\.(?:cc|h|cpp):\d+:\s*(?:Check failed:.*? is false:\s*)?")
 
@@ -212,6 +285,7 @@ def resolve_pointer(root: Schema, pointer: str) -> Schema | None:
 
 def _json_key(v: Any) -> str:
     """Equality as JSON Schema sees it (1 == 1.0, True != 1)."""
+
     def canon(x: Any) -> Any:
         if isinstance(x, bool) or x is None or isinstance(x, str):
             return x
@@ -222,6 +296,7 @@ def _json_key(v: Any) -> str:
         if isinstance(x, dict):
             return {k: canon(i) for k, i in x.items()}
         return x
+
     return json.dumps(canon(v), sort_keys=True)
 
 
@@ -257,7 +332,9 @@ class _Normaliser:
         self.ref_targets: set[str] = set()
         self._inlining: set[str] = set()  # $ref targets being inlined now (a cycle keeps its $ref)
         self._inlined: dict[str, Schema] = {}  # target pointer -> its normalised copy
-        self._synth: dict[tuple[str, str], str] = {}  # (keywords, $ref target) -> name of their merged definition
+        self._synth: dict[
+            tuple[str, str], str
+        ] = {}  # (keywords, $ref target) -> name of their merged definition
         self.defs: dict[str, Schema] = {}  # synthesized definitions, added to the root's $defs
 
     def note(self, at: str, keyword: str, message: str) -> None:
@@ -298,11 +375,19 @@ class _Normaliser:
             elif u in index and (not frag or frag.startswith("/")):
                 new = "#" + index[u] + frag
             elif u and u not in index:
-                self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"external reference {ref!r} (another document: "
-                                                                          "never fetched; inline it under $defs)"))
+                self.problems.append(
+                    SchemaIssue(
+                        ptr(at, "$ref"),
+                        "$ref",
+                        f"external reference {ref!r} (another document: "
+                        "never fetched; inline it under $defs)",
+                    )
+                )
                 continue
             else:
-                self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"cannot resolve {ref!r} within the schema"))
+                self.problems.append(
+                    SchemaIssue(ptr(at, "$ref"), "$ref", f"cannot resolve {ref!r} within the schema")
+                )
                 continue
             if "%" in new and resolve_pointer(root, unquote(new[1:])) is not None:
                 new = "#" + unquote(new[1:])  # the backend reads pointers as written (no percent-decoding)
@@ -394,7 +479,11 @@ class _Normaliser:
         rest = [k for k in node if k in VALIDATION_KW and k != "$ref"]
         if not rest or self._moves_children(at):
             return node
-        self.note(ptr(at, "$ref"), "$ref", f"keywords beside $ref dropped (ignored up to draft 7): {', '.join(rest)}")
+        self.note(
+            ptr(at, "$ref"),
+            "$ref",
+            f"keywords beside $ref dropped (ignored up to draft 7): {', '.join(rest)}",
+        )
         return {k: v for k, v in node.items() if k not in rest}
 
     def _inline_ref(self, branch: Schema, stack: tuple[str, ...]) -> Schema:
@@ -402,13 +491,21 @@ class _Normaliser:
 
         Cycle-aware: a target being inlined further up (a recursive schema: trees, threads) keeps
         its $ref, which is exact; each target is normalised once (memoised by pointer)."""
-        while isinstance(branch, dict) and isinstance(branch.get("$ref"), str) and branch["$ref"].startswith("#"):
+        while (
+            isinstance(branch, dict)
+            and isinstance(branch.get("$ref"), str)
+            and branch["$ref"].startswith("#")
+        ):
             if any(k in VALIDATION_KW and k != "$ref" for k in branch):
                 return branch
             target_ptr = branch["$ref"][1:]
             target = resolve_pointer(self.root, target_ptr)
-            if (target is None or target_ptr in stack or target_ptr in self._inlining
-                    or len(stack) + len(self._inlining) > MAX_INLINE_DEPTH):
+            if (
+                target is None
+                or target_ptr in stack
+                or target_ptr in self._inlining
+                or len(stack) + len(self._inlining) > MAX_INLINE_DEPTH
+            ):
                 return branch
             size = sum(1 for _ in walk(target))
             if size > self.budget:
@@ -429,9 +526,12 @@ class _Normaliser:
         definition `kws & target` (normalised once: the same pair further down refers to it), so
         rewrites through a cycle stay exact and terminate."""
         m = merge(kws, branch)
-        if m is not None or not (isinstance(branch, dict) and isinstance(branch.get("$ref"), str)
-                                 and branch["$ref"].startswith("#")
-                                 and not any(k in VALIDATION_KW and k != "$ref" for k in branch)):
+        if m is not None or not (
+            isinstance(branch, dict)
+            and isinstance(branch.get("$ref"), str)
+            and branch["$ref"].startswith("#")
+            and not any(k in VALIDATION_KW and k != "$ref" for k in branch)
+        ):
             return m
         target_ptr = branch["$ref"][1:]
         key = (_json_key(kws), target_ptr)
@@ -447,14 +547,18 @@ class _Normaliser:
             body = self.norm(copy.deepcopy(target), target_ptr)  # may meet this pair again: a $ref to name
             merged = merge(kws, body)
             self.defs[name] = merged if merged is not None else {"allOf": [kws, {"$ref": branch["$ref"]}]}
-            self.note(ptr("", "$defs", name), "$ref", f"keywords merged into the recursive {branch['$ref']!r}")
+            self.note(
+                ptr("", "$defs", name), "$ref", f"keywords merged into the recursive {branch['$ref']!r}"
+            )
         return {"$ref": "#" + ptr("", "$defs", name)}
 
     def _moves_children(self, at: str) -> bool:
         """Whether a $ref points below `at` other than into its definitions (a rewrite would move it)."""
         prefix = at + "/"
-        return any(t.startswith(prefix) and not t.startswith((prefix + "definitions/", prefix + "$defs/"))
-                   for t in self.ref_targets)
+        return any(
+            t.startswith(prefix) and not t.startswith((prefix + "definitions/", prefix + "$defs/"))
+            for t in self.ref_targets
+        )
 
     def _merge_all_of(self, node: dict, at: str, depth: int = 0) -> Schema:
         if self._moves_children(at):
@@ -462,8 +566,13 @@ class _Normaliser:
         branches = [self._inline_ref(b, (at,)) for b in node["allOf"]]
         held = {k: v for k, v in node.items() if k in _HELD}  # definitions stay where refs expect them
         merged: Schema = {k: v for k, v in node.items() if k != "allOf" and k not in _HELD}
-        conditionals = [b for b in branches if isinstance(b, dict) and "if" in b
-                        and {k for k in b if k in VALIDATION_KW} <= {"if", "then", "else"}]
+        conditionals = [
+            b
+            for b in branches
+            if isinstance(b, dict)
+            and "if" in b
+            and {k for k in b if k in VALIDATION_KW} <= {"if", "then", "else"}
+        ]
         for b in branches:
             if any(b is c for c in conditionals):
                 continue
@@ -477,7 +586,11 @@ class _Normaliser:
             cases = {k: v for k, v in c.items() if k in ("if", "then", "else")}
             if "if" in merged:  # the node's own if/then/else first
                 merged = self._if_then_else(merged, at)
-            m = self._if_then_else({**merged, **cases}, at) if isinstance(merged, dict) and "if" not in merged else None
+            m = (
+                self._if_then_else({**merged, **cases}, at)
+                if isinstance(merged, dict) and "if" not in merged
+                else None
+            )
             if not isinstance(m, dict) and m is not False or isinstance(m, dict) and "if" in m:
                 return node
             merged = m
@@ -502,7 +615,9 @@ class _Normaliser:
             branches.append(m)
         out = {k: v for k, v in node.items() if k not in siblings}
         out[kw] = branches
-        self.note(ptr(at, kw), kw, f"sibling keywords ({', '.join(sorted(siblings))}) distributed into each branch")
+        self.note(
+            ptr(at, kw), kw, f"sibling keywords ({', '.join(sorted(siblings))}) distributed into each branch"
+        )
         return out
 
     def _not(self, node: dict, at: str) -> Schema:
@@ -587,18 +702,29 @@ class _Normaliser:
             return None
         ccore = {k: v for k, v in cond.items() if k in VALIDATION_KW}
         props = ccore.get("properties")
-        if not isinstance(props, dict) or len(props) != 1 or not set(ccore) <= {"properties", "required", "type"}:
+        if (
+            not isinstance(props, dict)
+            or len(props) != 1
+            or not set(ccore) <= {"properties", "required", "type"}
+        ):
             return None
-        (name, pschema), = props.items()
+        ((name, pschema),) = props.items()
         req = ccore.get("required", [])
-        if not isinstance(pschema, dict) or _values(pschema) is None or not isinstance(req, list) \
-                or not set(req) <= {name} or {k for k in pschema if k in VALIDATION_KW} - {"const", "enum"} \
-                or ccore.get("type", "object") not in ("object", ["object"]):
+        if (
+            not isinstance(pschema, dict)
+            or _values(pschema) is None
+            or not isinstance(req, list)
+            or not set(req) <= {name}
+            or {k for k in pschema if k in VALIDATION_KW} - {"const", "enum"}
+            or ccore.get("type", "object") not in ("object", ["object"])
+        ):
             return None
         values = pschema["enum"] if isinstance(pschema.get("enum"), list) else [pschema["const"]]
         return name, values, name in req, "type" in ccore
 
-    def _split_if(self, base: Schema, cond: tuple[str, list, bool, bool], then: Schema, other: Schema) -> list | None:
+    def _split_if(
+        self, base: Schema, cond: tuple[str, list, bool, bool], then: Schema, other: Schema
+    ) -> list | None:
         """The non-empty cases of `base & if/then/else` (see _if_then_else), None when not expressible."""
         if base is False:
             return []
@@ -623,9 +749,16 @@ class _Normaliser:
             else:
                 return None  # p outside the values: not expressible without p's own values
             rest_values = [v for v in raw if _json_key(v) not in keys]
-            pairs.append(({"type": "object", "required": [name], "properties": {name: {"enum": in_values}}}, then))
+            pairs.append(
+                ({"type": "object", "required": [name], "properties": {name: {"enum": in_values}}}, then)
+            )
             if rest_values:
-                pairs.append(({"type": "object", "required": [name], "properties": {name: {"enum": rest_values}}}, other))
+                pairs.append(
+                    (
+                        {"type": "object", "required": [name], "properties": {name: {"enum": rest_values}}},
+                        other,
+                    )
+                )
             if name not in base.get("required", []):
                 absent = self._absent(base, name)
                 if absent is None:
@@ -633,8 +766,12 @@ class _Normaliser:
                 pairs.append((absent, other if if_requires else then))
         non_object = [t for t in (types or TYPES) if t != "object" and not (t == "integer" and types is None)]
         if non_object:
-            pairs.append(({"type": non_object if len(non_object) > 1 else non_object[0]},
-                          _strip_object_keywords(other if cond_object else then)))
+            pairs.append(
+                (
+                    {"type": non_object if len(non_object) > 1 else non_object[0]},
+                    _strip_object_keywords(other if cond_object else then),
+                )
+            )
         branches = []
         for case, applies in pairs:
             b = merge(base if case.get("type") == "object" else _strip_object_keywords(base), case)
@@ -655,7 +792,11 @@ class _Normaliser:
         props = base.get("properties", {})
         if not isinstance(props, dict):
             return None
-        return {"type": "object", "properties": {k: v for k, v in props.items() if k != name}, "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": {k: v for k, v in props.items() if k != name},
+            "additionalProperties": False,
+        }
 
     def _integer_bounds(self, node: dict, at: str) -> dict:
         if _types(node) != ["integer"]:
@@ -711,22 +852,39 @@ class _Normaliser:
         if not isinstance(props, dict) or not any(v is False for v in props.values()):
             return node
         rest = {k: v for k, v in props.items() if v is not False}
-        dropped = [k for k, v in props.items() if v is False
-                   and k not in node.get("required", []) and property_schema({**node, "properties": rest}, k) is False]
+        dropped = [
+            k
+            for k, v in props.items()
+            if v is False
+            and k not in node.get("required", [])
+            and property_schema({**node, "properties": rest}, k) is False
+        ]
         if not dropped:
             return node
-        self.note(ptr(at, "properties"), "properties", f"false schemas of {', '.join(dropped)} dropped "
-                                                       "(additionalProperties refuses them already)")
+        self.note(
+            ptr(at, "properties"),
+            "properties",
+            f"false schemas of {', '.join(dropped)} dropped (additionalProperties refuses them already)",
+        )
         return {**node, "properties": {k: v for k, v in props.items() if k not in dropped}}
 
     def _backend_defaults(self, node: dict, at: str) -> dict:
         """Absent `items` / `additionalProperties` mean "anything"; the backend reads them as "nothing"
         and then rejects minItems/minProperties beyond what is listed: spell the default out."""
         out = node
-        if "minItems" in node and "items" not in node and node.get("minItems", 0) > len(node.get("prefixItems", [])):
+        if (
+            "minItems" in node
+            and "items" not in node
+            and node.get("minItems", 0) > len(node.get("prefixItems", []))
+        ):
             out = {**out, "items": True}
-        if ("minProperties" in node and "additionalProperties" not in node and "patternProperties" not in node
-                and "unevaluatedProperties" not in node and node["minProperties"] > len(node.get("properties", {}))):
+        if (
+            "minProperties" in node
+            and "additionalProperties" not in node
+            and "patternProperties" not in node
+            and "unevaluatedProperties" not in node
+            and node["minProperties"] > len(node.get("properties", {}))
+        ):
             out = {**out, "additionalProperties": True}
         if out is not node:
             self.note(at, "items/additionalProperties", "the default (any) spelled out")
@@ -739,7 +897,6 @@ class _Normaliser:
         self.note(ptr(at, "pattern"), "pattern", "literal control characters escaped")
         return {**node, "pattern": p.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")}
 
-
     def _format_patterns(self, node: dict, at: str) -> dict:
         """`format: date` / `date-time` as a pattern of real calendar days (FORMAT_PATTERNS): the
         backend's own grammar admits 02-31. Beside a pattern of its own the format stays (the walk
@@ -749,7 +906,9 @@ class _Normaliser:
             return node
         out = {k: v for k, v in node.items() if k != "format"}
         out["pattern"] = FORMAT_PATTERNS[fmt]
-        exact = "" if fmt == "date" else " (as rfc3339-validator reads RFC 3339: upper-case T/Z, no leap second)"
+        exact = (
+            "" if fmt == "date" else " (as rfc3339-validator reads RFC 3339: upper-case T/Z, no leap second)"
+        )
         self.note(ptr(at, "format"), "format", f"{fmt} as a pattern of real calendar days{exact}")
         return out
 
@@ -772,8 +931,13 @@ def property_schema(node: dict, name: str) -> Schema:
 def _drop_false_properties(s: Schema) -> Schema:
     """Without `"x": false` properties that additionalProperties refuses anyway (exact; the backend
     rejects false properties)."""
-    if not isinstance(s, dict) or not isinstance(s.get("properties"), dict) or s.get("additionalProperties") is not False \
-            or s.get("patternProperties") or not any(v is False for v in s["properties"].values()):
+    if (
+        not isinstance(s, dict)
+        or not isinstance(s.get("properties"), dict)
+        or s.get("additionalProperties") is not False
+        or s.get("patternProperties")
+        or not any(v is False for v in s["properties"].values())
+    ):
         return s
     if any(s["properties"].get(n) is False for n in s.get("required", [])):
         return False
@@ -784,7 +948,11 @@ def _strip_object_keywords(s: Schema) -> Schema:
     """`s` as it applies to a non-object (its object keywords do not)."""
     if not isinstance(s, dict):
         return s
-    return {k: v for k, v in s.items() if k not in OBJECT_KW + ("dependentRequired", "dependentSchemas", "dependencies")}
+    return {
+        k: v
+        for k, v in s.items()
+        if k not in OBJECT_KW + ("dependentRequired", "dependentSchemas", "dependencies")
+    }
 
 
 def _is_true(s: Schema) -> bool:
@@ -792,10 +960,25 @@ def _is_true(s: Schema) -> bool:
 
 
 # Keywords merged by a rule; a keyword on one side only is kept as is (applies independently).
-_GROUPS = (("properties", "patternProperties", "additionalProperties"), ("prefixItems", "items"),
-           ("if", "then", "else"), ("contains", "minContains", "maxContains"))
-_NEVER_MERGE = ("$ref", "$id", "$anchor", "$defs", "definitions", "unevaluatedProperties", "unevaluatedItems",
-                "$dynamicRef", "$recursiveRef", "additionalItems", "dependencies")
+_GROUPS = (
+    ("properties", "patternProperties", "additionalProperties"),
+    ("prefixItems", "items"),
+    ("if", "then", "else"),
+    ("contains", "minContains", "maxContains"),
+)
+_NEVER_MERGE = (
+    "$ref",
+    "$id",
+    "$anchor",
+    "$defs",
+    "definitions",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "$dynamicRef",
+    "$recursiveRef",
+    "additionalItems",
+    "dependencies",
+)
 
 
 def merge(a: Schema, b: Schema) -> Schema | None:
@@ -878,7 +1061,9 @@ def is_empty(s: Schema) -> bool:
         return False
     if s.get("type") == "object" or _types(s) == ["object"]:
         props = s.get("properties", {})
-        if isinstance(props, dict) and any(isinstance(n, str) and props.get(n) is False for n in s.get("required", [])):
+        if isinstance(props, dict) and any(
+            isinstance(n, str) and props.get(n) is False for n in s.get("required", [])
+        ):
             return True
     return isinstance(s.get("enum"), list) and not s["enum"]
 
@@ -976,9 +1161,14 @@ def _absent_by_backend_default(schema: Schema, n: _Normaliser) -> Schema:
     schemas, but generates no property a schema does not list (unless additionalProperties,
     patternProperties or unevaluatedProperties admit it), so x is dropped. Done last, on the final
     schema: no later merge may give x a schema again."""
-    found = [(at, node) for at, node in walk_all(schema) if isinstance(node, dict) and isinstance(node.get("properties"), dict)
-             and any(v is False for v in node["properties"].values()) and not any(
-                 k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))]
+    found = [
+        (at, node)
+        for at, node in walk_all(schema)
+        if isinstance(node, dict)
+        and isinstance(node.get("properties"), dict)
+        and any(v is False for v in node["properties"].values())
+        and not any(k in node for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+    ]
     if not found:
         return schema
     schema = copy.deepcopy(schema)
@@ -990,8 +1180,12 @@ def _absent_by_backend_default(schema: Schema, n: _Normaliser) -> Schema:
         for k in drop:
             del node["properties"][k]
         if drop:
-            n.note(ptr(at, "properties"), "properties", f"false schemas of {', '.join(drop)} dropped (the grammar "
-                                                        "generates no property the schema does not list)")
+            n.note(
+                ptr(at, "properties"),
+                "properties",
+                f"false schemas of {', '.join(drop)} dropped (the grammar "
+                "generates no property the schema does not list)",
+            )
     return schema
 
 
@@ -1028,8 +1222,21 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
         if not isinstance(node, dict):
             parent, _, last = at.rpartition("/")
             keyword_position = parent.rpartition("/")[2] not in MAP_KW + ("dependencies",) or not parent
-            if node is False and at and not (keyword_position and last in (
-                    "additionalProperties", "items", "additionalItems", "unevaluatedProperties", "unevaluatedItems")):
+            if (
+                node is False
+                and at
+                and not (
+                    keyword_position
+                    and last
+                    in (
+                        "additionalProperties",
+                        "items",
+                        "additionalItems",
+                        "unevaluatedProperties",
+                        "unevaluatedItems",
+                    )
+                )
+            ):
                 out.append(Unenforced(at, "false", "a schema that accepts nothing", rejected=True))
             continue
 
@@ -1052,9 +1259,12 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
         if "contains" in node:
             flag("contains", "not enforced")
         if any(k in node for k in ("unevaluatedProperties", "unevaluatedItems")) and any(
-                k in node for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")):
-            flag("unevaluatedProperties" if "unevaluatedProperties" in node else "unevaluatedItems",
-                 "not enforced across applicators")
+            k in node for k in ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+        ):
+            flag(
+                "unevaluatedProperties" if "unevaluatedProperties" in node else "unevaluatedItems",
+                "not enforced across applicators",
+            )
         if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], schema):
             flag("oneOf", "enforced as anyOf: more than one branch may match")
         types = _types(node)
@@ -1067,11 +1277,19 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
                 why = regex_supported(node["pattern"])
                 if why:
                     flag("pattern", f"unsupported regex syntax: {why}", rejected=True)
-        for pat in node.get("patternProperties", {}) if isinstance(node.get("patternProperties"), dict) else ():
+        for pat in (
+            node.get("patternProperties", {}) if isinstance(node.get("patternProperties"), dict) else ()
+        ):
             why = regex_supported(pat)
             if why:
-                out.append(Unenforced(ptr(at, "patternProperties", pat), "patternProperties",
-                                      f"unsupported regex syntax: {why}", rejected=True))
+                out.append(
+                    Unenforced(
+                        ptr(at, "patternProperties", pat),
+                        "patternProperties",
+                        f"unsupported regex syntax: {why}",
+                        rejected=True,
+                    )
+                )
         for kw in ("minLength", "maxLength"):
             if kw in node and ("pattern" in node or "format" in node):
                 flag(kw, "ignored beside pattern/format")
@@ -1079,12 +1297,17 @@ def unenforced(schema: Schema, problems: list[SchemaIssue] = ()) -> list[Unenfor
         if isinstance(fmt, str) and fmt in checked_formats and fmt not in GRAMMAR_FORMATS:
             flag("format", f"format {fmt!r} not enforced")
         elif fmt in FORMAT_PATTERNS:  # left by the normaliser: a pattern beside it
-            flag("format", f"format {fmt!r} enforced loosely beside a pattern (impossible days such as 02-31 pass)")
+            flag(
+                "format",
+                f"format {fmt!r} enforced loosely beside a pattern (impossible days such as 02-31 pass)",
+            )
         if types is None and not any(k in node for k in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
             for kw in NUMERIC_KW + STRING_KW:
                 if kw in node:
                     flag(kw, "ignored without a type")
-            if not any(k in node for k in OBJECT_KW) and any(k in node for k in ("minItems", "maxItems", "uniqueItems")):
+            if not any(k in node for k in OBJECT_KW) and any(
+                k in node for k in ("minItems", "maxItems", "uniqueItems")
+            ):
                 flag("minItems" if "minItems" in node else "maxItems", "ignored without a type")
         if types is not None and any(k in node for k in ("enum", "const")):
             values = node["enum"] if isinstance(node.get("enum"), list) else [node.get("const")]
@@ -1113,25 +1336,40 @@ def _unique_items_gap(node: dict, at: str, root: Schema) -> str:
         holder = resolve_pointer(root, holder_at)
         branches = holder.get(kw, []) if isinstance(holder, dict) else []
         for i, b in enumerate(branches):
-            if str(i) != index and (b is True or isinstance(b, dict) and b.get("uniqueItems") is not True and (
-                    _types(b) is None or "array" in (_types(b) or []))):
+            if str(i) != index and (
+                b is True
+                or isinstance(b, dict)
+                and b.get("uniqueItems") is not True
+                and (_types(b) is None or "array" in (_types(b) or []))
+            ):
                 return f"not enforced (branch {kw}/{i} admits arrays with duplicates)"
     return ""
 
 
 def _backend_rejects(node: dict, at: str, types: list[str] | None, out: list[Unenforced]) -> None:
     """Forms xgrammar refuses to compile, named here instead of its raw message."""
+
     def flag(kw: str, msg: str) -> None:
         out.append(Unenforced(ptr(at, kw), kw, msg, rejected=True))
 
     prefix = node.get("prefixItems", [])
-    if (node.get("items") is False or "items" not in node and prefix) and isinstance(node.get("minItems"), int) \
-            and node["minItems"] > len(prefix if isinstance(prefix, list) else []):
+    if (
+        (node.get("items") is False or "items" not in node and prefix)
+        and isinstance(node.get("minItems"), int)
+        and node["minItems"] > len(prefix if isinstance(prefix, list) else [])
+    ):
         flag("minItems", f"{node['minItems']} > the {len(prefix)} items allowed: no array validates")
     props = node.get("properties", {})
-    if (node.get("additionalProperties") is False and "patternProperties" not in node
-            and isinstance(node.get("minProperties"), int) and node["minProperties"] > len(props)):
-        flag("minProperties", f"{node['minProperties']} > the {len(props)} properties allowed: no object validates")
+    if (
+        node.get("additionalProperties") is False
+        and "patternProperties" not in node
+        and isinstance(node.get("minProperties"), int)
+        and node["minProperties"] > len(props)
+    ):
+        flag(
+            "minProperties",
+            f"{node['minProperties']} > the {len(props)} properties allowed: no object validates",
+        )
     if types == ["integer"] or (types and "integer" in types and "number" not in types):
         for kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
             v = node.get(kw)
@@ -1149,7 +1387,9 @@ def _branch_types(b: Schema, root: Schema) -> set[str] | None:
         return None
     t = _types(b)
     if t is None and isinstance(b.get("enum"), list):
-        t = sorted({next((x for x in TYPES if _type_matches(v, x) and x != "integer"), "?") for v in b["enum"]})
+        t = sorted(
+            {next((x for x in TYPES if _type_matches(v, x) and x != "integer"), "?") for v in b["enum"]}
+        )
     if t is None and "const" in b:
         t = [next((x for x in TYPES if _type_matches(b["const"], x) and x != "integer"), "?")]
     if t is None:
@@ -1181,8 +1421,16 @@ def _values(s: Schema) -> set[str] | None:
 
 
 def _discriminated(a: Schema, b: Schema, root: Schema) -> bool:
-    a = resolve_pointer(root, a["$ref"][1:]) if isinstance(a, dict) and str(a.get("$ref", "")).startswith("#") else a
-    b = resolve_pointer(root, b["$ref"][1:]) if isinstance(b, dict) and str(b.get("$ref", "")).startswith("#") else b
+    a = (
+        resolve_pointer(root, a["$ref"][1:])
+        if isinstance(a, dict) and str(a.get("$ref", "")).startswith("#")
+        else a
+    )
+    b = (
+        resolve_pointer(root, b["$ref"][1:])
+        if isinstance(b, dict) and str(b.get("$ref", "")).startswith("#")
+        else b
+    )
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
     va, vb = _values(a), _values(b)

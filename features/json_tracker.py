@@ -46,7 +46,7 @@ class TokenIndex:
         the way to `value` or complete it (followed by anything: the grammar decides what)."""
         if not value.startswith(partial):
             return set()
-        rest = value[len(partial):]
+        rest = value[len(partial) :]
         out: set[int] = set()
         for k in range(1, len(rest)):
             out.update(self.exact(lead + rest[:k]))
@@ -109,8 +109,13 @@ def _domain(cands: list) -> list[bytes] | None:
                     vs += [True, False]
                 elif t == "null":
                     vs.append(None)
-                elif t == "integer" and isinstance(c.get("minimum"), int) and isinstance(c.get("maximum"), int) \
-                        and 0 <= c["maximum"] - c["minimum"] < MAX_DOMAIN and "multipleOf" not in c:
+                elif (
+                    t == "integer"
+                    and isinstance(c.get("minimum"), int)
+                    and isinstance(c.get("maximum"), int)
+                    and 0 <= c["maximum"] - c["minimum"] < MAX_DOMAIN
+                    and "multipleOf" not in c
+                ):
                     vs += list(range(c["minimum"], c["maximum"] + 1))
                 else:
                     return None
@@ -282,13 +287,13 @@ class UniqueTracker:
             if self.mode == "after" and not left:
                 bad.update(self.tokens.with_prefix(b","))  # no further item could be unique
             elif len(left) == 1 and left[0].startswith(partial):  # the last value, then no `,` for another
-                bad.update(self.tokens.with_prefix(lead + left[0][len(partial):] + b","))
+                bad.update(self.tokens.with_prefix(lead + left[0][len(partial) :] + b","))
             return list(bad)
         out: list[int] = []
         for item in top.seen:
             if not item.startswith(partial):
                 continue
-            rest = lead + item[len(partial):]
+            rest = lead + item[len(partial) :]
             if item[:1] in (b'"', b"t", b"f", b"n"):  # a string or literal is complete at its last byte
                 if rest:
                     out.extend(self.tokens.with_prefix(rest))
@@ -302,5 +307,3 @@ def _terminated(item: bytes) -> tuple[bytes, ...]:
     """An item's text up to where it is complete: a string at its closing quote, anything else at
     the `,` or `]` after it."""
     return (item,) if item[:1] == b'"' else (item + b",", item + b"]")
-
-

@@ -60,7 +60,9 @@ class LogprobsBatch:
     token_ids: torch.Tensor | None  # [len(rows), width]: the token ids each asks the logprob of (padded)
     input_targets: torch.Tensor | None = None  # input logprobs: the prompt token each extra logit row scores
     input_owners: torch.Tensor | None = None  # ... and the index into `rows` it belongs to
-    input_spans: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # row -> (first pos, offset, count)
+    input_spans: dict[int, tuple[int, int, int]] = field(
+        default_factory=dict
+    )  # row -> (first pos, offset, count)
     boundary: torch.Tensor | None = None  # non-final chunks: the prompt token each row's last logit scores
     boundary_cpu: dict[int, int] = field(default_factory=dict)  # the same on the host, by batch row
 
@@ -83,19 +85,28 @@ class LogprobsFeature(Feature):
     # ---- caller thread -------------------------------------------------------------------
     def from_proto(self, request: Any) -> LogprobParams | None:
         start = request.logprob_start_len if request.HasField("logprob_start_len") else -1
-        if not (request.return_logprob or request.top_logprobs_num or request.token_ids_logprob or start != -1):
+        if not (
+            request.return_logprob or request.top_logprobs_num or request.token_ids_logprob or start != -1
+        ):
             return None
-        return LogprobParams(request.return_logprob, request.top_logprobs_num, tuple(request.token_ids_logprob), start)
+        return LogprobParams(
+            request.return_logprob, request.top_logprobs_num, tuple(request.token_ids_logprob), start
+        )
 
     def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> LogprobParams:
         p = LogprobParams(**payload) if isinstance(payload, dict) else payload
         if not 0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise RequestError("INVALID_ARGUMENT", f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num}")
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"top_logprobs_num: must be in [0, {MAX_TOP_LOGPROBS}], got {p.top_logprobs_num}",
+            )
         if len(p.token_ids_logprob) > MAX_TOKEN_IDS:
             raise RequestError("INVALID_ARGUMENT", f"token_ids_logprob: at most {MAX_TOKEN_IDS} ids")
         bad = next((t for t in p.token_ids_logprob if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
-            raise RequestError("INVALID_ARGUMENT", f"token_ids_logprob: token id {bad} outside the vocabulary")
+            raise RequestError(
+                "INVALID_ARGUMENT", f"token_ids_logprob: token id {bad} outside the vocabulary"
+            )
         if not -1 <= p.logprob_start_len < len(prompt_ids):
             raise RequestError(
                 "INVALID_ARGUMENT",
@@ -141,7 +152,9 @@ class LogprobsFeature(Feature):
         if self._device is None:
             return
         keys = [f.name for f in dataclasses.fields(data) if isinstance(getattr(data, f.name), torch.Tensor)]
-        tensors = [getattr(data, k) for k in keys] + ([fb.extra_logit_rows] if fb.extra_logit_rows is not None else [])
+        tensors = [getattr(data, k) for k in keys] + (
+            [fb.extra_logit_rows] if fb.extra_logit_rows is not None else []
+        )
         sent = self._device.to_device(*tensors)
         for k, t in zip(keys, sent):
             setattr(data, k, t)
@@ -153,9 +166,13 @@ class LogprobsFeature(Feature):
         width = max(len(p.token_ids_logprob) for p in params)
         if width == 0:
             return None
-        return torch.tensor([list(p.token_ids_logprob) + [0] * (width - len(p.token_ids_logprob)) for p in params])
+        return torch.tensor(
+            [list(p.token_ids_logprob) + [0] * (width - len(p.token_ids_logprob)) for p in params]
+        )
 
-    def _plan_input_logprobs(self, batch: Any, rows: list[int], params: list[LogprobParams], data: LogprobsBatch) -> None:
+    def _plan_input_logprobs(
+        self, batch: Any, rows: list[int], params: list[LogprobParams], data: LogprobsBatch
+    ) -> None:
         """Which packed rows' logits score which prompt tokens (this chunk only)."""
         fb = batch.fb
         extra_rows: list[int] = []
@@ -213,7 +230,9 @@ class LogprobsFeature(Feature):
                 first, entries = kept["start"], kept["entries"] + entries
             fields["input"] = entries
             fields["input_start"] = first
-            fields["normalized_prompt_logprob"] = sum(e[1] for e in entries) / len(entries) if entries else 0.0
+            fields["normalized_prompt_logprob"] = (
+                sum(e[1] for e in entries) / len(entries) if entries else 0.0
+            )
         return fields
 
     def on_chunk_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
@@ -292,7 +311,9 @@ class LogprobsFeature(Feature):
         return out
 
     @staticmethod
-    def _alternatives(lp: torch.Tensor, top_n: int, token_ids: torch.Tensor | None, prefix: str, out: dict) -> None:
+    def _alternatives(
+        lp: torch.Tensor, top_n: int, token_ids: torch.Tensor | None, prefix: str, out: dict
+    ) -> None:
         if top_n:
             vals, ids = lp.topk(top_n, dim=-1)
             # Deterministic ties: equal logprobs ordered by lower token id.

@@ -72,7 +72,7 @@ def image_cache_key(prompt_ids: list[int], images: "ImageRequest") -> list[int]:
     negative): equal images at equal places match in a prefix cache, different images never do."""
     key = list(prompt_ids)
     for (start, n), digest in zip(images.spans, images.image_hashes):
-        key[start:start + n] = [-1 - int(digest[:15], 16)] * n
+        key[start : start + n] = [-1 - int(digest[:15], 16)] * n
     return key
 
 
@@ -106,12 +106,18 @@ def expand_image_tokens(prompt_ids: list[int], n_images: int, image_token: int, 
         out.extend(prompt_ids[last:])
         return out
     spans = image_spans(prompt_ids, image_token, per_image)
-    if n_images and len(at) == n_images * per_image and all(
-            all(prompt_ids[s + k] == image_token for k in range(n)) for s, n in spans):
+    if (
+        n_images
+        and len(at) == n_images * per_image
+        and all(all(prompt_ids[s + k] == image_token for k in range(n)) for s, n in spans)
+    ):
         return list(prompt_ids)
     runs = f" (or each image's run of {per_image})" if per_image > 1 else ""
-    raise RequestError("INVALID_ARGUMENT", f"input: {len(at)} image placeholder token(s) for {n_images} image(s): "
-                                           f"the prompt needs one placeholder per image{runs}, in order")
+    raise RequestError(
+        "INVALID_ARGUMENT",
+        f"input: {len(at)} image placeholder token(s) for {n_images} image(s): "
+        f"the prompt needs one placeholder per image{runs}, in order",
+    )
 
 
 class EncoderCache:
@@ -179,10 +185,14 @@ def _all_of(futures: list[Future]) -> Future:
             left[0] -= 1
             if left[0]:
                 return
-        failed = next(((i, f) for i, f in enumerate(futures) if f.cancelled() or f.exception() is not None), None)
+        failed = next(
+            ((i, f) for i, f in enumerate(futures) if f.cancelled() or f.exception() is not None), None
+        )
         try:
             if failed is not None:
-                out.set_exception(_image_failure(failed[0], failed[1].exception() or RuntimeError("cancelled")))
+                out.set_exception(
+                    _image_failure(failed[0], failed[1].exception() or RuntimeError("cancelled"))
+                )
             else:
                 out.set_result(None)
         except InvalidStateError:  # cancelled: nobody waits any more (e.g. the RPC was cancelled)
@@ -208,8 +218,10 @@ class MultimodalFeature(Feature):
     support = OverlapSupport.FULL
     reads_raw_logits = False
     reads_prompt_chunks = True  # every prompt chunk that covers an image span needs its embeddings spliced
-    reason = ("images are decoded and encoded on worker threads before admission; the forward thread only "
-              "copies the ready embeddings over the image tokens")
+    reason = (
+        "images are decoded and encoded on worker threads before admission; the forward thread only "
+        "copies the ready embeddings over the image tokens"
+    )
 
     def __init__(self) -> None:
         self.encoder: Any = None  # service.models.llava.VisionEncoder, on a LLaVA model
@@ -226,7 +238,9 @@ class MultimodalFeature(Feature):
         self._stream: Any = None
         self._dtype = torch.float32
         self.encoder_runs = 0  # images run through the vision tower
-        self.worker_s: deque[float] = deque(maxlen=100_000)  # decode+preprocess and encode times (worker threads)
+        self.worker_s: deque[float] = deque(
+            maxlen=100_000
+        )  # decode+preprocess and encode times (worker threads)
         self.scheduler_s = 0.0  # time the scheduler thread spent in this feature's hooks
 
     # ---- declaration -----------------------------------------------------------------
@@ -254,7 +268,9 @@ class MultimodalFeature(Feature):
         self.tokens_per_image = self.encoder.tokens_per_image
         engine.tokenizer.image_token = engine.tokenizer.hf.convert_ids_to_tokens(self.image_token)
         self._preprocess = Preprocessor(engine.model_dir, self.encoder.image_size)
-        self._prep_pool = ThreadPoolExecutor(max_workers=max(1, a.image_workers), thread_name_prefix="zerogap-image")
+        self._prep_pool = ThreadPoolExecutor(
+            max_workers=max(1, a.image_workers), thread_name_prefix="zerogap-image"
+        )
         self._encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogap-vision")
         self._stream = engine.device.new_stream()
 
@@ -267,15 +283,22 @@ class MultimodalFeature(Feature):
     def from_proto(self, request: Any) -> ImageInputs | None:
         images = list(request.images)
         if request.WhichOneof("input") == "chat":
-            parts = [p.image for m in request.chat.messages for p in m.parts if p.WhichOneof("part") == "image"]
+            parts = [
+                p.image for m in request.chat.messages for p in m.parts if p.WhichOneof("part") == "image"
+            ]
             if parts and images:
-                raise RequestError("INVALID_ARGUMENT", "images: chat input carries its images in chat.messages[].parts")
+                raise RequestError(
+                    "INVALID_ARGUMENT", "images: chat input carries its images in chat.messages[].parts"
+                )
             images = images or parts
         if not images:
             return None
         if len(images) > self.limits.max_images:
-            raise RequestError("INVALID_ARGUMENT", f"images: {len(images)} images exceed the limit of "
-                                                   f"{self.limits.max_images} (--max-images-per-request)")
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"images: {len(images)} images exceed the limit of "
+                f"{self.limits.max_images} (--max-images-per-request)",
+            )
         return ImageInputs(tuple(images))
 
     def expand_prompt(self, payload: ImageInputs | None, prompt_ids: list[int]) -> list[int]:
@@ -294,10 +317,14 @@ class MultimodalFeature(Feature):
                 raise _image_failure(i, e) from None
         spans = image_spans(prompt_ids, self.image_token, self.tokens_per_image)
         if len(spans) != len(payload.images):  # expand_prompt ran first: a bug if this differs
-            raise RequestError("INVALID_ARGUMENT", f"input: {len(spans)} image spans for {len(payload.images)} images")
+            raise RequestError(
+                "INVALID_ARGUMENT", f"input: {len(spans)} image spans for {len(payload.images)} images"
+            )
         hashes = tuple(image_hash(d) for d in payload.images)
         jobs = [self._start(h, d) for h, d in zip(hashes, payload.images)]
-        return ImageRequest(hashes, tuple(spans), tuple(enc for _, enc in jobs), _all_of([prep for prep, _ in jobs]))
+        return ImageRequest(
+            hashes, tuple(spans), tuple(enc for _, enc in jobs), _all_of([prep for prep, _ in jobs])
+        )
 
     def pending(self, payload: ImageRequest) -> Future:
         return payload.prepared
@@ -412,9 +439,14 @@ class MultimodalFeature(Feature):
     def modify_embeddings(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
         data: ImageSplices | None = fb.feature_data.get(self.name)
         for dst, emb, src, n in data.splices if data is not None else ():
-            hidden[dst:dst + n] = emb[src:src + n]
+            hidden[dst : dst + n] = emb[src : src + n]
         return hidden
 
     def stats(self) -> dict[str, float]:
-        return {"encoder_runs": self.encoder_runs, "cache_hits": self.cache.hits, "cache_entries": len(self.cache),
-                "scheduler_s": self.scheduler_s, "worker_s": sum(self.worker_s)}
+        return {
+            "encoder_runs": self.encoder_runs,
+            "cache_hits": self.cache.hits,
+            "cache_entries": len(self.cache),
+            "scheduler_s": self.scheduler_s,
+            "worker_s": sum(self.worker_s),
+        }

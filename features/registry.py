@@ -54,7 +54,9 @@ class FeatureRegistry:
             self.features[f.name] = f
         unknown = set(disabled or ()) - set(self.features)
         if unknown:
-            raise ValueError(f"unknown feature(s) to disable: {', '.join(sorted(unknown))} (known: {', '.join(self.features) or 'none'})")
+            raise ValueError(
+                f"unknown feature(s) to disable: {', '.join(sorted(unknown))} (known: {', '.join(self.features) or 'none'})"
+            )
         self.enabled = {name: name not in set(disabled or ()) for name in self.features}
         self.policy = policy
         self.counters = {name: _Counters() for name in self.features}
@@ -83,7 +85,9 @@ class FeatureRegistry:
         return self.policy == "per-batch"  # global: one incompatible feature turns overlap off for all
 
     # ---- requests ----------------------------------------------------------------------
-    def validate_request(self, features: dict[str, Any], ctx: FeatureContext, prompt_ids: list[int]) -> dict[str, Any]:
+    def validate_request(
+        self, features: dict[str, Any], ctx: FeatureContext, prompt_ids: list[int]
+    ) -> dict[str, Any]:
         """Caller thread: refuse unknown, disabled or unavailable features; normalise payloads."""
         out = {}
         for name, payload in features.items():
@@ -112,7 +116,9 @@ class FeatureRegistry:
     def _check_available(self, name: str, f: Feature) -> None:
         why = f.unavailable_reason(self.model)
         if why:
-            raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is not available for this model: {why}")
+            raise RequestError(
+                "FAILED_PRECONDITION", f"feature {name!r} is not available for this model: {why}"
+            )
 
     def pending(self, req: "Req") -> list[Any]:
         """Caller thread: the futures the request should wait for before it is queued."""
@@ -152,7 +158,9 @@ class FeatureRegistry:
         return min(limits) if limits else None
 
     # ---- batches -----------------------------------------------------------------------
-    def plan(self, reqs: list["Req"], partial_rows: frozenset[int] = frozenset()) -> list[tuple[Feature, list[int]]]:
+    def plan(
+        self, reqs: list["Req"], partial_rows: frozenset[int] = frozenset()
+    ) -> list[tuple[Feature, list[int]]]:
         """(feature, active rows) for each feature some row of the batch uses. `partial_rows`
         (non-final prompt chunks) count only for features that read prompt chunks."""
         plan = []
@@ -194,8 +202,20 @@ class FeatureRegistry:
         for name, f in self.features.items():
             why = f.unavailable_reason(self.model) if self.model is not None else None
             c = self.counters[name]
-            rows.append(MatrixRow(name, f.support.value, f.reason, self.enabled[name], why is None, why or "",
-                                  c.overlapped, c.fallback, c.normal_loop, f.counters()))
+            rows.append(
+                MatrixRow(
+                    name,
+                    f.support.value,
+                    f.reason,
+                    self.enabled[name],
+                    why is None,
+                    why or "",
+                    c.overlapped,
+                    c.fallback,
+                    c.normal_loop,
+                    f.counters(),
+                )
+            )
         return rows
 
 

@@ -83,8 +83,10 @@ class RetractionFeature(Feature):
     name = "retraction"
     support = OverlapSupport.FULL
     reads_raw_logits = False
-    reason = ("a shortage first processes the results in flight (one counted sync point per retraction): victims "
-              "have no batch on the forward thread; re-prefills overlap as usual")
+    reason = (
+        "a shortage first processes the results in flight (one counted sync point per retraction): victims "
+        "have no batch on the forward thread; re-prefills overlap as usual"
+    )
 
     def __init__(self) -> None:
         self._ctx: FeatureContext | None = None
@@ -107,8 +109,10 @@ class RetractionFeature(Feature):
         reqs = [batch.reqs[r] for r in rows if batch.reqs[r].uses_penalties and batch.reqs[r].output_ids]
         if not reqs:
             return
-        slots = torch.repeat_interleave(torch.tensor([r.slot for r in reqs], dtype=torch.int64),
-                                        torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64))
+        slots = torch.repeat_interleave(
+            torch.tensor([r.slot for r in reqs], dtype=torch.int64),
+            torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64),
+        )
         tokens = torch.tensor([t for r in reqs for t in r.output_ids], dtype=torch.int64)
         if self._ctx is not None:
             slots, tokens = self._ctx.device.to_device(slots, tokens)

@@ -34,12 +34,25 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help='service name to check ("" = the whole server, e.g. zerogap.v1.Generation)',
     )
     p.add_argument("--timeout", type=float, default=3.0, help="deadline in seconds (default 3.0)")
-    p.add_argument("--tls-ca", default=os.environ.get("ZEROGAP_TLS_CA"), help="PEM CA bundle: connect with TLS ($ZEROGAP_TLS_CA)")
-    p.add_argument("--tls-cert", default=os.environ.get("ZEROGAP_TLS_CLIENT_CERT"), help="PEM client certificate (mutual TLS)")
-    p.add_argument("--tls-key", default=os.environ.get("ZEROGAP_TLS_CLIENT_KEY"), help="PEM key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("ZEROGAP_TLS_CA"),
+        help="PEM CA bundle: connect with TLS ($ZEROGAP_TLS_CA)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=os.environ.get("ZEROGAP_TLS_CLIENT_CERT"),
+        help="PEM client certificate (mutual TLS)",
+    )
+    p.add_argument(
+        "--tls-key", default=os.environ.get("ZEROGAP_TLS_CLIENT_KEY"), help="PEM key of --tls-cert"
+    )
     p.add_argument("--tls-server-name", default=None, help="name to verify the server certificate against")
-    p.add_argument("--token", default=os.environ.get("ZEROGAP_AUTH_TOKEN"),
-                   help="bearer token, for servers whose health service is not open ($ZEROGAP_AUTH_TOKEN)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("ZEROGAP_AUTH_TOKEN"),
+        help="bearer token, for servers whose health service is not open ($ZEROGAP_AUTH_TOKEN)",
+    )
     args = p.parse_args(argv)
     if args.timeout <= 0:
         p.error("--timeout must be positive")

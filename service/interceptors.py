@@ -88,8 +88,10 @@ class DecodeErrors(grpc.aio.ServerInterceptor):
 
         async def check(request, context):
             if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"{method}: the request message cannot be decoded ({request.error})")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{method}: the request message cannot be decoded ({request.error})",
+                )
 
         return _with_check(handler._replace(request_deserializer=_safe(handler.request_deserializer)), check)
 
@@ -117,7 +119,9 @@ def load_tokens(token_file: str | None, env: Mapping[str, str]) -> tuple[str, ..
 def open_service_names(names: list[str]) -> frozenset[str]:
     unknown = set(names) - set(OPEN_SERVICE_NAMES)
     if unknown:
-        raise ValueError(f"--auth-open: unknown service(s) {', '.join(sorted(unknown))} (known: {', '.join(OPEN_SERVICE_NAMES)})")
+        raise ValueError(
+            f"--auth-open: unknown service(s) {', '.join(sorted(unknown))} (known: {', '.join(OPEN_SERVICE_NAMES)})"
+        )
     return frozenset(s for n in names for s in OPEN_SERVICE_NAMES[n])
 
 
@@ -129,7 +133,9 @@ def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -
         await context.abort(code, message)
         yield  # pragma: no cover (abort raises)
 
-    return handler._replace(unary_unary=unary, stream_unary=unary, unary_stream=streaming, stream_stream=streaming)
+    return handler._replace(
+        unary_unary=unary, stream_unary=unary, unary_stream=streaming, stream_stream=streaming
+    )
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):

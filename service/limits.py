@@ -22,7 +22,12 @@ class InputLimits:
 
     @classmethod
     def from_args(cls, args: Any) -> "InputLimits":
-        return cls(args.max_request_id_bytes, args.max_stop_strings, args.max_stop_string_bytes, args.max_stop_token_ids)
+        return cls(
+            args.max_request_id_bytes,
+            args.max_stop_strings,
+            args.max_stop_string_bytes,
+            args.max_stop_token_ids,
+        )
 
     def check(self, request: Any) -> None:
         """Raise RequestError(INVALID_ARGUMENT) for the first field beyond its limit."""
@@ -31,12 +36,24 @@ class InputLimits:
             raise _over("request_id", f"{rid} bytes", self.max_request_id_bytes, "--max-request-id-bytes")
         sp = request.sampling
         if len(sp.stop) > self.max_stop_strings:
-            raise _over("sampling.stop", f"{len(sp.stop)} strings", self.max_stop_strings, "--max-stop-strings")
+            raise _over(
+                "sampling.stop", f"{len(sp.stop)} strings", self.max_stop_strings, "--max-stop-strings"
+            )
         longest = max((len(s.encode("utf-8", "surrogatepass")) for s in sp.stop), default=0)
         if longest > self.max_stop_string_bytes:
-            raise _over("sampling.stop", f"a string of {longest} bytes", self.max_stop_string_bytes, "--max-stop-string-bytes")
+            raise _over(
+                "sampling.stop",
+                f"a string of {longest} bytes",
+                self.max_stop_string_bytes,
+                "--max-stop-string-bytes",
+            )
         if len(sp.stop_token_ids) > self.max_stop_token_ids:
-            raise _over("sampling.stop_token_ids", f"{len(sp.stop_token_ids)} ids", self.max_stop_token_ids, "--max-stop-token-ids")
+            raise _over(
+                "sampling.stop_token_ids",
+                f"{len(sp.stop_token_ids)} ids",
+                self.max_stop_token_ids,
+                "--max-stop-token-ids",
+            )
 
 
 def _over(field: str, what: str, limit: int, flag: str) -> RequestError:

@@ -28,29 +28,61 @@ class EngineCollector:
     def collect(self):
         s = self.engine.stats()
         gauges = {
-            "zerogap_forward_busy_fraction": ("Fraction of time the forward ran, over recent back-to-back steps", s.forward_busy_fraction),
-            "zerogap_forward_gap_median_seconds": ("Median gap between consecutive forwards", s.median_forward_gap_s),
+            "zerogap_forward_busy_fraction": (
+                "Fraction of time the forward ran, over recent back-to-back steps",
+                s.forward_busy_fraction,
+            ),
+            "zerogap_forward_gap_median_seconds": (
+                "Median gap between consecutive forwards",
+                s.median_forward_gap_s,
+            ),
             "zerogap_running_requests": ("Requests being decoded", s.running_requests),
             "zerogap_queued_requests": ("Requests waiting for admission", s.queued_requests),
             "zerogap_kv_pool_tokens": ("KV pool size in tokens", s.kv_pool_total_tokens),
-            "zerogap_kv_pool_free_tokens": ("Free KV pool rows, counting prefix-cache rows no request uses (evictable)",
-                                            s.kv_pool_free_tokens + s.prefix_cache.evictable_tokens),
+            "zerogap_kv_pool_free_tokens": (
+                "Free KV pool rows, counting prefix-cache rows no request uses (evictable)",
+                s.kv_pool_free_tokens + s.prefix_cache.evictable_tokens,
+            ),
             "zerogap_prefix_cache_tokens": ("KV rows held by the prefix cache", s.prefix_cache.cached_tokens),
-            "zerogap_prefix_cache_evictable_tokens": ("Prefix-cache rows no running request uses", s.prefix_cache.evictable_tokens),
-            "zerogap_prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache / prompt tokens", s.prefix_cache.hit_rate),
+            "zerogap_prefix_cache_evictable_tokens": (
+                "Prefix-cache rows no running request uses",
+                s.prefix_cache.evictable_tokens,
+            ),
+            "zerogap_prefix_cache_hit_rate": (
+                "Prompt tokens served from the prefix cache / prompt tokens",
+                s.prefix_cache.hit_rate,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("zerogap_forward_steps", "Forward passes run", value=s.forward_steps)
-        yield CounterMetricFamily("zerogap_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", value=s.prefix_cache.hit_tokens)
-        yield CounterMetricFamily("zerogap_prefix_cache_prompt_tokens", "Prompt tokens admitted", value=s.prefix_cache.prompt_tokens)
-        yield CounterMetricFamily("zerogap_retractions", "Requests retracted under KV memory pressure", value=s.retractions)
-        yield CounterMetricFamily("zerogap_retraction_sync_points", "Retractions that processed the results in flight first",
-                                  value=s.retraction_sync_points)
-        yield GaugeMetricFamily("zerogap_new_token_ratio", "Share of max_new_tokens admission sets aside per request",
-                                value=s.new_token_ratio)
-        yield CounterMetricFamily("zerogap_completion_tokens", "Output tokens delivered", value=self.router.completion_tokens)
-        finished = CounterMetricFamily("zerogap_requests_finished", "Finished requests by reason", labels=["reason"])
+        yield CounterMetricFamily(
+            "zerogap_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache",
+            value=s.prefix_cache.hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "zerogap_prefix_cache_prompt_tokens", "Prompt tokens admitted", value=s.prefix_cache.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            "zerogap_retractions", "Requests retracted under KV memory pressure", value=s.retractions
+        )
+        yield CounterMetricFamily(
+            "zerogap_retraction_sync_points",
+            "Retractions that processed the results in flight first",
+            value=s.retraction_sync_points,
+        )
+        yield GaugeMetricFamily(
+            "zerogap_new_token_ratio",
+            "Share of max_new_tokens admission sets aside per request",
+            value=s.new_token_ratio,
+        )
+        yield CounterMetricFamily(
+            "zerogap_completion_tokens", "Output tokens delivered", value=self.router.completion_tokens
+        )
+        finished = CounterMetricFamily(
+            "zerogap_requests_finished", "Finished requests by reason", labels=["reason"]
+        )
         for reason, n in sorted(self.router.finished_by_reason.items()):
             finished.add_metric([reason], n)
         yield finished

@@ -84,7 +84,14 @@ def _code(name: str) -> grpc.StatusCode:
 def sampling_from_proto(sp) -> SamplingParams:
     """Proto SamplingParams -> ours; unset optional fields keep our defaults."""
     p = SamplingParams()
-    for name in ("max_new_tokens", "temperature", "top_p", "repetition_penalty", "seed", "skip_special_tokens"):
+    for name in (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "seed",
+        "skip_special_tokens",
+    ):
         if sp.HasField(name):
             setattr(p, name, getattr(sp, name))
     p.min_new_tokens = sp.min_new_tokens
@@ -95,7 +102,14 @@ def sampling_from_proto(sp) -> SamplingParams:
     p.stop = list(sp.stop)
     p.stop_token_ids = list(sp.stop_token_ids)
     p.ignore_eos = sp.ignore_eos
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    ):
         v = getattr(p, name)
         if isinstance(v, float) and math.isfinite(v):
             setattr(p, name, float(f"{v:.7g}"))  # float32 wire values, e.g. 0.9 not 0.899999976
@@ -144,7 +158,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             try:
                 return tok.encode_bounded(request.text, limit)
             except InputTooLong as e:
-                raise RequestError("OUT_OF_RANGE", f"input.text: does not fit the context length {self.engine.context_length}: {e}") from None
+                raise RequestError(
+                    "OUT_OF_RANGE",
+                    f"input.text: does not fit the context length {self.engine.context_length}: {e}",
+                ) from None
         if which == "token_ids":
             if not request.token_ids.ids:
                 raise RequestError("INVALID_ARGUMENT", "input.token_ids: empty")
@@ -152,11 +169,16 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         if which == "chat":
             if not request.chat.messages:
                 raise RequestError("INVALID_ARGUMENT", "input.chat.messages: empty")
-            add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            add = (
+                request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+            )
             try:
                 return tok.encode_chat(chat_messages(request.chat), add, max_tokens=limit)[1]
             except InputTooLong as e:
-                raise RequestError("OUT_OF_RANGE", f"input.chat: does not fit the context length {self.engine.context_length}: {e}") from None
+                raise RequestError(
+                    "OUT_OF_RANGE",
+                    f"input.chat: does not fit the context length {self.engine.context_length}: {e}",
+                ) from None
             except ValueError as e:
                 raise RequestError("INVALID_ARGUMENT", f"input.{e}") from None
         raise RequestError("INVALID_ARGUMENT", "input: set one of text, token_ids or chat")
@@ -174,7 +196,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 if payload is not None:
                     features[name] = payload
             req = await self._off_loop(
-                lambda: self.engine.build_request(rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features))
+                lambda: self.engine.build_request(
+                    rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features
+                )
+            )
             for fut in self.engine.features.pending(req):  # e.g. its grammar: errors found before admission
                 await asyncio.wrap_future(fut)  # cancelled with the RPC: the work stops when nobody waits
             if self.draining:
@@ -196,8 +221,11 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             request_id=rid,
             token_ids=[t for o in outs for t in o.token_ids],
             text="".join(o.text for o in outs),
-            usage=pb2.Usage(prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                            cached_tokens=last.cached_tokens),
+            usage=pb2.Usage(
+                prompt_tokens=last.prompt_tokens,
+                completion_tokens=last.completion_tokens,
+                cached_tokens=last.cached_tokens,
+            ),
         )
         if last.finish_reason is not None:
             resp.finish_reason = FINISH_REASONS[last.finish_reason]
@@ -253,17 +281,25 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
 
         def encode() -> tuple[str, list[int]]:
             if which == "chat":
-                add = request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
+                add = (
+                    request.chat.add_generation_prompt
+                    if request.chat.HasField("add_generation_prompt")
+                    else True
+                )
                 return tok.encode_chat(chat_messages(request.chat), add)
             if which == "text":
                 return request.text, tok.encode(request.text, add_special_tokens=request.add_special_tokens)
             raise ValueError("input: set text or chat")
 
-        def encode_expanded() -> tuple[str, list[int]]:  # images: placeholders -> each image's run, as Generate does
+        def encode_expanded() -> tuple[
+            str, list[int]
+        ]:  # images: placeholders -> each image's run, as Generate does
             text, ids = encode()
             mm = self.engine.features.features.get("multimodal")
             payload = mm.from_proto(request) if mm is not None else None
-            return text, self.engine.features.expand_prompt({"multimodal": payload}, ids) if payload is not None else ids
+            return text, self.engine.features.expand_prompt(
+                {"multimodal": payload}, ids
+            ) if payload is not None else ids
 
         try:
             text, ids = await self._off_loop(encode_expanded)
@@ -323,7 +359,9 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
 
     async def GetFeatureMatrix(self, request, context):
         rows = [pb2.FeatureRow(**vars(r)) for r in self.engine.features.matrix()]
-        return pb2.FeatureMatrix(rows=rows, overlap_policy=self.engine.features.policy, scheduler_mode=self.engine.mode)
+        return pb2.FeatureMatrix(
+            rows=rows, overlap_policy=self.engine.features.policy, scheduler_mode=self.engine.mode
+        )
 
 
 @dataclass
@@ -378,7 +416,9 @@ def check_address_free(host: str, port: int) -> None:
         try:
             s.bind(addr)
         except OSError as e:
-            raise AddressInUse(f"cannot listen on {host}:{port}: {e.strerror} (is another server running?)") from None
+            raise AddressInUse(
+                f"cannot listen on {host}:{port}: {e.strerror} (is another server running?)"
+            ) from None
 
 
 def server_credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
@@ -395,8 +435,9 @@ def server_credentials(args: ServerArgs) -> grpc.ServerCredentials | None:
             return f.read()
 
     ca = read(args.tls_client_ca) if args.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read(args.tls_key), read(args.tls_cert))], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(read(args.tls_key), read(args.tls_cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def interceptors(args: ServerArgs) -> list[grpc.aio.ServerInterceptor]:
@@ -407,15 +448,21 @@ def interceptors(args: ServerArgs) -> list[grpc.aio.ServerInterceptor]:
     return [*auth, DecodeErrors()]
 
 
-def bind_port(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None = None) -> int:
+def bind_port(
+    server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None = None
+) -> int:
     """Bind exclusively: gRPC's default SO_REUSEPORT would let a second server share the port silently."""
     try:
         address = f"{host}:{port}"
-        bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        bound = (
+            server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
+        )
     except RuntimeError:
         bound = 0
     if bound == 0:
-        raise AddressInUse(f"cannot listen on {host}:{port}: the address is in use or not available (is another server running?)")
+        raise AddressInUse(
+            f"cannot listen on {host}:{port}: the address is in use or not available (is another server running?)"
+        )
     return bound
 
 
@@ -432,18 +479,25 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     router = OutputRouter(loop)
     engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
     router.engine = engine
-    server = grpc.aio.server(interceptors=intercept, options=[
-        ("grpc.max_receive_message_length", args.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # exclusive: a second server on the port must fail, not share it
-        # Accept client keepalive pings every 10 s even on a call with no data yet (a long
-        # unary Generate): the default 5 min policy would answer them with GOAWAY.
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ])
+    server = grpc.aio.server(
+        interceptors=intercept,
+        options=[
+            ("grpc.max_receive_message_length", args.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # exclusive: a second server on the port must fail, not share it
+            # Accept client keepalive pings every 10 s even on a call with no data yet (a long
+            # unary Generate): the default 5 min policy would answer them with GOAWAY.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ],
+    )
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb2.DESCRIPTOR.services_by_name["Generation"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    names = (
+        pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     try:
         port = bind_port(server, args.host, args.port, creds)
@@ -456,9 +510,15 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     metrics_http = None
     if args.metrics_port is not None:
         metrics_http = start_metrics_server(args.metrics_port, args.host, engine, router)
-    log.info("serving %s on %s:%d (%s, %s%s)", model_dir.name, args.host, port, engine.mode,
-             "mutual TLS" if args.tls_client_ca else "TLS" if creds else "plaintext",
-             ", token auth" if len(intercept) > 1 else "")
+    log.info(
+        "serving %s on %s:%d (%s, %s%s)",
+        model_dir.name,
+        args.host,
+        port,
+        engine.mode,
+        "mutual TLS" if args.tls_client_ca else "TLS" if creds else "plaintext",
+        ", token auth" if len(intercept) > 1 else "",
+    )
     return RunningServer(args, engine, server, servicer, health_servicer, router, port, metrics_http)
 
 
@@ -494,7 +554,9 @@ class BackgroundServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="zerogap-grpc", daemon=True)
         self._thread.start()
         try:
-            self.running: RunningServer = asyncio.run_coroutine_threadsafe(start_server(args, features), self.loop).result()
+            self.running: RunningServer = asyncio.run_coroutine_threadsafe(
+                start_server(args, features), self.loop
+            ).result()
         except BaseException:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)

@@ -25,7 +25,9 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        processor_template = Path(model_dir) / "chat_template.json"  # vision-language models keep it with the processor
+        processor_template = (
+            Path(model_dir) / "chat_template.json"
+        )  # vision-language models keep it with the processor
         if not getattr(self.hf, "chat_template", None) and processor_template.exists():
             self.hf.chat_template = json.loads(processor_template.read_text()).get("chat_template")
         self.vocab_size = len(self.hf)
@@ -46,8 +48,10 @@ class Tokenizer:
         size (no token covers more than max_token_bytes), else by the token count of a prefix."""
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > max_tokens * self.max_token_bytes:
-            raise InputTooLong(f"{size} bytes cannot fit {max_tokens} tokens (no token covers more than "
-                               f"{self.max_token_bytes} bytes)")
+            raise InputTooLong(
+                f"{size} bytes cannot fit {max_tokens} tokens (no token covers more than "
+                f"{self.max_token_bytes} bytes)"
+            )
         cut = max_tokens * PREFIX_CHECK_BYTES_PER_TOKEN
         if len(text) > cut:  # a prefix's tokens (give or take the word cut in two) are a lower bound
             n = len(self.encode(text[:cut], add_special_tokens=False))
@@ -59,31 +63,53 @@ class Tokenizer:
         """Apply the model's chat template; raises ValueError for bad roles / no template."""
         for i, m in enumerate(messages):
             if m["role"] not in CHAT_ROLES:
-                raise ValueError(f"chat.messages[{i}].role: unknown role {m['role']!r} (one of {', '.join(CHAT_ROLES)})")
+                raise ValueError(
+                    f"chat.messages[{i}].role: unknown role {m['role']!r} (one of {', '.join(CHAT_ROLES)})"
+                )
         if not self.has_chat_template:
             raise ValueError("chat: this model has no chat template; send text or token_ids")
         if any(isinstance(m["content"], list) for m in messages):
             return self._render_chat_parts(messages, add_generation_prompt)
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
 
     def _render_chat_parts(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """Messages whose content is a list of parts ({"type": "text", "text": ...} / {"type": "image"}).
         A template that renders such lists (LLaVA's) is used as it is when it puts one image
         placeholder per image; a text-only template gets each message's parts joined into one
         string, with the image placeholder where each image is."""
-        n = sum(1 for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image")
+        n = sum(
+            1
+            for m in messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] == "image"
+        )
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
             if text.count(self.image_token) == n:
                 return text
         except Exception:  # noqa: BLE001 (a template that expects string content may fail on lists)
             pass
-        flat = [{**m, "content": "".join(self.image_token if p["type"] == "image" else p["text"] for p in m["content"])}
-                if isinstance(m["content"], list) else m for m in messages]
+        flat = [
+            {
+                **m,
+                "content": "".join(
+                    self.image_token if p["type"] == "image" else p["text"] for p in m["content"]
+                ),
+            }
+            if isinstance(m["content"], list)
+            else m
+            for m in messages
+        ]
         return self.hf.apply_chat_template(flat, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    max_tokens: int | None = None) -> tuple[str, list[int]]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, max_tokens: int | None = None
+    ) -> tuple[str, list[int]]:
         text = self.render_chat(messages, add_generation_prompt)
         # The template already holds the special tokens it wants.
         if max_tokens is None:

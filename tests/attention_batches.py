@@ -6,13 +6,32 @@ import torch
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
 
-_DEVICE_FIELDS = ("input_ids", "positions", "out_cache_loc", "kv_indices", "q_positions", "logits_index",
-                  "q_pad_index", "q_unpad_index", "seq_lens", "extend_prefix_lens", "extend_start_loc")
+_DEVICE_FIELDS = (
+    "input_ids",
+    "positions",
+    "out_cache_loc",
+    "kv_indices",
+    "q_positions",
+    "logits_index",
+    "q_pad_index",
+    "q_unpad_index",
+    "seq_lens",
+    "extend_prefix_lens",
+    "extend_start_loc",
+)
 
 
-def make_batch(prefix_lens: list[int], ext_lens: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
-               seed: int = 0, device: str | torch.device = "cpu", pool: int | None = None,
-               ) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+def make_batch(
+    prefix_lens: list[int],
+    ext_lens: list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    pool: int | None = None,
+) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
     """A batch whose requests each have a cached prefix (already in the pool, at rows
     scattered at random) and `ext` new tokens: DECODE when every ext is 1 and every
     prefix non-empty, else EXTEND. Returns the batch and q/k/v/k_cache/v_cache."""
@@ -57,12 +76,19 @@ def make_batch(prefix_lens: list[int], ext_lens: list[int], hq: int, hkv: int, d
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gd, device=device).to(dtype)
 
-    data = {"q": randn(total, hq, d), "k": randn(total, hkv, d), "v": randn(total, hkv, d),
-            "k_cache": randn(pool + 1, hkv, d), "v_cache": randn(pool + 1, hkv, d)}
+    data = {
+        "q": randn(total, hq, d),
+        "k": randn(total, hkv, d),
+        "v": randn(total, hkv, d),
+        "k_cache": randn(pool + 1, hkv, d),
+        "v_cache": randn(pool + 1, hkv, d),
+    }
     return fb, data
 
 
-def run_backend(backend, fb: ForwardBatch, data: dict[str, torch.Tensor], hq: int, hkv: int, window: int | None):
+def run_backend(
+    backend, fb: ForwardBatch, data: dict[str, torch.Tensor], hq: int, hkv: int, window: int | None
+):
     """(output [T, Hq*D], k_cache, v_cache) of one attention call on copies of the caches."""
     k_cache, v_cache = data["k_cache"].clone(), data["v_cache"].clone()
     meta = backend.prepare(fb, hq, hkv, window)

@@ -48,22 +48,39 @@ def make_tiny_model(smol: Path, out: Path, kind: str, vocab_size: int = 49152) -
     )
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, eos_token_id=2, bos_token_id=1,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=2,
+        bos_token_id=1,
     )
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = LlamaConfig(**common, tie_word_embeddings=True,
-                          rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 128})
+        cfg = LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
         model = LlamaForCausalLM(cfg)
     elif kind == "mistral":
         cfg = MistralConfig(**common, tie_word_embeddings=False, sliding_window=8)
         model = MistralForCausalLM(cfg)
     else:
-        cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cfg = Qwen2Config(
+            **common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
         model = Qwen2ForCausalLM(cfg)
         with torch.no_grad():  # make the qkv biases matter
             for layer in model.model.layers:
@@ -107,16 +124,22 @@ def hf_tokenizer(smol_dir):
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="session", params=["normal", "overlap"])
 def smol_client(request, smol_dir):
     """An in-process engine on SmolLM2 fp32, for each scheduler loop."""
     client = SyncClient(
-        ServerArgs(dtype="float32", loop=request.param, kv_cache_tokens=16384, max_running_requests=32), smol_dir
+        ServerArgs(dtype="float32", loop=request.param, kv_cache_tokens=16384, max_running_requests=32),
+        smol_dir,
     )
     yield client
     client.close()
@@ -125,8 +148,15 @@ def smol_client(request, smol_dir):
 TINY_LLAVA_IMAGE_TOKEN = 49152  # "<image>", added to SmolLM2's tokenizer
 
 
-def make_tiny_llava(smol: Path, out: Path, feature_layer=-2, strategy: str = "default", act: str = "gelu",
-                    projector_bias: bool = True, tie: bool = False) -> Path:
+def make_tiny_llava(
+    smol: Path,
+    out: Path,
+    feature_layer=-2,
+    strategy: str = "default",
+    act: str = "gelu",
+    projector_bias: bool = True,
+    tie: bool = False,
+) -> Path:
     """A small random-init LLaVA: CLIP vision tower (32x32 images, 8x8 patches: 16 image tokens,
     17 with strategy "full"), projector, Llama language model; SmolLM2's tokenizer plus "<image>",
     a CLIPImageProcessorPil config (resize shortest edge to 32, centre crop 32x32)."""
@@ -140,15 +170,39 @@ def make_tiny_llava(smol: Path, out: Path, feature_layer=-2, strategy: str = "de
     )
 
     torch.manual_seed(0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=32, patch_size=8, projection_dim=32)
-    text = LlamaConfig(vocab_size=TINY_LLAVA_IMAGE_TOKEN + 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.2, eos_token_id=2, bos_token_id=1, tie_word_embeddings=tie)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=TINY_LLAVA_IMAGE_TOKEN,
-                      vision_feature_layer=feature_layer, vision_feature_select_strategy=strategy,
-                      projector_hidden_act=act, multimodal_projector_bias=projector_bias, tie_word_embeddings=tie,
-                      image_seq_length=16 + (strategy == "full"))
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        vocab_size=TINY_LLAVA_IMAGE_TOKEN + 1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=tie,
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=TINY_LLAVA_IMAGE_TOKEN,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy,
+        projector_hidden_act=act,
+        multimodal_projector_bias=projector_bias,
+        tie_word_embeddings=tie,
+        image_seq_length=16 + (strategy == "full"),
+    )
     model = LlavaForConditionalGeneration(cfg)
     with torch.no_grad():  # random weights large enough that the image changes the output
         for p in model.model.multi_modal_projector.parameters():
@@ -161,7 +215,9 @@ def make_tiny_llava(smol: Path, out: Path, feature_layer=-2, strategy: str = "de
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     assert tok.convert_tokens_to_ids("<image>") == TINY_LLAVA_IMAGE_TOKEN
     tok.save_pretrained(out)
-    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out)
+    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        out
+    )
     return out
 
 
@@ -200,7 +256,10 @@ def pytest_runtest_makereport(item, call):
     reason = _skip_reason(report) if report.skipped else ""
     if reason.startswith(NEEDS):
         if os.environ.get("CI"):  # CI installs every tool (.ci/run): a missing one fails the run
-            report.outcome, report.longrepr = "failed", f"{reason} (under CI nothing is skipped for a missing tool)"
+            report.outcome, report.longrepr = (
+                "failed",
+                f"{reason} (under CI nothing is skipped for a missing tool)",
+            )
         else:
             _MISSING[reason] = _MISSING.get(reason, 0) + 1
     return report

@@ -16,8 +16,14 @@ WORKLOADS: dict[str, Callable[[int], Any]] = {
     "test_none": lambda i: 1000 + i if i % 4 == 1 else None,
 }
 WORKLOADS["logprobs"] = lambda i: (
-    dict(return_logprob=True, top_logprobs_num=i % 6, token_ids_logprob=(5, 17) if i % 3 == 0 else (), logprob_start_len=i % 3 - 1)
-    if i % 2 == 0 else None
+    dict(
+        return_logprob=True,
+        top_logprobs_num=i % 6,
+        token_ids_logprob=(5, 17) if i % 3 == 0 else (),
+        logprob_start_len=i % 3 - 1,
+    )
+    if i % 2 == 0
+    else None
 )
 # Retraction: no client payload (the scheduler attaches one to the requests it retracts); a tiny
 # KV pool and a low new-token ratio make the workload retract.
@@ -26,9 +32,13 @@ SERVER_ARGS: dict[str, dict[str, Any]] = {
     "retraction": dict(kv_cache_tokens=160, init_new_token_ratio=0.1, min_new_token_ratio=0.05),
 }
 WORKLOADS["constrained"] = lambda i: (
-    [dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?"), dict(kind="json_object"),
-     dict(kind="ebnf", text='root ::= "yes" | "no" | "maybe " [0-9]')][i % 3]
-    if i % 2 == 0 else None
+    [
+        dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?"),
+        dict(kind="json_object"),
+        dict(kind="ebnf", text='root ::= "yes" | "no" | "maybe " [0-9]'),
+    ][i % 3]
+    if i % 2 == 0
+    else None
 )
 # A server setting, not a request payload: its cells run every request with prompts cut in
 # chunks of 7 and mixed with the decodes, against the reference's whole-prompt prefill.

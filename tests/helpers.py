@@ -52,8 +52,13 @@ def serve_process(model_dir, port: int, *flags: str, timeout: float = 120.0):
     import sys
     from pathlib import Path
 
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", str(port), *flags],
-                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", str(port), *flags],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     line = ""
     deadline = time.monotonic() + timeout
     while "listening" not in line and time.monotonic() < deadline and proc.poll() is None:

@@ -1,7 +1,7 @@
 """Regenerate zerogap/v1/ from the repository's proto/ (needs grpcio-tools; not part of the package).
 
-    python clients/python/generate_stubs.py          # rewrite the shipped stubs
-    python clients/python/generate_stubs.py OUT_DIR  # write them under OUT_DIR/zerogap/v1 instead
+python clients/python/generate_stubs.py          # rewrite the shipped stubs
+python clients/python/generate_stubs.py OUT_DIR  # write them under OUT_DIR/zerogap/v1 instead
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ def generate(out_dir: Path = HERE) -> Path:
     from grpc_tools import protoc
 
     include = Path(protoc.__file__).resolve().parent / "_proto"
-    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", str(PROTO_FILE)]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(PROTO_FILE),
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO_FILE}")
     return out_dir / "zerogap" / "v1"

@@ -58,7 +58,14 @@ class SamplingParams:
         def bad(name: str, why: str) -> RequestError:
             return RequestError("INVALID_ARGUMENT", f"sampling.{name}: {why}")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             v = getattr(self, name)
             if not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v}")

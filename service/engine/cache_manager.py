@@ -35,10 +35,10 @@ from service.engine.prefix_cache import RadixCache
 SHARE_WAIT_TOKENS = 16
 
 
-
 def cache_key(req: Req) -> list[int]:
     """The ids the tree matches a request's prompt by (image spans keyed by their images' hashes)."""
     return req.prompt_key if req.prompt_key is not None else req.prompt_ids
+
 
 @dataclass
 class PrefixCacheInfo:
@@ -81,13 +81,17 @@ class PrefixCacheManager:
         if limit < want:
             return False
         head = key[:want]
-        return any(len(o.prompt_ids) >= want and cache_key(o)[:want] == head for o in self.prefilling.values())
+        return any(
+            len(o.prompt_ids) >= want and cache_key(o)[:want] == head for o in self.prefilling.values()
+        )
 
     def admit(self, req: Req, limit: int, room: int, cost: int | None = None) -> int | None:
         """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
         own rows fit in `room` (pool rows not reserved by running requests). Returns the matched
         length, or None (nothing kept locked) when the request does not fit yet."""
-        match = self.tree.match(cache_key(req) + req.output_ids, limit)  # a retracted request's kept tokens too
+        match = self.tree.match(
+            cache_key(req) + req.output_ids, limit
+        )  # a retracted request's kept tokens too
         self.tree.lock(match.node)
         need = (req.budget_tokens if cost is None else cost) - match.length
         short = need - (room - self.tree.total_tokens)
@@ -197,8 +201,17 @@ class PrefixCacheManager:
 
     def info(self) -> PrefixCacheInfo:
         s, t = self.tree.stats, self.tree
-        return PrefixCacheInfo(True, t.total_tokens, t.evictable_tokens, s.hit_tokens, s.prompt_tokens, s.hit_requests,
-                               s.requests, s.evicted_tokens, s.hit_rate)
+        return PrefixCacheInfo(
+            True,
+            t.total_tokens,
+            t.evictable_tokens,
+            s.hit_tokens,
+            s.prompt_tokens,
+            s.hit_requests,
+            s.requests,
+            s.evicted_tokens,
+            s.hit_rate,
+        )
 
 
 # ---- the prefix cache's entry in the feature matrix ---------------------------------------

@@ -47,8 +47,10 @@ class ChunkCounters:
 class ChunkedPrefill(Feature):
     name = "chunked_prefill"
     support = OverlapSupport.FULL
-    reason = ("chunks and decode rows are rows of one extend batch; decode inputs are future placeholders "
-              "resolved on the device, a non-final chunk's token is dropped at result time")
+    reason = (
+        "chunks and decode rows are rows of one extend batch; decode inputs are future placeholders "
+        "resolved on the device, a non-final chunk's token is dropped at result time"
+    )
     reads_raw_logits = False  # no forward-thread work: never forces a float copy of the logits
 
     def __init__(self) -> None:
@@ -121,7 +123,12 @@ class PrefillChunker:
         return step
 
     def build(
-        self, step: ChunkStep, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device
+        self,
+        step: ChunkStep,
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        vocab_size: int,
+        device: Device,
     ) -> tuple[ScheduleBatch | None, list[Req]]:
         """(the step's batch, the requests whose whole prompt is now launched: they start decoding)."""
         if not step.rows:
@@ -129,10 +136,15 @@ class PrefillChunker:
         cut = [row.req for row in step.rows if row.partial]
         self.partial = cut[0] if cut else None
         done = [row.req for row in step.rows if not row.partial]
-        decode_rows = [ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False, decodes=True) for r in step.decodes]
+        decode_rows = [
+            ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False, decodes=True)
+            for r in step.decodes
+        ]
         rows = step.rows + decode_rows
         chunk_rows = [i for i, row in enumerate(step.rows) if row.partial or not row.new_slot]
-        batch = build_extend_batch([row.req for row in rows], req_pool, kv_pool, vocab_size, device, rows=rows)
+        batch = build_extend_batch(
+            [row.req for row in rows], req_pool, kv_pool, vocab_size, device, rows=rows
+        )
         self.decode_turn = self.partial is not None and not decode_rows
         self._count(step, chunk_rows, decode_rows)
         mine = chunk_rows + list(range(len(step.rows), len(rows)))

@@ -62,7 +62,9 @@ class CpuGrant:
     """The CPUs this process may actually use: its affinity mask and its cgroup's CPU quota."""
 
     affinity: int  # CPUs in the affinity mask
-    quota: float | None  # the cgroup's quota in CPUs (cpu.max / cfs_quota_us over the period); None: unlimited
+    quota: (
+        float | None
+    )  # the cgroup's quota in CPUs (cpu.max / cfs_quota_us over the period); None: unlimited
     online: int  # CPUs the machine has
 
     @property
@@ -102,7 +104,9 @@ def _cgroup_quota(root: Path, proc_cgroup: str) -> float | None:
         if v2:
             base = root
         elif "cpu" in controllers.split(","):
-            base = next((root / d for d in ("cpu,cpuacct", "cpu", "cpuacct,cpu") if (root / d).is_dir()), root / "cpu")
+            base = next(
+                (root / d for d in ("cpu,cpuacct", "cpu", "cpuacct,cpu") if (root / d).is_dir()), root / "cpu"
+            )
         else:
             continue
         parts = [p for p in path.strip("/").split("/") if p]
@@ -152,9 +156,13 @@ class AdaptiveTeam:
     EMA = 0.3  # weight of a new step in a size class's recent step time
     NEW_CLASS_SPACING_S = 1.0
 
-    def __init__(self, threads: int, clock: Callable[[], float] = time.perf_counter,
-                 cpu_clock: Callable[[], float] = time.process_time,
-                 set_threads: Callable[[int], None] = torch.set_num_threads):
+    def __init__(
+        self,
+        threads: int,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.process_time,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+    ):
         self.full = self.size = max(1, threads)
         self._clock, self._cpu_clock, self._set_threads = clock, cpu_clock, set_threads
         self._t0 = self._c0 = 0.0
@@ -209,8 +217,13 @@ class AdaptiveTeam:
         ratio = sum(t for t, _ in pairs) / sum(r for _, r in pairs) if pairs else 1.0
         now = self._clock()
         if ratio < self.MARGIN:  # the probe's size wins
-            log.info("forward team %d -> %d threads: its decode steps took %.0f%% of the time (CPU share %.0f%%)",
-                     before, self.size, 100 * ratio, 100 * (self.last_share or 0))
+            log.info(
+                "forward team %d -> %d threads: its decode steps took %.0f%% of the time (CPU share %.0f%%)",
+                before,
+                self.size,
+                100 * ratio,
+                100 * (self.last_share or 0),
+            )
             self._recent = {}
             for k, t in probe:
                 self._recent.setdefault(k, t)

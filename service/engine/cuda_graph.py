@@ -119,7 +119,9 @@ class DecodeGraphs:
         return self.outputs[bucket][:bs]
 
 
-def build_decode_graphs(model, kv_pool, attention, device: torch.device, max_bs: int, max_context: int) -> DecodeGraphs | None:
+def build_decode_graphs(
+    model, kv_pool, attention, device: torch.device, max_bs: int, max_context: int
+) -> DecodeGraphs | None:
     """Capture, or None (with a warning) when capture fails: the engine then runs eagerly."""
     graphs = DecodeGraphs(model, kv_pool, attention, device, max_bs, max_context)
     try:

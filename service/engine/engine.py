@@ -51,6 +51,7 @@ from service.tokenizer import Tokenizer
 
 log = logging.getLogger("zerogap.engine")
 
+
 @dataclass
 class EngineStats:
     scheduler_mode: str
@@ -78,11 +79,21 @@ def _host_memory_bytes() -> int:
 class Engine:
     """Loads a model directory and runs the scheduler thread over it."""
 
-    def __init__(self, args: ServerArgs, model_dir: str | Path, output_sink: OutputSink, features: list[Feature] | None = None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_dir: str | Path,
+        output_sink: OutputSink,
+        features: list[Feature] | None = None,
+    ):
         self.args = args
-        self.features = FeatureRegistry(builtin_features() + list(features or []), args.disabled_features, args.overlap_policy)
+        self.features = FeatureRegistry(
+            builtin_features() + list(features or []), args.disabled_features, args.overlap_policy
+        )
         self.model_dir = Path(model_dir)
-        self.hf_config = load_config(self.model_dir)  # the whole model's (a LLaVA's: vision tower, image token)
+        self.hf_config = load_config(
+            self.model_dir
+        )  # the whole model's (a LLaVA's: vision tower, image token)
         self.config = text_config(self.hf_config)  # the language model's
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
@@ -119,8 +130,14 @@ class Engine:
         self._thread.start()
         log.info(
             "engine ready in %.1fs: %s, %s on %s, attention=%s, cuda graphs=%s, kv=%d tokens, mode=%s",
-            time.perf_counter() - t0, shape.architecture, str(self.dtype).removeprefix('torch.'), self.device.device, self.attention_backend,
-            self.worker.graphs is not None, kv_tokens, self.mode,
+            time.perf_counter() - t0,
+            shape.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device.device,
+            self.attention_backend,
+            self.worker.graphs is not None,
+            kv_tokens,
+            self.mode,
         )
 
     def _size_cpu_threads(self, asked: int | None) -> None:
@@ -130,27 +147,49 @@ class Engine:
         threads = asked or grant.threads
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        log.info("CPU: %s; native kernels: %s; %s", cpu.describe(), cpu.kernel_variant(),
-                 f"{threads} threads (--num-threads)" if asked else grant.describe())
+        log.info(
+            "CPU: %s; native kernels: %s; %s",
+            cpu.describe(),
+            cpu.kernel_variant(),
+            f"{threads} threads (--num-threads)" if asked else grant.describe(),
+        )
         if self.dtype == torch.bfloat16 and not cpu.native_bf16:
-            log.warning("bfloat16 on a CPU without AVX-512 BF16 or AMX runs emulated, several times slower than "
-                        "float32 (--dtype auto picks float32 here)")
+            log.warning(
+                "bfloat16 on a CPU without AVX-512 BF16 or AMX runs emulated, several times slower than "
+                "float32 (--dtype auto picks float32 here)"
+            )
 
     def _load(self) -> int:
         """Weights, pools, sampler and worker (the one-time parallel CPU work); the KV pool's size."""
         args = self.args
-        self.model = load_model(self.model_dir, self.dtype, self.context_length, self.hf_config, self.device.device, args.load_format)
+        self.model = load_model(
+            self.model_dir,
+            self.dtype,
+            self.context_length,
+            self.hf_config,
+            self.device.device,
+            args.load_format,
+        )
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
         self.feature_context = FeatureContext(
-            args=args, tokenizer=self.tokenizer, hf_config=self.hf_config, model_dir=self.model_dir, device=self.device,
-            dtype=self.dtype, vocab_size=self.vocab_size, eos_ids=self.eos_ids,
-            count_tokens=lambda slots, tokens: self.worker.sampler.count_tokens(slots, tokens))
+            args=args,
+            tokenizer=self.tokenizer,
+            hf_config=self.hf_config,
+            model_dir=self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            vocab_size=self.vocab_size,
+            eos_ids=self.eos_ids,
+            count_tokens=lambda slots, tokens: self.worker.sampler.count_tokens(slots, tokens),
+        )
         self.features.bind(self.feature_context)
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
         dev = self.device.device
-        self.kv_pool = TokenToKVPool(kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev)
+        self.kv_pool = TokenToKVPool(
+            kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev
+        )
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, dev)
         self.timeline = Timeline(keep_trace=bool(args.trace_file))
         self.attention_backend = resolve_attention_backend(args.attention_backend, self.device)
@@ -158,15 +197,20 @@ class Engine:
             self.model,
             self.kv_pool,
             Sampler(args.max_running_requests, self.vocab_size, dev),
-            get_attention_backend(self.attention_backend, cpu_team=None if self.device.is_cuda else torch.get_num_threads()),
+            get_attention_backend(
+                self.attention_backend, cpu_team=None if self.device.is_cuda else torch.get_num_threads()
+            ),
             self.timeline,
             self.device,
-            cpu_team=None if self.device.is_cuda or not args.adapt_cpu_team else AdaptiveTeam(torch.get_num_threads()),
+            cpu_team=None
+            if self.device.is_cuda or not args.adapt_cpu_team
+            else AdaptiveTeam(torch.get_num_threads()),
         )
         if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
-            self.worker.graphs = build_decode_graphs(self.model, self.kv_pool, self.worker.attention, dev, max_bs,
-                                                     self.context_length)
+            self.worker.graphs = build_decode_graphs(
+                self.model, self.kv_pool, self.worker.attention, dev, max_bs, self.context_length
+            )
         return kv_tokens
 
     def _prefix_cache(self) -> PrefixCacheManager | None:
@@ -174,6 +218,7 @@ class Engine:
         if self.args.disable_prefix_cache or not self.features.enabled.get("prefix_cache", False):
             return None
         return PrefixCacheManager(self.req_pool, self.kv_pool, self.device)
+
     def _chunker(self, args: ServerArgs) -> PrefillChunker | None:
         """Chunked prefill and mixed batches (chunking.py); None: whole prompts per step."""
         feature = self.features.features.get("chunked_prefill")
@@ -184,9 +229,15 @@ class Engine:
     def _admission_policy(self, args: ServerArgs) -> AdmissionPolicy:
         """--admission-policy; a disabled retraction module means `reserve` (nothing is ever retracted)."""
         policy = args.admission_policy if self.features.enabled_feature("retraction") else "reserve"
-        return AdmissionPolicy(RetractionConfig(
-            policy=policy, init_ratio=args.init_new_token_ratio, min_ratio=args.min_new_token_ratio,
-            decay_steps=args.new_token_ratio_decay_steps, max_retractions=args.max_retractions))
+        return AdmissionPolicy(
+            RetractionConfig(
+                policy=policy,
+                init_ratio=args.init_new_token_ratio,
+                min_ratio=args.min_new_token_ratio,
+                decay_steps=args.new_token_ratio_decay_steps,
+                max_retractions=args.max_retractions,
+            )
+        )
 
     @property
     def mode(self) -> str:
@@ -207,22 +258,36 @@ class Engine:
         self, rid: str, prompt_ids: list[int], params: SamplingParams, features: dict[str, Any] | None = None
     ) -> Req:
         """Validate a request against the model, limits and features; raises RequestError."""
-        prompt_ids = self.features.expand_prompt(features or {}, prompt_ids)  # e.g. image placeholders expanded
+        prompt_ids = self.features.expand_prompt(
+            features or {}, prompt_ids
+        )  # e.g. image placeholders expanded
         if not prompt_ids:
             raise RequestError("INVALID_ARGUMENT", "input: the prompt is empty")
         if len(prompt_ids) >= self.context_length:  # before looking at each id
-            raise RequestError("OUT_OF_RANGE", f"input: prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_length}")
+            raise RequestError(
+                "OUT_OF_RANGE",
+                f"input: prompt of {len(prompt_ids)} tokens does not fit the context length {self.context_length}",
+            )
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestError("INVALID_ARGUMENT", f"input.token_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"input.token_ids: token id {bad} outside the vocabulary [0, {self.vocab_size})",
+            )
         params.validate(self.vocab_size)
         n = len(prompt_ids)
         if n >= self.context_length:
-            raise RequestError("OUT_OF_RANGE", f"input: prompt of {n} tokens does not fit the context length {self.context_length}")
+            raise RequestError(
+                "OUT_OF_RANGE",
+                f"input: prompt of {n} tokens does not fit the context length {self.context_length}",
+            )
         if params.max_new_tokens is None:
             params.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.context_length - n)
             if params.min_new_tokens > params.max_new_tokens:
-                raise RequestError("INVALID_ARGUMENT", "sampling.min_new_tokens: exceeds the default max_new_tokens; set max_new_tokens")
+                raise RequestError(
+                    "INVALID_ARGUMENT",
+                    "sampling.min_new_tokens: exceeds the default max_new_tokens; set max_new_tokens",
+                )
         elif n + params.max_new_tokens > self.context_length:
             raise RequestError(
                 "OUT_OF_RANGE",
@@ -256,7 +321,9 @@ class Engine:
                 seen.add(rid)
             queued = len(self.scheduler.waiting) + self.scheduler.inbox.qsize()
             if queued + len(reqs) > self.args.max_queued_requests:
-                raise RequestError("RESOURCE_EXHAUSTED", f"the request queue is full ({self.args.max_queued_requests})")
+                raise RequestError(
+                    "RESOURCE_EXHAUSTED", f"the request queue is full ({self.args.max_queued_requests})"
+                )
             self._live.update(rids)
         self.scheduler.add_requests(reqs)
 
@@ -313,7 +380,6 @@ class Engine:
             self.timeline.write_chrome_trace(self.args.trace_file)
 
 
-
 class SyncClient:
     """Blocking in-process client for the engine (tests, benchmarks, scripts)."""
 
@@ -331,7 +397,11 @@ class SyncClient:
             self._cv.notify_all()
 
     def submit(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None, features: dict[str, Any] | None = None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        features: dict[str, Any] | None = None,
     ) -> None:
         self.engine.submit(self.engine.build_request(rid, prompt_ids, params or SamplingParams(), features))
 

@@ -22,7 +22,11 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.table = torch.zeros(num_slots, max_context, dtype=torch.int64, device=self.device)
         # The scheduler's copy (the same tensor on CPU).
-        self.host = self.table if self.device.type == "cpu" else torch.zeros(num_slots, max_context, dtype=torch.int64)
+        self.host = (
+            self.table
+            if self.device.type == "cpu"
+            else torch.zeros(num_slots, max_context, dtype=torch.int64)
+        )
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -61,7 +65,12 @@ class TokenToKVPool:
     """K and V rows for `size` tokens in every layer, and their free list."""
 
     def __init__(
-        self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ):
         self.size = size

@@ -81,7 +81,9 @@ class ModelWorker:
         return result
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, label: str = "forward") -> tuple[torch.Tensor, dict]:
+    def forward(
+        self, fb: ForwardBatch, input_ids: torch.Tensor, label: str = "forward"
+    ) -> tuple[torch.Tensor, dict]:
         """Sample the next token of each row (device ids, device extras). `input_ids` holds real tokens only.
 
         Feature hooks run here, on whichever thread runs the forward: before the
@@ -100,7 +102,9 @@ class ModelWorker:
         else:
             logits = self.model(fb, input_ids, self.kv_pool, self.attention)
         bs = fb.batch_size
-        if any(f.reads_raw_logits for f, _ in fb.features):  # they see float32; others sample from the model's dtype
+        if any(
+            f.reads_raw_logits for f, _ in fb.features
+        ):  # they see float32; others sample from the model's dtype
             logits = logits.float()
         raw = LogitsOutput(logits[:bs], logits[bs:] if fb.extra_logit_rows is not None else None)
         logits = raw.next_token
@@ -115,6 +119,10 @@ class ModelWorker:
         if self.cpu_team is not None:
             self.cpu_team.forward_ended(fb.batch_size if fb.mode is ForwardMode.DECODE else None)
         self.timeline.add(
-            FORWARD_TID, f"{label} {fb.mode.value}", start, time.perf_counter(), {"bs": fb.batch_size, "tokens": int(input_ids.numel())}
+            FORWARD_TID,
+            f"{label} {fb.mode.value}",
+            start,
+            time.perf_counter(),
+            {"bs": fb.batch_size, "tokens": int(input_ids.numel())},
         )
         return ids, extras

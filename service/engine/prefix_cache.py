@@ -225,4 +225,6 @@ class RadixCache:
             locked += len(node.key) if node.lock_ref else 0
             stack.extend(node.children.values())
         counted = (self.total_tokens, self.locked_tokens)
-        assert (total, locked) == counted, f"tree holds {(total, locked)} (total, locked), counters say {counted}"
+        assert (total, locked) == counted, (
+            f"tree holds {(total, locked)} (total, locked), counters say {counted}"
+        )

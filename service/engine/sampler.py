@@ -59,7 +59,9 @@ class Sampler:
     def count_tokens(self, token_slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count (token_slots[i], tokens[i]) as generated (a retracted request's kept tokens,
         after its new slot was reset). Device tensors; no host sync."""
-        self.counts.index_put_((token_slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        self.counts.index_put_(
+            (token_slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
+        )
 
     def apply_penalties(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         counts = self.counts[sb.req_slots]

@@ -25,6 +25,7 @@ from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 class ScheduleBatch(BatchView):
     """A formed batch: its requests (row order) and what the forward reads (BatchView), and what the
     scheduler keeps about it while it is in flight."""
+
     # Overlap loop: the placeholders standing in for this batch's sampled tokens.
     placeholders: list[int] | None = None
     # Features the batch carries (with their rows) and the weakest overlap support among them.
@@ -38,7 +39,9 @@ class ScheduleBatch(BatchView):
     own_plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
 
 
-def build_sampling_batch(reqs: list[Req], vocab_size: int, discarded: list[int] | None = None) -> SamplingBatch:
+def build_sampling_batch(
+    reqs: list[Req], vocab_size: int, discarded: list[int] | None = None
+) -> SamplingBatch:
     """Per-row sampling tensors (host). Call after the requests' `launched` counters moved.
     `discarded`: rows whose sampled token is thrown away (non-final prompt chunks)."""
     rows = torch.tensor([r.sampling_row for r in reqs], dtype=torch.float32)
@@ -73,12 +76,25 @@ def build_sampling_batch(reqs: list[Req], vocab_size: int, discarded: list[int] 
 
 
 _SAMPLING_TENSORS = (
-    "temperatures", "top_ks", "top_ps", "min_ps", "repetition_penalties", "frequency_penalties",
-    "presence_penalties", "seeds", "steps", "req_slots", "banned_rows", "banned_tokens", "kept",
+    "temperatures",
+    "top_ks",
+    "top_ps",
+    "min_ps",
+    "repetition_penalties",
+    "frequency_penalties",
+    "presence_penalties",
+    "seeds",
+    "steps",
+    "req_slots",
+    "banned_rows",
+    "banned_tokens",
+    "kept",
 )
 
 
-def _send(device: Device, host: dict[str, torch.Tensor | None], sb: SamplingBatch) -> dict[str, torch.Tensor | None]:
+def _send(
+    device: Device, host: dict[str, torch.Tensor | None], sb: SamplingBatch
+) -> dict[str, torch.Tensor | None]:
     """The batch's host tensors and the sampling tensors -> the device, in one transfer
     per dtype (sampling tensors are replaced on `sb` in place)."""
     named = {k: v for k, v in host.items() if v is not None}
@@ -117,7 +133,11 @@ class ExtendRow:
 
 
 def build_extend_batch(
-    reqs: list[Req], req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int, device: Device = CPU,
+    reqs: list[Req],
+    req_pool: ReqToTokenPool,
+    kv_pool: TokenToKVPool,
+    vocab_size: int,
+    device: Device = CPU,
     rows: list[ExtendRow] | None = None,
 ) -> ScheduleBatch:
     """Extend each (slotted) request by its row's tokens; by default the whole prompt of a new request."""
@@ -149,13 +169,22 @@ def build_extend_batch(
     fresh = [row.req for row in rows if row.new_slot]
     prompts = [torch.tensor(r.prompt_ids, dtype=torch.int64) for r in fresh]
     fresh_slots = torch.tensor([r.slot for r in fresh], dtype=torch.int64)
-    prompt_slots = torch.repeat_interleave(fresh_slots, torch.tensor([len(r.prompt_ids) for r in fresh], dtype=torch.int64))
+    prompt_slots = torch.repeat_interleave(
+        fresh_slots, torch.tensor([len(r.prompt_ids) for r in fresh], dtype=torch.int64)
+    )
     host = {
-        "input_ids": input_ids, "positions": positions, "locs": locs, "slots": slots, "token_slots": token_slots,
-        "q_positions": torch.where(valid, prefix_t.unsqueeze(1) + j, 0), "logits_index": starts + q_lens - 1,
+        "input_ids": input_ids,
+        "positions": positions,
+        "locs": locs,
+        "slots": slots,
+        "token_slots": token_slots,
+        "q_positions": torch.where(valid, prefix_t.unsqueeze(1) + j, 0),
+        "logits_index": starts + q_lens - 1,
         "q_pad_index": torch.where(valid, starts.unsqueeze(1) + j, total).reshape(-1),
         "q_unpad_index": (torch.arange(bs).unsqueeze(1) * lq + j)[valid],
-        "seq_lens": prefix_t + q_lens, "prefix_lens": prefix_t, "starts": starts,
+        "seq_lens": prefix_t + q_lens,
+        "prefix_lens": prefix_t,
+        "starts": starts,
         "fresh_slots": fresh_slots if fresh else None,
         "prompt_slots": prompt_slots if fresh else None,
         "prompt_tokens": torch.cat(prompts) if fresh else None,
@@ -202,11 +231,18 @@ def build_decode_batch(
         r.kv_len += 1
         r.launched += 1
     sampling = build_sampling_batch(reqs, vocab_size)
-    d = _send(device, {
-        "input_ids": torch.tensor([r.next_input for r in reqs], dtype=torch.int64),
-        "positions": positions, "locs": locs, "slots": slots, "seq_lens": positions + 1,
-        "logits_index": torch.arange(bs),
-    }, sampling)
+    d = _send(
+        device,
+        {
+            "input_ids": torch.tensor([r.next_input for r in reqs], dtype=torch.int64),
+            "positions": positions,
+            "locs": locs,
+            "slots": slots,
+            "seq_lens": positions + 1,
+            "logits_index": torch.arange(bs),
+        },
+        sampling,
+    )
     req_pool.write_device(d["slots"], d["positions"], d["locs"])
     fb = ForwardBatch(
         mode=ForwardMode.DECODE,

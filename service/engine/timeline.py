@@ -44,7 +44,13 @@ class Span:
 class Timeline:
     """Recent forward spans and (optionally) every span for the trace file."""
 
-    def __init__(self, keep_trace: bool, window: int = 2048, max_trace_spans: int = 500_000, device_timing: bool = False):
+    def __init__(
+        self,
+        keep_trace: bool,
+        window: int = 2048,
+        max_trace_spans: int = 500_000,
+        device_timing: bool = False,
+    ):
         self._lock = threading.Lock()
         self.keep_trace = keep_trace
         self.trace: list[Span] = []
@@ -95,7 +101,9 @@ class Timeline:
         if not gaps:
             return DeviceStats(0, 0.0, 0.0, 0.0)
         busy, idle = sum(durations), sum(gaps)
-        return DeviceStats(len(gaps), statistics.median(gaps), statistics.median(durations), busy / (busy + idle))
+        return DeviceStats(
+            len(gaps), statistics.median(gaps), statistics.median(durations), busy / (busy + idle)
+        )
 
     def forward_stats(self) -> tuple[float, float]:
         """(busy fraction, median gap s) over recent back-to-back forwards."""

@@ -80,7 +80,9 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.client = AsyncClient(
-            self.config.grpc_target, self.config.channel, timeout=self.config.timeout_s,
+            self.config.grpc_target,
+            self.config.channel,
+            timeout=self.config.timeout_s,
             credentials=self.config.credentials,
         )
         try:
@@ -98,7 +100,9 @@ class Gateway:
         ]
         handlers = {HTTPException: _http_error, ZerogapError: _grpc_error, APIError: _api_error}
         return Starlette(
-            routes=routes, lifespan=self.lifespan, exception_handlers=handlers  # type: ignore[arg-type]
+            routes=routes,
+            lifespan=self.lifespan,
+            exception_handlers=handlers,  # type: ignore[arg-type]
         )
 
     @property
@@ -206,7 +210,11 @@ class Gateway:
                 delta = await anext(stream)
             if call.include_usage:
                 yield p.sse(
-                    dict(head, choices=[], usage=p.usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens))
+                    dict(
+                        head,
+                        choices=[],
+                        usage=p.usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens),
+                    )
                 )
             yield p.sse("[DONE]")
         except ZerogapError as e:  # after the 200 went out: an error event, as OpenAI's servers send

@@ -71,7 +71,11 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     config = GatewayConfig(
-        args.grpc, args.served_model_name, args.default_max_tokens, args.timeout, credentials=credentials(args)
+        args.grpc,
+        args.served_model_name,
+        args.default_max_tokens,
+        args.timeout,
+        credentials=credentials(args),
     )
     tls = " (TLS)" if config.credentials is not None else ""
     print(f"zerogap gateway on http://{args.host}:{args.port} -> grpc {args.grpc}{tls}", flush=True)

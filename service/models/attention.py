@@ -78,7 +78,11 @@ class AttentionMeta:
         lens = list(self.fb.extend_lens or [])
         prefixes = self.fb.extend_prefix_lens_cpu  # host copies: no device read
         if prefixes is None:
-            prefixes = self.fb.extend_prefix_lens.tolist() if self.fb.extend_prefix_lens is not None else [0] * len(lens)
+            prefixes = (
+                self.fb.extend_prefix_lens.tolist()
+                if self.fb.extend_prefix_lens is not None
+                else [0] * len(lens)
+            )
         starts = [0]
         for n in lens[:-1]:
             starts.append(starts[-1] + n)
@@ -94,20 +98,37 @@ class TorchAttention:
         self.use_kernel = use_kernel
         self.team = team  # the engine's full CPU team: the kernels split work by it, whatever size it runs at
 
-    def prepare(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None) -> AttentionMeta:
+    def prepare(
+        self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None
+    ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
         decode = fb.mode is ForwardMode.DECODE
         short = decode or max(fb.extend_lens or [0]) <= KERNEL_MAX_EXTEND
         on_cpu = fb.kv_indices.device.type == "cpu"
-        use_kernel = self.use_kernel and on_cpu and short and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available()
+        use_kernel = (
+            self.use_kernel
+            and on_cpu
+            and short
+            and group <= cpu_kernels.MAX_GROUP
+            and cpu_kernels.available()
+        )
         meta = AttentionMeta(fb, group, sliding_window, use_kernel)
         if use_kernel:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
-            req_of = rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
-            meta.kernel = cpu_kernels.PagedAttention(fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc,
-                                                     team=self.team)
-        elif self.use_kernel and on_cpu and not decode and group <= cpu_kernels.MAX_GROUP and cpu_kernels.available():
+            req_of = (
+                rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
+            )
+            meta.kernel = cpu_kernels.PagedAttention(
+                fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc, team=self.team
+            )
+        elif (
+            self.use_kernel
+            and on_cpu
+            and not decode
+            and group <= cpu_kernels.MAX_GROUP
+            and cpu_kernels.available()
+        ):
             self._split_short_rows(meta, self.team)
         return meta
 
@@ -120,8 +141,13 @@ class TorchAttention:
         starts = meta.fb.extend_start_loc_cpu or [sum(lens[:r]) for r in range(len(lens))]
         meta.short_q = torch.tensor([starts[r] + j for r in short for j in range(lens[r])], dtype=torch.int64)
         req_of = torch.tensor([r for r in short for _ in range(lens[r])], dtype=torch.int64)
-        meta.short_kernel = cpu_kernels.PagedAttention(meta.fb.kv_indices, req_of, meta.fb.positions.index_select(0, meta.short_q),
-                                                       meta.sliding_window, team=team)
+        meta.short_kernel = cpu_kernels.PagedAttention(
+            meta.fb.kv_indices,
+            req_of,
+            meta.fb.positions.index_select(0, meta.short_q),
+            meta.sliding_window,
+            team=team,
+        )
 
     def forward(
         self,
@@ -162,7 +188,9 @@ class TorchAttention:
         return out.reshape(bs, -1)
 
     @staticmethod
-    def _extend_per_request(q, k_cache, v_cache, meta: AttentionMeta, scale: float, long_only: bool = False) -> torch.Tensor:
+    def _extend_per_request(
+        q, k_cache, v_cache, meta: AttentionMeta, scale: float, long_only: bool = False
+    ) -> torch.Tensor:
         """One SDPA per request over its own rows: the cost of a prefill is that of its tokens.
         long_only: rows the kernel takes (short ones) are left for it."""
         fb = meta.fb
@@ -188,7 +216,9 @@ class TorchAttention:
         return out
 
 
-def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor, scale: float) -> torch.Tensor:
+def masked_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """SDPA of q [H, n, D] over k, v [H, L, D] with an additive float32 mask [n, L] (0 / -inf).
 
     On CPU, F.scaled_dot_product_attention takes its math path for any mask (scores
@@ -196,9 +226,19 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask
     keys cost 9.4 ms per layer. ATen's CPU flash kernel takes the mask blockwise, here in float32
     (its bf16 variant rounds the probabilities to bf16: a chunked prompt then drifted past the
     tolerance from the same prompt in one piece): 3.2 ms, casts included."""
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    if (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    ):
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float().unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0), 0.0, False,
-            attn_mask=additive_mask[None, None], scale=scale)[0]
+            q.float().unsqueeze(0),
+            k.float().unsqueeze(0),
+            v.float().unsqueeze(0),
+            0.0,
+            False,
+            attn_mask=additive_mask[None, None],
+            scale=scale,
+        )[0]
         return out[0].to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask.to(q.dtype), scale=scale)

@@ -25,9 +25,24 @@ from pathlib import Path
 ISA_CAPS = ("avx2", "avx512", "native")
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # the subset oneDNN's bf16 packing asks for
 # oneDNN's ONEDNN_MAX_CPU_ISA values, lowest first (its docs); below AVX512_CORE it packs no bf16.
-_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16",
-                "AVX10_2_512", "AVX10_2_512_AMX_2", "DEFAULT", "ALL")
+_ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+    "DEFAULT",
+    "ALL",
+)
 
 
 @dataclass(frozen=True)
@@ -83,8 +98,16 @@ class CpuFeatures:
         return "portable C (auto-vectorised" + (", AVX2)" if self.avx2 else ")")
 
     def describe(self) -> str:
-        have = [n for n, ok in (("avx2", self.avx2), ("avx512", self.avx512), ("avx512_bf16", self.avx512_bf16),
-                                ("amx_bf16", self.amx_bf16)) if ok]
+        have = [
+            n
+            for n, ok in (
+                ("avx2", self.avx2),
+                ("avx512", self.avx512),
+                ("avx512_bf16", self.avx512_bf16),
+                ("amx_bf16", self.amx_bf16),
+            )
+            if ok
+        ]
         capped = "" if self.cap == "native" else f", capped by ZEROGAP_CPU_ISA={self.cap}"
         return f"{self.model or 'unknown CPU'} ({' '.join(have) or 'no AVX2'}{capped})"
 
@@ -108,7 +131,9 @@ def _capped(flags: set[str], cap: str) -> frozenset[str]:
     if cap == "avx2":
         flags = {f for f in flags if not f.startswith(("avx512", "amx", "avx10"))}
     elif cap == "avx512":
-        flags = {f for f in flags if f not in ("avx512_bf16", "avx512_fp16") and not f.startswith(("amx", "avx10"))}
+        flags = {
+            f for f in flags if f not in ("avx512_bf16", "avx512_fp16") and not f.startswith(("amx", "avx10"))
+        }
     return frozenset(flags)
 
 
@@ -125,5 +150,6 @@ def cpu_features() -> CpuFeatures:
     model, flags = _read_cpuinfo()
     cap = parse_cap(os.environ.get("ZEROGAP_CPU_ISA"))
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).strip().upper()
-    return CpuFeatures(model=model, flags=_capped(flags, cap), cap=cap,
-                       onednn_cap=onednn if onednn in _ONEDNN_ISAS else "")
+    return CpuFeatures(
+        model=model, flags=_capped(flags, cap), cap=cap, onednn_cap=onednn if onednn in _ONEDNN_ISAS else ""
+    )

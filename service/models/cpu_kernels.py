@@ -34,7 +34,9 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # + the target flags of cpu_features()
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # (kernel, dtype) -> its function, filled with _lib
+_fns: dict[
+    tuple[str, torch.dtype], ctypes._CFuncPtr
+] = {}  # (kernel, dtype) -> its function, filled with _lib
 _failed: str | None = None
 
 
@@ -48,13 +50,20 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("no C compiler (cc/gcc) found")
     cpu = cpu_features()
     flags = [*cpu.compile_flags(), *FLAGS]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu.flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu.flags)).encode()
+    ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
-            subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"], check=True, capture_output=True, text=True)
+            subprocess.run(
+                [compiler, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     lib = ctypes.CDLL(str(out))
     for name, (restype, argtypes) in _SIGNATURES.items():
@@ -67,8 +76,16 @@ def _build() -> ctypes.CDLL:
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # each has a _bf16 and an _f32 variant
-    "paged_attention": (_INT, [_P, _I64] + [_P] * 3 + [_I64] + [_P] * 2 + [_I64] * 4 + [_F32, _I64, _P, _INT]
-                        + [_P, _P, _I64, _P, _I64, _I64]),
+    "paged_attention": (
+        _INT,
+        [_P, _I64]
+        + [_P] * 3
+        + [_I64]
+        + [_P] * 2
+        + [_I64] * 4
+        + [_F32, _I64, _P, _INT]
+        + [_P, _P, _I64, _P, _I64, _I64],
+    ),
     "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
     "rms_norm": (None, [_P, _P, _P, _F32, _I64, _I64, _P, _P, _INT]),
     "rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _INT]),
@@ -118,7 +135,8 @@ class PagedAttention:
         pos_of: torch.Tensor,  # [n] int64 absolute position of each query
         window: int | None,
         new_loc: torch.Tensor | None = None,  # [m] int64: where this step's K/V rows go
-        team: int | None = None,  # the engine's full team size (default: this thread's); the bf16 row items need
+        team: int
+        | None = None,  # the engine's full team size (default: this thread's); the bf16 row items need
         # 4 query rows per thread of it (a fixed choice: the results do not change when the team shrinks)
     ):
         assert load() is not None
@@ -149,15 +167,36 @@ class PagedAttention:
         m = self.m
         if m:
             assert k_new is not None and v_new is not None and k_new.stride(0) == v_new.stride(0)
-            assert k_new.stride(2) == 1 and k_new.stride(1) == d and v_new.stride(2) == 1 and v_new.stride(1) == d
+            assert (
+                k_new.stride(2) == 1
+                and k_new.stride(1) == d
+                and v_new.stride(2) == 1
+                and v_new.stride(1) == d
+            )
         rc = _fns["paged_attention", q.dtype](
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *self._batch_args,
-            hq, k_cache.shape[1], d, scale, self._window, out.data_ptr(), self._threads,
-            k_new.data_ptr() if m else None, v_new.data_ptr() if m else None, k_new.stride(0) if m else 0,
-            self._new_loc, m, self._row_min,
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            *self._batch_args,
+            hq,
+            k_cache.shape[1],
+            d,
+            scale,
+            self._window,
+            out.data_ptr(),
+            self._threads,
+            k_new.data_ptr() if m else None,
+            v_new.data_ptr() if m else None,
+            k_new.stride(0) if m else 0,
+            self._new_loc,
+            m,
+            self._row_min,
         )
         if rc != 0:
-            raise ValueError(f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}")
+            raise ValueError(
+                f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}"
+            )
         return out
 
 
@@ -186,7 +225,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    _fns["argmax_rows", x.dtype](x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0]))
+    _fns["argmax_rows", x.dtype](
+        x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0])
+    )
     return out
 
 
@@ -206,16 +247,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     h = torch.empty_like(x) if residual is not None else x
     res_ptr = residual.contiguous().data_ptr() if residual is not None else None
     _fns["rms_norm", x.dtype](
-        x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, cols, h.data_ptr(), normed.data_ptr(), _threads(rows, cols))
+        x.data_ptr(),
+        res_ptr,
+        weight.data_ptr(),
+        eps,
+        rows,
+        cols,
+        h.data_ptr(),
+        normed.data_ptr(),
+        _threads(rows, cols),
+    )
     return h, normed
 
 
-def rope_(x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rope_(
+    x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     """Rotate the first `heads` heads of each row of x [T, >= heads * head_dim] in place."""
     assert x.stride(1) == 1 and head_dim <= MAX_HEAD_DIM
     _fns["rope", x.dtype](
-        x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        _threads(x.shape[0], heads * head_dim))
+        x.data_ptr(),
+        x.shape[0],
+        x.stride(0),
+        heads,
+        head_dim,
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        _threads(x.shape[0], heads * head_dim),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -223,7 +283,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
-    _fns["silu_mul", gate_up.dtype](gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows, 2 * inter))
+    _fns["silu_mul", gate_up.dtype](
+        gate_up.data_ptr(), rows, inter, out.data_ptr(), _threads(rows, 2 * inter)
+    )
     return out
 
 
@@ -244,9 +306,19 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     done) when the kernel does not apply: the caller then uses xgrammar's own kernel, which reads
     every bit one by one (~9 ms for 64 x 49k bf16 logits; this one ~0.4 ms). One thread: the work
     is a few stores per 32 tokens, less than a parallel region's barrier under contention."""
-    if logits.dtype not in _SUFFIX or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
+    if (
+        logits.dtype not in _SUFFIX
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+    ):
         return False
-    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.stride(1) != 1:
+    if (
+        bitmask.dtype != torch.int32
+        or bitmask.device.type != "cpu"
+        or bitmask.dim() != 2
+        or bitmask.stride(1) != 1
+    ):
         return False
     lib = load()
     if lib is None:
@@ -254,6 +326,13 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     assert rows.dtype == torch.int64 and rows.is_contiguous()
     cols = min(logits.shape[1], bitmask.shape[1] * 32)
     _fns["apply_token_bitmask", logits.dtype](
-        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), rows.data_ptr(), rows.shape[0],
-        cols, 1)
+        logits.data_ptr(),
+        logits.stride(0),
+        bitmask.data_ptr(),
+        bitmask.stride(0),
+        rows.data_ptr(),
+        rows.shape[0],
+        cols,
+        1,
+    )
     return True

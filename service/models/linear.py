@@ -24,8 +24,12 @@ PACK_BATCH_HINT = 64
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and cpu_features().onednn_packs_bf16)
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and cpu_features().onednn_packs_bf16
+    )
 
 
 class PackedLinear(nn.Module):

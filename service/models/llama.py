@@ -44,7 +44,9 @@ class ModelShape:
     def from_config(cls, config) -> "ModelShape":
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -103,12 +105,25 @@ class DecoderLayer(nn.Module):
         self.split = (q, kv, kv)
         self.scale = s.head_dim**-0.5
 
-    def forward(self, h, delta, positions, cos_table, sin_table, k_cache, v_cache, meta: AttentionMeta, attn: TorchAttention):
+    def forward(
+        self,
+        h,
+        delta,
+        positions,
+        cos_table,
+        sin_table,
+        k_cache,
+        v_cache,
+        meta: AttentionMeta,
+        attn: TorchAttention,
+    ):
         """(h, delta) -> the next layer's (h, delta): the residual add of each block is
         deferred into the next norm (h + delta, then RMSNorm, in one pass)."""
         s = self.s
         h, x = add_rms_norm(h, delta, self.input_norm, s.rms_norm_eps)
-        q, k, v = split_qkv_rope(self.qkv(x), s.num_q_heads, s.num_kv_heads, s.head_dim, positions, cos_table, sin_table)
+        q, k, v = split_qkv_rope(
+            self.qkv(x), s.num_q_heads, s.num_kv_heads, s.head_dim, positions, cos_table, sin_table
+        )
         a = attn.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         h, x = add_rms_norm(h, self.o(a), self.post_norm, s.rms_norm_eps)
         return h, self.down(silu_mul(self.gate_up(x)))
@@ -142,7 +157,9 @@ class LlamaModel(nn.Module):
         self.packed_head = packed_if_exact(self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention) -> torch.Tensor:
+    def forward(
+        self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn: TorchAttention
+    ) -> torch.Tensor:
         """Logits (in the model's dtype) at each request's last token [bs, vocab],
         followed by those of fb.extra_logit_rows when set."""
         s = self.shape
@@ -152,8 +169,14 @@ class LlamaModel(nn.Module):
         meta = attn.prepare(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
         delta = None
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, fb.positions, self.cos, self.sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
-        rows = fb.logits_index if fb.extra_logit_rows is None else torch.cat([fb.logits_index, fb.extra_logit_rows])
+            h, delta = layer(
+                h, delta, fb.positions, self.cos, self.sin, kv_pool.k[i], kv_pool.v[i], meta, attn
+            )
+        rows = (
+            fb.logits_index
+            if fb.extra_logit_rows is None
+            else torch.cat([fb.logits_index, fb.extra_logit_rows])
+        )
         _, h = add_rms_norm(h[rows], delta[rows], self.norm, s.rms_norm_eps)
         if self.packed_head is not None:
             return self.packed_head(h)
@@ -176,9 +199,7 @@ class LlamaModel(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
-                layer.qkv.weight.copy_(
-                    torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
-                )
+                layer.qkv.weight.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
                 if s.qkv_bias:
                     layer.qkv.bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
                 layer.o.weight.copy_(take(a + "o_proj.weight"))

@@ -47,10 +47,13 @@ def language_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     out: dict[str, torch.Tensor] = {}
     found = False
     for name, t in tensors.items():
-        for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."),
-                         ("language_model.lm_head.", "lm_head.")):
+        for old, new in (
+            ("model.language_model.", "model."),
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+        ):
             if name.startswith(old):
-                out[new + name[len(old):]] = t
+                out[new + name[len(old) :]] = t
                 found = True
                 break
         else:
@@ -72,7 +75,7 @@ def language_config_for(config: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def _strip(name: str, prefixes: tuple[str, ...]) -> str | None:
     for p in prefixes:
         if name.startswith(p):
-            return name[len(p):]
+            return name[len(p) :]
     return None
 
 
@@ -103,10 +106,16 @@ class VisionEncoder(nn.Module):
         self.feature_layers: list[int] = [layers] if isinstance(layers, int) else list(layers)
         self.strategy: str = config.vision_feature_select_strategy
         if self.strategy not in ("default", "full"):
-            raise ValueError(f"unsupported vision_feature_select_strategy {self.strategy!r} (default or full)")
+            raise ValueError(
+                f"unsupported vision_feature_select_strategy {self.strategy!r} (default or full)"
+            )
         self.tower = AutoModel.from_config(vc)
-        self.projector = Projector(vc.hidden_size * len(self.feature_layers), config.text_config.hidden_size,
-                                   config.projector_hidden_act, bool(getattr(config, "multimodal_projector_bias", True)))
+        self.projector = Projector(
+            vc.hidden_size * len(self.feature_layers),
+            config.text_config.hidden_size,
+            config.projector_hidden_act,
+            bool(getattr(config, "multimodal_projector_bias", True)),
+        )
         self.image_size: int = vc.image_size
         patches = (vc.image_size // vc.patch_size) ** 2
         self.tokens_per_image = patches + (1 if self.strategy == "full" else 0)
@@ -127,19 +136,28 @@ class VisionEncoder(nn.Module):
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
                     if (k := _strip(name, _VISION_PREFIXES)) is not None:
-                        if k not in own and k.startswith("vision_model."):  # older layout (CLIPVisionModel.vision_model)
+                        if k not in own and k.startswith(
+                            "vision_model."
+                        ):  # older layout (CLIPVisionModel.vision_model)
                             k = k.removeprefix("vision_model.")
                         tower[k] = st.get_tensor(name)
                     elif (k := _strip(name, _PROJECTOR_PREFIXES)) is not None:
                         proj[k] = st.get_tensor(name)
-        for module, tensors, what in ((self.tower, tower, "vision_tower"), (self.projector, proj, "multi_modal_projector")):
+        for module, tensors, what in (
+            (self.tower, tower, "vision_tower"),
+            (self.projector, proj, "multi_modal_projector"),
+        ):
             missing, unexpected = module.load_state_dict(tensors, strict=False)
             missing = [m for m in missing if not m.endswith("position_ids")]  # a buffer, not a weight
             if missing or unexpected:
-                raise KeyError(f"checkpoint {what} weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+                raise KeyError(
+                    f"checkpoint {what} weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
 
 
-def load_vision_encoder(model_dir: str | Path, config: Any, dtype: torch.dtype, device: torch.device | str) -> VisionEncoder:
+def load_vision_encoder(
+    model_dir: str | Path, config: Any, dtype: torch.dtype, device: torch.device | str
+) -> VisionEncoder:
     """The vision tower + projector of a LLaVA directory, in `dtype` on `device`."""
     enc = VisionEncoder(config)
     enc.load_from(Path(model_dir))

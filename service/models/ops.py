@@ -20,7 +20,9 @@ def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + delta, RMSNorm(h + delta) * weight); delta None: h itself."""
     if cpu_kernels.fused_ok(h, weight):
         return cpu_kernels.rms_norm(h, weight, eps, delta)
@@ -38,18 +40,30 @@ def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def split_qkv_rope(
-    qkv: torch.Tensor, hq: int, hkv: int, d: int, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+    qkv: torch.Tensor,
+    hq: int,
+    hkv: int,
+    d: int,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, hq, d] and k [T, hkv, d] rotated to their positions, v [T, hkv, d], from the fused projection."""
     t = qkv.shape[0]
-    if cpu_kernels.fused_ok(qkv) and cos_table.dtype == torch.float32:  # q and k heads are adjacent: rotate both in place, in one pass
+    if (
+        cpu_kernels.fused_ok(qkv) and cos_table.dtype == torch.float32
+    ):  # q and k heads are adjacent: rotate both in place, in one pass
         qkv = qkv.contiguous()
         cpu_kernels.rope_(qkv, hq + hkv, d, positions, cos_table, sin_table)
         heads = qkv.view(t, hq + 2 * hkv, d)  # views: no copies, one call each
         return heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     cos, sin = cos_table[positions], sin_table[positions]
-    return rope_eager(q.reshape(t, hq, d), cos, sin), rope_eager(k.reshape(t, hkv, d), cos, sin), v.reshape(t, hkv, d)
+    return (
+        rope_eager(q.reshape(t, hq, d), cos, sin),
+        rope_eager(k.reshape(t, hkv, d), cos, sin),
+        v.reshape(t, hkv, d),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,17 @@ from service.core.forward_batch import ForwardBatch, ForwardMode
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, K_cache, V_cache, Loc,
-    stride_k, stride_v, stride_kc, stride_vc,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
+    K,
+    V,
+    K_cache,
+    V_cache,
+    Loc,
+    stride_k,
+    stride_v,
+    stride_kc,
+    stride_vc,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
     row = tl.load(Loc + t)
@@ -66,11 +74,34 @@ def _online_softmax_step(qk, m_i, l_i, acc, v, IEEE: tl.constexpr):
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_cache, V_cache, KV_indices, Seq_lens, Mid_O, Mid_LSE, sm_scale,
-    stride_qt, stride_qh, stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h, stride_idx,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K_cache,
+    V_cache,
+    KV_indices,
+    Seq_lens,
+    Mid_O,
+    Mid_LSE,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kc_t,
+    stride_kc_h,
+    stride_vc_t,
+    stride_vc_h,
+    stride_idx,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -88,8 +119,11 @@ def _decode_stage1_kernel(
     heads = kvh * GROUP + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_g[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -98,27 +132,47 @@ def _decode_stage1_kernel(
         offs_n = s + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         rows = tl.load(KV_indices + b * stride_idx + offs_n, mask=mask_n, other=0)
-        k = tl.load(K_cache + rows[None, :] * stride_kc_t + kvh * stride_kc_h + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        k = tl.load(
+            K_cache + rows[None, :] * stride_kc_t + kvh * stride_kc_h + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
         qk = _dot(q, k, IEEE) * sm_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = tl.load(V_cache + rows[:, None] * stride_vc_t + kvh * stride_vc_h + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(
+            V_cache + rows[:, None] * stride_vc_t + kvh * stride_vc_h + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, IEEE)
 
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(Mid_O + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
-             out, mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(
+        Mid_O + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :],
+        out,
+        mask=mask_g[:, None] & mask_d[None, :],
+    )
     tl.store(Mid_LSE + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_g)
 
 
 @triton.jit
 def _decode_stage2_kernel(
-    Mid_O, Mid_LSE, O,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    Mid_O,
+    Mid_LSE,
+    O,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -129,19 +183,48 @@ def _decode_stage2_kernel(
     lse = tl.load(Mid_LSE + b * stride_ml_b + h * stride_ml_h + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)  # finite: the last position is always visible
     w = tl.exp(lse - m)
-    o = tl.load(Mid_O + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
-                mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    o = tl.load(
+        Mid_O + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(O + b * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K, V, O, K_cache, V_cache, KV_indices, Seq_lens, Prefix_lens, Start_loc, sm_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_kc_t, stride_kc_h, stride_vc_t, stride_vc_h, stride_idx,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    K_cache,
+    V_cache,
+    KV_indices,
+    Seq_lens,
+    Prefix_lens,
+    Start_loc,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kc_t,
+    stride_kc_h,
+    stride_vc_t,
+    stride_vc_h,
+    stride_idx,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -155,8 +238,11 @@ def _extend_kernel(
         mask_m = offs_m < ext_len
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(
+            Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         q_pos = prefix + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -171,15 +257,21 @@ def _extend_kernel(
             offs_n = s + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix
             rows = tl.load(KV_indices + b * stride_idx + offs_n, mask=mask_n, other=0)
-            k = tl.load(K_cache + rows[None, :] * stride_kc_t + kvh * stride_kc_h + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            k = tl.load(
+                K_cache + rows[None, :] * stride_kc_t + kvh * stride_kc_h + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
             qk = _dot(q, k, IEEE) * sm_scale
             visible = mask_n[None, :]
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
-            v = tl.load(V_cache + rows[:, None] * stride_vc_t + kvh * stride_vc_h + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            v = tl.load(
+                V_cache + rows[:, None] * stride_vc_t + kvh * stride_vc_h + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
             m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, IEEE)
 
         # 2. This step's tokens, causally, from the packed K/V.
@@ -190,27 +282,38 @@ def _extend_kernel(
         for s in range(lo, hi, BLOCK_N):
             offs_n = s + tl.arange(0, BLOCK_N)
             mask_n = offs_n < ext_len
-            k = tl.load(K + (start + offs_n)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            k = tl.load(
+                K + (start + offs_n)[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
             qk = _dot(q, k, IEEE) * sm_scale
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - WINDOW)
             qk = tl.where(visible, qk, float("-inf"))
-            v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            v = tl.load(
+                V + (start + offs_n)[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
             m_i, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, v, IEEE)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(
+            O + (start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(O.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
 
 
 def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor
+) -> None:
     """k_cache[loc] = k; v_cache[loc] = v (k, v: [T, Hkv, D], rows contiguous)."""
     t = k.shape[0]
     if t == 0:
@@ -218,8 +321,17 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v = _rows_contiguous(k), _rows_contiguous(v)
     row = k.shape[1] * k.shape[2]
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        loc,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(0),
+        v_cache.stride(0),
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
     )
 
 
@@ -246,23 +358,59 @@ def decode_attention(
     hkv = k_cache.shape[1]
     group = hq // hkv
     if mid is None:
-        mid = (torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device),
-               torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device))
+        mid = (
+            torch.empty(bs, hq, num_splits, d, dtype=torch.float32, device=q.device),
+            torch.empty(bs, hq, num_splits, dtype=torch.float32, device=q.device),
+        )
     mid_o, mid_lse = mid
     o = torch.empty_like(q)
     block_d = _pow2(d)
     ieee = q.dtype == torch.float32
     _decode_stage1_kernel[(bs, hkv, num_splits)](
-        q, k_cache, v_cache, kv_indices, seq_lens, mid_o, mid_lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        kv_indices.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=_pow2(group), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, WINDOW=window, IEEE=ieee,
+        q,
+        k_cache,
+        v_cache,
+        kv_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        kv_indices.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_H=_pow2(group),
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        WINDOW=window,
+        IEEE=ieee,
     )
     _decode_stage2_kernel[(bs, hq)](
-        mid_o, mid_lse, o,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), o.stride(0), o.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        mid_o,
+        mid_lse,
+        o,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
     )
     return o
 
@@ -288,11 +436,37 @@ def extend_attention(
     hkv = k.shape[1]
     o = torch.empty_like(q)
     _extend_kernel[(bs, hq, triton.cdiv(max_extend_len, block_m))](
-        q, k, v, o, k_cache, v_cache, kv_indices, seq_lens, prefix_lens, start_loc, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), kv_indices.stride(0),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=_pow2(d), BLOCK_M=block_m, BLOCK_N=block_n,
-        WINDOW=window, IEEE=q.dtype == torch.float32,
+        q,
+        k,
+        v,
+        o,
+        k_cache,
+        v_cache,
+        kv_indices,
+        seq_lens,
+        prefix_lens,
+        start_loc,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        kv_indices.stride(0),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_D=_pow2(d),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        WINDOW=window,
+        IEEE=q.dtype == torch.float32,
     )
     return o
 
@@ -312,7 +486,9 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self, block_m: int = 64, block_n: int = 64, max_splits: int = 16, num_splits: int | None = None):
+    def __init__(
+        self, block_m: int = 64, block_n: int = 64, max_splits: int = 16, num_splits: int | None = None
+    ):
         self.block_m = block_m
         self.block_n = block_n
         self.max_splits = max_splits
@@ -324,13 +500,17 @@ class TritonAttention:
             return self.num_splits
         if self._sm_count is None:
             dev = fb.kv_indices.device
-            self._sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+            self._sm_count = (
+                torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+            )
         programs = fb.batch_size * num_kv_heads
         by_occupancy = triton.cdiv(2 * self._sm_count, programs)
         by_length = triton.cdiv(fb.kv_indices.shape[1], self.block_n)
         return max(1, min(self.max_splits, by_occupancy, by_length))
 
-    def prepare(self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None) -> TritonMeta:
+    def prepare(
+        self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None
+    ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
         return TritonMeta(fb, sliding_window or 0, splits)
 
@@ -349,11 +529,37 @@ class TritonAttention:
         if fb.mode is ForwardMode.DECODE:
             if meta.mid is None:
                 bs, hq, d = q.shape
-                meta.mid = (torch.empty(bs, hq, meta.num_splits, d, dtype=torch.float32, device=q.device),
-                            torch.empty(bs, hq, meta.num_splits, dtype=torch.float32, device=q.device))
-            o = decode_attention(q, k_cache, v_cache, fb.kv_indices, fb.seq_lens, scale, meta.num_splits,
-                                 meta.window, self.block_n, meta.mid)
+                meta.mid = (
+                    torch.empty(bs, hq, meta.num_splits, d, dtype=torch.float32, device=q.device),
+                    torch.empty(bs, hq, meta.num_splits, dtype=torch.float32, device=q.device),
+                )
+            o = decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                fb.kv_indices,
+                fb.seq_lens,
+                scale,
+                meta.num_splits,
+                meta.window,
+                self.block_n,
+                meta.mid,
+            )
         else:
-            o = extend_attention(q, k, v, k_cache, v_cache, fb.kv_indices, fb.seq_lens, fb.extend_prefix_lens,
-                                 fb.extend_start_loc, fb.max_extend_len, scale, meta.window, self.block_m, self.block_n)
+            o = extend_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                fb.kv_indices,
+                fb.seq_lens,
+                fb.extend_prefix_lens,
+                fb.extend_start_loc,
+                fb.max_extend_len,
+                scale,
+                meta.window,
+                self.block_m,
+                self.block_n,
+            )
         return o.view(o.shape[0], -1)

@@ -63,16 +63,36 @@ def test_client_wheel_installs_into_a_fresh_venv_and_imports_no_torch(tmp_path):
     it (grpcio, protobuf, the health stubs and theirs, linked from this interpreter: the check needs
     no network), and use it."""
     src, wheels = tmp_path / "src", tmp_path / "wheels"
-    shutil.copytree(CLIENT, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))  # builds leave files
+    shutil.copytree(
+        CLIENT, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )  # builds leave files
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(src)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("zerogap_client-*.whl")
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        requires = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines() if line.startswith("Requires-Dist:")]
+        requires = [
+            line.split(":", 1)[1].strip()
+            for line in z.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
         packages = {n.split("/")[0] for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
     assert {_name(r) for r in requires} == CLIENT_DEPS
     assert packages == {"zerogap"}
@@ -80,11 +100,30 @@ def test_client_wheel_installs_into_a_fresh_venv_and_imports_no_torch(tmp_path):
     venv = tmp_path / "cv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert install.returncode == 0, install.stderr
     from importlib import metadata
@@ -107,6 +146,8 @@ def test_client_wheel_installs_into_a_fresh_venv_and_imports_no_torch(tmp_path):
         "print(c.__file__)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    out = subprocess.run([str(py), "-I", "-c", probe], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [str(py), "-I", "-c", probe], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith(str(site))

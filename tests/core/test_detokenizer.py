@@ -13,7 +13,9 @@ def tok(smol_dir):
     return Tokenizer(smol_dir)
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "naïve café — 日本語のテキスト 🎉🚀 ok", "tabs\tand\nnewlines  ", "😀" * 5])
+@pytest.mark.parametrize(
+    "text", ["Hello, world!", "naïve café — 日本語のテキスト 🎉🚀 ok", "tabs\tand\nnewlines  ", "😀" * 5]
+)
 def test_streamed_text_equals_full_decode_and_never_breaks_utf8(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     d = IncrementalDetokenizer(tok, [1, 2, 3], skip_special_tokens=True)

@@ -86,7 +86,12 @@ def edges(mods: dict[str, Path]) -> set[tuple[str, str]]:
 
 def layer(module: str) -> int:
     """Index in LAYERS of the longest prefix naming the module."""
-    named = [(len(p), i) for i, prefixes in enumerate(LAYERS) for p in prefixes if module == p or module.startswith(p + ".")]
+    named = [
+        (len(p), i)
+        for i, prefixes in enumerate(LAYERS)
+        for p in prefixes
+        if module == p or module.startswith(p + ".")
+    ]
     return max(named)[1]
 
 
@@ -142,7 +147,10 @@ def test_no_import_climbs_a_layer():
 
 def test_core_imports_nothing_else_of_the_project():
     graph = edges(modules())
-    assert sorted((a, b) for a, b in graph if a.startswith("service.core") and not b.startswith("service.core")) == []
+    assert (
+        sorted((a, b) for a, b in graph if a.startswith("service.core") and not b.startswith("service.core"))
+        == []
+    )
 
 
 def test_the_client_imports_nothing_of_the_server():

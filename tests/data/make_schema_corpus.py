@@ -38,10 +38,14 @@ def corpus() -> dict[str, str]:
     try:  # in every venv made by Python <= 3.11; optional beyond
         import setuptools
 
-        out["setuptools/pyproject"] = (Path(setuptools.__file__).parent / "config" / "setuptools.schema.json").read_text()
+        out["setuptools/pyproject"] = (
+            Path(setuptools.__file__).parent / "config" / "setuptools.schema.json"
+        ).read_text()
     except ImportError:
         pass
-    out["jsonschema/draft7-metaschema"] = (Path(jsonschema_specifications.__file__).parent / "schemas" / "draft7" / "metaschema.json").read_text()
+    out["jsonschema/draft7-metaschema"] = (
+        Path(jsonschema_specifications.__file__).parent / "schemas" / "draft7" / "metaschema.json"
+    ).read_text()
     for name, schema in json.loads(Path(__file__).with_name("openapi_schemas.json").read_text()).items():
         if not name.startswith("_"):
             out[f"openapi/{name}"] = json.dumps(schema)

@@ -40,7 +40,9 @@ def test_engine_loads_weights_and_pools_on_a_thread_that_is_gone(tiny_llama_dir,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "load_model", recording_load)
-    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=512, max_running_requests=4), tiny_llama_dir)
+    client = SyncClient(
+        ServerArgs(dtype="float32", kv_cache_tokens=512, max_running_requests=4), tiny_llama_dir
+    )
     try:
         assert len(loaders) == 1
         assert loaders[0] is not threading.current_thread() and not loaders[0].is_alive()

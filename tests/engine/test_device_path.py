@@ -23,9 +23,24 @@ from tests.helpers import before_each_forward
 T = torch.Tensor
 # Host reads of device values, and ops whose output size depends on device data.
 SYNCING = {
-    T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__int__, T.__float__, T.__index__,
-    torch.nonzero, T.nonzero, torch.argwhere, torch.masked_select, T.masked_select,
-    torch.multinomial, T.multinomial, torch.unique, T.unique, torch.bincount,
+    T.item,
+    T.tolist,
+    T.cpu,
+    T.numpy,
+    T.__bool__,
+    T.__int__,
+    T.__float__,
+    T.__index__,
+    torch.nonzero,
+    T.nonzero,
+    torch.argwhere,
+    torch.masked_select,
+    T.masked_select,
+    torch.multinomial,
+    T.multinomial,
+    torch.unique,
+    T.unique,
+    torch.bincount,
 }
 
 
@@ -54,7 +69,9 @@ class HostSyncDetector(TorchFunctionMode):
         elif func in (T.__getitem__, T.__setitem__) and _has_bool_index(args[1]):
             self.found.append(f"{name} with a boolean mask")
         elif func is T.__setitem__ and _has_tensor_index(args[1]) and not isinstance(args[2], torch.Tensor):
-            self.found.append("__setitem__ of a host scalar at tensor indices")  # the scalar is copied to the device
+            self.found.append(
+                "__setitem__ of a host scalar at tensor indices"
+            )  # the scalar is copied to the device
         elif func is torch.where and len(args) + len(kwargs) == 1:
             self.found.append("torch.where(cond)")
         elif func in (torch.repeat_interleave, T.repeat_interleave) and "output_size" not in kwargs:
@@ -76,8 +93,18 @@ def watch_forward(client: SyncClient, found: list[str]) -> None:
 
 MIXED = [
     SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True),
-    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=3, max_new_tokens=6, ignore_eos=True,
-                   repetition_penalty=1.2, frequency_penalty=0.2, presence_penalty=0.1),
+    SamplingParams(
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.05,
+        seed=3,
+        max_new_tokens=6,
+        ignore_eos=True,
+        repetition_penalty=1.2,
+        frequency_penalty=0.2,
+        presence_penalty=0.1,
+    ),
     SamplingParams(temperature=0.7, seed=5, min_new_tokens=3, max_new_tokens=5),
 ]
 
@@ -85,13 +112,26 @@ MIXED = [
 @pytest.mark.parametrize("mode", ["normal", "overlap"])
 def test_forward_path_has_no_host_sync(tiny_llama_dir, mode):
     found: list[str] = []
-    c = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=1000, max_running_requests=8), tiny_llama_dir)
+    c = SyncClient(
+        ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=1000, max_running_requests=8), tiny_llama_dir
+    )
     watch_forward(c, found)
     try:
         prompts = [[5, 6, 7, 8 + i] for i in range(6)]
         params = [MIXED[i % 3] for i in range(6)]
-        feats = [{"logprobs": {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 9],
-                               "logprob_start_len": 1}} if i % 2 else None for i in range(6)]
+        feats = [
+            {
+                "logprobs": {
+                    "return_logprob": True,
+                    "top_logprobs_num": 3,
+                    "token_ids_logprob": [5, 9],
+                    "logprob_start_len": 1,
+                }
+            }
+            if i % 2
+            else None
+            for i in range(6)
+        ]
         outs = c.generate(prompts, params, feats)
         assert all(collect(o)[2].error is None for o in outs)
     finally:
@@ -122,8 +162,13 @@ def test_detector_catches_syncs():
         torch.multinomial(torch.ones(4), 1)
         x[torch.tensor([1])] = 5
         x[torch.tensor([1])] = torch.tensor(5)  # a device value: fine
-    assert found == ["item", "__setitem__ with a boolean mask", "__bool__", "multinomial",
-                     "__setitem__ of a host scalar at tensor indices"]
+    assert found == [
+        "item",
+        "__setitem__ with a boolean mask",
+        "__bool__",
+        "multinomial",
+        "__setitem__ of a host scalar at tensor indices",
+    ]
 
 
 class SpyStream(torch.cpu.Stream):
@@ -138,7 +183,9 @@ class SpyStream(torch.cpu.Stream):
 @pytest.mark.parametrize("mode", ["normal", "overlap"])
 def test_forward_waits_on_each_batch_ready_event(tiny_llama_dir, mode):
     """Every step's stream waits on its batch's `ready` event; results carry copy_done."""
-    c = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=1000, max_running_requests=8), tiny_llama_dir)
+    c = SyncClient(
+        ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=1000, max_running_requests=8), tiny_llama_dir
+    )
     spy = c.engine.worker.stream = SpyStream()
     seen: list = []
     inner = c.engine.worker.step
@@ -164,8 +211,12 @@ def test_submit_all_admits_requests_together(tiny_llama_dir):
     try:
         with before_each_forward(c.engine.worker, lambda fb: sizes.append((fb.mode.value, fb.batch_size))):
             e = c.engine
-            reqs = [e.build_request(f"r{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
-                    for i in range(6)]
+            reqs = [
+                e.build_request(
+                    f"r{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+                )
+                for i in range(6)
+            ]
             e.submit_all(reqs)
             for r in reqs:
                 c.wait(r.rid)
@@ -186,8 +237,16 @@ def test_triton_backend_engine_matches_torch(kind, tiny_llama_dir, tiny_mistral_
     sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     results = {}
     for backend, overlap in (("torch", False), ("triton", False), ("triton", True)):
-        c = SyncClient(ServerArgs(dtype="float32", attention_backend=backend, loop="overlap" if overlap else "normal", kv_cache_tokens=600,
-                                  max_running_requests=4), model)
+        c = SyncClient(
+            ServerArgs(
+                dtype="float32",
+                attention_backend=backend,
+                loop="overlap" if overlap else "normal",
+                kv_cache_tokens=600,
+                max_running_requests=4,
+            ),
+            model,
+        )
         try:
             assert type(c.engine.worker.attention).__name__.lower().startswith(backend)
             results[(backend, overlap)] = [collect(o)[0] for o in c.generate(prompts, sp)]
@@ -210,8 +269,15 @@ def test_device_options():
     assert resolve_attention_backend("triton", cpu) == "triton"
     with pytest.raises(ValueError):
         resolve_attention_backend("flash", cpu)
-    args = parse_server_args(["--device", "cpu", "--attention-backend", "triton", "--dtype", "float16", "--load-format", "dummy"])
-    assert (args.device, args.attention_backend, args.dtype, args.load_format) == ("cpu", "triton", "float16", "dummy")
+    args = parse_server_args(
+        ["--device", "cpu", "--attention-backend", "triton", "--dtype", "float16", "--load-format", "dummy"]
+    )
+    assert (args.device, args.attention_backend, args.dtype, args.load_format) == (
+        "cpu",
+        "triton",
+        "float16",
+        "dummy",
+    )
     # CPU transfers are the identity: no copies, no pinned memory
     t = torch.arange(3)
     assert cpu.to_device(t)[0] is t and cpu.to_host(t) is t
@@ -229,9 +295,18 @@ def test_dummy_weights_are_deterministic(tiny_llama_dir):
     """--load-format dummy: random weights from the config, the same in every engine."""
     outs = []
     for _ in range(2):
-        c = SyncClient(ServerArgs(dtype="float32", load_format="dummy", kv_cache_tokens=200, max_running_requests=2), tiny_llama_dir)
+        c = SyncClient(
+            ServerArgs(dtype="float32", load_format="dummy", kv_cache_tokens=200, max_running_requests=2),
+            tiny_llama_dir,
+        )
         try:
-            outs.append(collect(c.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))[0])[0])
+            outs.append(
+                collect(
+                    c.generate([[5, 6, 7]], SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))[
+                        0
+                    ]
+                )[0]
+            )
         finally:
             c.close()
     assert outs[0] == outs[1] and len(outs[0]) == 5

@@ -27,8 +27,12 @@ N_NEW = 24
 @pytest.fixture(scope="module")
 def prompts_and_refs(hf_smol, hf_tokenizer):
     prompts = [hf_tokenizer.encode(p) for p in PLAIN_PROMPTS]
-    prompts += [hf_tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in CHAT_PROMPTS]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    prompts += [
+        hf_tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in CHAT_PROMPTS
+    ]
+    prompts = [
+        list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts
+    ]
     return prompts, [hf_greedy(hf_smol, p, N_NEW) for p in prompts]
 
 
@@ -63,7 +67,9 @@ def test_tiny_models_greedy_match_transformers(kind, mode, request):
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = [[5 + i * 7 + j for j in range(3 + 5 * i)] for i in range(6)]
     refs = [hf_greedy(hf, p, 16) for p in prompts]
-    client = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=2048, max_running_requests=8), model_dir)
+    client = SyncClient(
+        ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=2048, max_running_requests=8), model_dir
+    )
     try:
         outs = client.generate(prompts, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
         assert [collect(o)[0] for o in outs] == refs

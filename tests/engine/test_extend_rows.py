@@ -50,7 +50,9 @@ def test_extend_with_prefix_equals_one_extend(tiny_llama_dir, backend, dtype):
     table, kv = pools()
     reqs = [_req(str(i), p, i) for i, p in enumerate(prompts)]
     cut = [8, 20, 1]
-    build = build_extend_batch(reqs, table, kv, s.vocab_size, rows=[ExtendRow(r, r.prompt_ids[:c]) for r, c in zip(reqs, cut)])
+    build = build_extend_batch(
+        reqs, table, kv, s.vocab_size, rows=[ExtendRow(r, r.prompt_ids[:c]) for r, c in zip(reqs, cut)]
+    )
     logits(build, kv)
     rows = [ExtendRow(r, r.prompt_ids[c:], prefix_len=c, new_slot=False) for r, c in zip(reqs, cut)]
     second = build_extend_batch(reqs, table, kv, s.vocab_size, rows=rows)

@@ -29,28 +29,52 @@ def test_seeded_sampling_same_alone_and_in_a_busy_batch(smol_client, hf_tokenize
 
 def test_penalties_min_p_and_repeatability(smol_client, hf_tokenizer):
     prompt = hf_tokenizer.encode("List fruits: apple, apple, apple,")
-    sp = SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5,
-                        presence_penalty=0.5, seed=5, max_new_tokens=20, ignore_eos=True)
+    sp = SamplingParams(
+        temperature=0.7,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        seed=5,
+        max_new_tokens=20,
+        ignore_eos=True,
+    )
     a = _ids(smol_client, prompt, sp)
-    b = collect(smol_client.generate([prompt, hf_tokenizer.encode("Hi")], [sp, SamplingParams(temperature=0, max_new_tokens=30)])[0])[0]
+    b = collect(
+        smol_client.generate(
+            [prompt, hf_tokenizer.encode("Hi")], [sp, SamplingParams(temperature=0, max_new_tokens=30)]
+        )[0]
+    )[0]
     assert a == b
     plain = _ids(smol_client, prompt, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
-    penalised = _ids(smol_client, prompt, SamplingParams(temperature=0, repetition_penalty=2.0, max_new_tokens=20, ignore_eos=True))
+    penalised = _ids(
+        smol_client,
+        prompt,
+        SamplingParams(temperature=0, repetition_penalty=2.0, max_new_tokens=20, ignore_eos=True),
+    )
     assert plain != penalised
     apple = hf_tokenizer.encode(" apple")[0]
     assert penalised.count(apple) <= plain.count(apple)
 
 
 def test_min_new_tokens_and_ignore_eos(smol_client, hf_tokenizer):
-    chat = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Say OK."}], add_generation_prompt=True, tokenize=True)
+    chat = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say OK."}], add_generation_prompt=True, tokenize=True
+    )
     chat = list(chat["input_ids"]) if hasattr(chat, "keys") else list(chat)
     short = smol_client.generate([chat], SamplingParams(temperature=0, max_new_tokens=64))[0]
     ids, _, last = collect(short)
     assert last.finish_reason is FinishReason.STOP and ids[-1] == 2 and last.matched_stop == 2
     n = len(ids)
-    forced = collect(smol_client.generate([chat], SamplingParams(temperature=0, max_new_tokens=64, min_new_tokens=n + 3))[0])
+    forced = collect(
+        smol_client.generate([chat], SamplingParams(temperature=0, max_new_tokens=64, min_new_tokens=n + 3))[
+            0
+        ]
+    )
     assert len(forced[0]) >= n + 3 and 2 not in forced[0][: n + 3]
-    ign = collect(smol_client.generate([chat], SamplingParams(temperature=0, max_new_tokens=n + 5, ignore_eos=True))[0])
+    ign = collect(
+        smol_client.generate([chat], SamplingParams(temperature=0, max_new_tokens=n + 5, ignore_eos=True))[0]
+    )
     assert len(ign[0]) == n + 5 and ign[2].finish_reason is FinishReason.LENGTH
 
 
@@ -81,10 +105,20 @@ def test_masked_tokens_are_never_sampled():
 
 def _sb(bs: int, **kw) -> SamplingBatch:
     base = dict(
-        temperatures=torch.ones(bs), top_ks=torch.full((bs,), 8), top_ps=torch.ones(bs), min_ps=torch.zeros(bs),
-        repetition_penalties=torch.ones(bs), frequency_penalties=torch.zeros(bs), presence_penalties=torch.zeros(bs),
-        seeds=torch.arange(bs), steps=torch.zeros(bs, dtype=torch.int64), req_slots=torch.arange(bs),
-        all_greedy=False, need_top_k_p=True, need_min_p=False, need_penalties=False,
+        temperatures=torch.ones(bs),
+        top_ks=torch.full((bs,), 8),
+        top_ps=torch.ones(bs),
+        min_ps=torch.zeros(bs),
+        repetition_penalties=torch.ones(bs),
+        frequency_penalties=torch.zeros(bs),
+        presence_penalties=torch.zeros(bs),
+        seeds=torch.arange(bs),
+        steps=torch.zeros(bs, dtype=torch.int64),
+        req_slots=torch.arange(bs),
+        all_greedy=False,
+        need_top_k_p=True,
+        need_min_p=False,
+        need_penalties=False,
     )
     base.update(kw)
     return SamplingBatch(**base)

@@ -22,7 +22,9 @@ from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WOR
 
 pb2, pb2_grpc = protos.load()
 # Engine-level modules (per_request = False, e.g. the prefix cache) have their own equivalence tests.
-ALL_FEATURES = [f for f in builtin_features() if f.per_request] + [f for f in fake_features() if f.name in WORKLOADS]
+ALL_FEATURES = [f for f in builtin_features() if f.per_request] + [
+    f for f in fake_features() if f.name in WORKLOADS
+]
 
 
 def feature_workload(name: str, n: int = 16, seed: int = 0):
@@ -30,7 +32,11 @@ def feature_workload(name: str, n: int = 16, seed: int = 0):
     prompts, params, feats = [], [], []
     for i in range(n):
         prompts.append([rng.randrange(3, 49000) for _ in range(rng.randrange(2, 24))])
-        params.append(SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, max_new_tokens=rng.randrange(4, 24), ignore_eos=True))
+        params.append(
+            SamplingParams(
+                temperature=0 if i % 2 else 0.8, seed=i, max_new_tokens=rng.randrange(4, 24), ignore_eos=True
+            )
+        )
         payload = WORKLOADS[name](i)
         feats.append({name: payload} if payload is not None else None)
         if payload is not None and name in PROMPTS:
@@ -59,13 +65,29 @@ def extras_of(outs):
 
 
 def run(model_dir, prompts, params, feats, **args):
-    client = SyncClient(ServerArgs(**{"dtype": "float32", "loop": "overlap", "kv_cache_tokens": 3000, "max_running_requests": 12, **args}),
-                        model_dir, features=fake_features())
+    client = SyncClient(
+        ServerArgs(
+            **{
+                "dtype": "float32",
+                "loop": "overlap",
+                "kv_cache_tokens": 3000,
+                "max_running_requests": 12,
+                **args,
+            }
+        ),
+        model_dir,
+        features=fake_features(),
+    )
     try:
         outs = client.generate(prompts, params, feats)
         e = client.engine
         assert e.kv_all_free()
-        return [collect(o)[0] for o in outs], [o for o in outs], {r.feature: r for r in e.features.matrix()}, e.mode
+        return (
+            [collect(o)[0] for o in outs],
+            [o for o in outs],
+            {r.feature: r for r in e.features.matrix()},
+            e.mode,
+        )
     finally:
         client.close()
 
@@ -76,10 +98,11 @@ def references(tiny_llama_dir, request):
     refs = {}
     for f in ALL_FEATURES:
         model_dir = request.getfixturevalue(MODELS[f.name]) if f.name in MODELS else tiny_llama_dir
-        ids, outs, _, _ = run(model_dir, *feature_workload(f.name), disable_overlap=True, **SERVER_ARGS.get(f.name, {}))
+        ids, outs, _, _ = run(
+            model_dir, *feature_workload(f.name), disable_overlap=True, **SERVER_ARGS.get(f.name, {})
+        )
         refs[f.name] = (ids, extras_of(outs))
     return refs
-
 
 
 def test_every_registered_feature_has_a_matrix_workload():
@@ -95,8 +118,13 @@ def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references, request)
     if feature in MODELS:
         tiny_llama_dir = request.getfixturevalue(MODELS[feature])  # the model this feature's cells run on
     others = [x.name for x in fake_features() if x.name != feature]  # the cell's feature alone is enabled
-    args = dict(loop=loop, overlap_policy=policy, disabled_features=others,
-                **SERVER_ARGS.get(feature, {}), **CELL_ARGS.get(feature, {}))
+    args = dict(
+        loop=loop,
+        overlap_policy=policy,
+        disabled_features=others,
+        **SERVER_ARGS.get(feature, {}),
+        **CELL_ARGS.get(feature, {}),
+    )
     if loop == "overlap" and policy == "strict" and f.support is not OverlapSupport.FULL:
         with pytest.raises(ValueError, match=feature):
             run(tiny_llama_dir, *feature_workload(feature), **args)
@@ -106,7 +134,11 @@ def test_matrix_cell(feature, loop, policy, tiny_llama_dir, references, request)
     assert_close(extras_of(outs), references[feature][1])
     row = matrix[feature]
     if loop == "normal" or (policy == "global" and f.support is not OverlapSupport.FULL):
-        assert mode == "normal" and row.batches_normal_loop > 0 and row.batches_overlapped == row.batches_fallback == 0
+        assert (
+            mode == "normal"
+            and row.batches_normal_loop > 0
+            and row.batches_overlapped == row.batches_fallback == 0
+        )
     elif f.support is OverlapSupport.FULL:
         assert mode == "overlap" and row.batches_overlapped > 0 and row.batches_fallback == 0
     else:
@@ -118,7 +150,11 @@ def test_mixed_batch_features_and_plain_requests(tiny_llama_dir):
     prompts, params, _ = feature_workload("test_full", 24, seed=3)
     feats = []
     for i in range(24):
-        d = {name: WORKLOADS[name](i) for name in ("test_full", "test_sync", "test_none") if WORKLOADS[name](i) is not None}
+        d = {
+            name: WORKLOADS[name](i)
+            for name in ("test_full", "test_sync", "test_none")
+            if WORKLOADS[name](i) is not None
+        }
         feats.append(d or None)
     ref = run(tiny_llama_dir, prompts, params, feats, disable_overlap=True)[0]
     ids, outs, matrix, mode = run(tiny_llama_dir, prompts, params, feats)
@@ -126,7 +162,9 @@ def test_mixed_batch_features_and_plain_requests(tiny_llama_dir):
     assert matrix["test_none"].batches_fallback > 0
     # The plain requests equal their solo output.
     plain = [i for i, f in enumerate(feats) if f is None]
-    solo = run(tiny_llama_dir, [prompts[i] for i in plain], [params[i] for i in plain], [None] * len(plain))[0]
+    solo = run(tiny_llama_dir, [prompts[i] for i in plain], [params[i] for i in plain], [None] * len(plain))[
+        0
+    ]
     assert [ids[i] for i in plain] == solo
     # The full feature's per-row outputs reach the client.
     i = next(i for i, f in enumerate(feats) if f and "test_full" in f)
@@ -143,8 +181,11 @@ class FailingLaunchHook(BanTokensFeature):
 
 def test_failing_feature_hook_fails_its_batch_and_frees_everything(tiny_llama_dir):
     """Regression: an exception right after a launch leaked the batch's future-map slots."""
-    client = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=2000, max_running_requests=4), tiny_llama_dir,
-                        features=[FailingLaunchHook()])
+    client = SyncClient(
+        ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=2000, max_running_requests=4),
+        tiny_llama_dir,
+        features=[FailingLaunchHook()],
+    )
     try:
         bad = client.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4), [{"test_failing": [1]}])[0]
         assert bad[-1].finish_reason.value == "error" and "injected hook failure" in bad[-1].error
@@ -162,13 +203,20 @@ def test_fallback_is_visible_in_the_trace(tiny_llama_dir, tmp_path):
     prompts, params, feats = feature_workload("test_none", 8)
     run(tiny_llama_dir, prompts, params, feats, trace_file=str(trace))
     names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-    assert any("fallback: test_none" in n for n in names) and any(n.startswith("sync point [test_none]") for n in names)
+    assert any("fallback: test_none" in n for n in names) and any(
+        n.startswith("sync point [test_none]") for n in names
+    )
     assert any(n == "forward decode" for n in names)  # and plain batches overlapped
 
 
 def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
-    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1000, max_running_requests=4, disabled_features=["test_full"]),
-                        tiny_llama_dir, features=fake_features())
+    client = SyncClient(
+        ServerArgs(
+            dtype="float32", kv_cache_tokens=1000, max_running_requests=4, disabled_features=["test_full"]
+        ),
+        tiny_llama_dir,
+        features=fake_features(),
+    )
     try:
         with pytest.raises(RequestError) as e:
             client.submit("a", [5, 6], SamplingParams(max_new_tokens=2), {"test_full": [1]})
@@ -188,21 +236,36 @@ def test_disabled_and_unavailable_features_are_refused(tiny_llama_dir):
 
 
 def test_get_feature_matrix_rpc(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000,
-                                      max_running_requests=4, disabled_features=["test_sync"]), features=fake_features())
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            loop="overlap",
+            model=str(tiny_llama_dir),
+            port=0,
+            kv_cache_tokens=1000,
+            max_running_requests=4,
+            disabled_features=["test_sync"],
+        ),
+        features=fake_features(),
+    )
     try:
         with grpc.insecure_channel(srv.address) as ch:
             m = pb2_grpc.GenerationStub(ch).GetFeatureMatrix(pb2.GetFeatureMatrixRequest())
         rows = {r.feature: r for r in m.rows}
         assert m.overlap_policy == "per-batch" and m.scheduler_mode == "overlap"
-        assert rows["test_none"].overlap_support == "none" and rows["test_sync"].overlap_support == "sync point"
+        assert (
+            rows["test_none"].overlap_support == "none" and rows["test_sync"].overlap_support == "sync point"
+        )
         assert not rows["test_sync"].enabled and rows["test_full"].reason
-        assert not rows["test_unavailable"].available and "vision" in rows["test_unavailable"].unavailable_reason
+        assert (
+            not rows["test_unavailable"].available and "vision" in rows["test_unavailable"].unavailable_reason
+        )
     finally:
         srv.stop()
 
 
 def test_readme_matrix_is_current():
     text = README.read_text()
-    assert readme_with_matrix(text, render_matrix_markdown(builtin_features())) == text, \
+    assert readme_with_matrix(text, render_matrix_markdown(builtin_features())) == text, (
         "README.md's feature matrix is stale: run `python -m service matrix --write-readme`"
+    )

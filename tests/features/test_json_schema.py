@@ -22,13 +22,21 @@ from features.constrained import ConstraintSpec, prepare
 from service.core.request import RequestError
 from tests.data.make_schema_corpus import PINNED, corpus, outcome
 
-SETTINGS = settings(max_examples=40, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=40, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+)
 
 # Any small JSON value: what "invalid instances stay invalid" draws from.
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-20, 20) | st.floats(-20, 20, allow_nan=False) | st.sampled_from(["", "a", "ab", "abcdef", "x-1", "2024-01-01"]),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["a", "b", "c", "id", "name", "x-a", "kind"]), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-20, 20)
+    | st.floats(-20, 20, allow_nan=False)
+    | st.sampled_from(["", "a", "ab", "abcdef", "x-1", "2024-01-01"]),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["a", "b", "c", "id", "name", "x-a", "kind"]), inner, max_size=4)
+    ),
     max_leaves=8,
 )
 
@@ -37,44 +45,182 @@ def validators(schema):
     original = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)(schema)
     normalised, rewrites, problems = js.normalise(schema)
     assert rewrites and not problems, "the case must exercise a rewrite"
-    backend = {k: v for k, v in normalised.items() if k != "$schema"} if isinstance(normalised, dict) else normalised
+    backend = (
+        {k: v for k, v in normalised.items() if k != "$schema"}
+        if isinstance(normalised, dict)
+        else normalised
+    )
     return original, jsonschema.Draft202012Validator(backend), normalised
 
 
 # (name, schema, the rewrite keyword it exercises). Each is checked on generated valid instances
 # (they stay valid) and on arbitrary small JSON values (valid iff valid before).
 CASES = [
-    ("allOf of objects", {"allOf": [
-        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}, "required": ["a"]},
-        {"properties": {"b": {"type": "string", "maxLength": 3}, "a": {"maximum": 10}}, "required": ["b"]}]}, "allOf"),
-    ("allOf with additionalProperties", {"allOf": [
-        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {}}, "additionalProperties": False},
-        {"properties": {"b": {"type": "boolean"}}, "required": ["b"]}]}, "allOf"),
-    ("single-branch allOf", {"allOf": [{"type": "array", "items": {"enum": [1, 2, "a"]}, "maxItems": 3}]}, "allOf"),
-    ("allOf of refs (OpenAPI)", {"$defs": {"New": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
-                                "allOf": [{"$ref": "#/$defs/New"}, {"properties": {"id": {"type": "integer"}}, "required": ["id"]}]}, "allOf"),
-    ("allOf of types and enums", {"allOf": [{"type": ["integer", "string"]}, {"type": ["number", "null"]}, {"enum": [1, 2.0, "a", None, 3]}, {"enum": [1, 2, 3, "b"]}]}, "allOf"),
-    ("keywords beside anyOf", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                               "anyOf": [{"required": ["b"]}, {"required": ["c"]}]}, "anyOf"),
-    ("keywords beside oneOf", {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}}, "required": ["kind"],
-                               "oneOf": [{"properties": {"kind": {"const": "x"}}}, {"properties": {"kind": {"const": "y"}, "id": {"type": "integer"}}, "required": ["id"]}]}, "oneOf"),
-    ("$ref with siblings (2020-12)", {"$defs": {"o": {"type": "object", "properties": {"x": {"type": "integer"}}}},
-                                      "$ref": "#/$defs/o", "required": ["x"]}, "allOf"),
-    ("$ref siblings ignored (draft-07)", {"$schema": "http://json-schema.org/draft-07/schema#",
-                                          "definitions": {"o": {"type": "integer"}}, "$ref": "#/definitions/o", "type": "string"}, "$ref"),
-    ("anchor and $id refs", {"$id": "https://example.com/root.json", "$defs": {
-        "a": {"$anchor": "num", "type": "integer", "maximum": 5},
-        "b": {"$id": "b.json", "type": "array", "items": {"$ref": "#/$defs/c"}, "$defs": {"c": {"type": "string", "maxLength": 2}}}},
-        "type": "object", "properties": {"n": {"$ref": "#num"}, "s": {"$ref": "https://example.com/b.json"}}}, "$ref"),
-    ("draft-07 items array", {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
-                              "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False}, "items"),
-    ("draft-04 exclusive bounds", {"$schema": "http://json-schema.org/draft-04/schema#", "type": "number",
-                                   "minimum": 1, "exclusiveMinimum": True, "maximum": 5, "exclusiveMaximum": False}, "exclusiveMinimum"),
-    ("fractional integer bounds", {"type": "integer", "minimum": 1.5, "exclusiveMaximum": 7.5}, "minimum/maximum"),
+    (
+        "allOf of objects",
+        {
+            "allOf": [
+                {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}, "required": ["a"]},
+                {
+                    "properties": {"b": {"type": "string", "maxLength": 3}, "a": {"maximum": 10}},
+                    "required": ["b"],
+                },
+            ]
+        },
+        "allOf",
+    ),
+    (
+        "allOf with additionalProperties",
+        {
+            "allOf": [
+                {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {}},
+                    "additionalProperties": False,
+                },
+                {"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+            ]
+        },
+        "allOf",
+    ),
+    (
+        "single-branch allOf",
+        {"allOf": [{"type": "array", "items": {"enum": [1, 2, "a"]}, "maxItems": 3}]},
+        "allOf",
+    ),
+    (
+        "allOf of refs (OpenAPI)",
+        {
+            "$defs": {
+                "New": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+            },
+            "allOf": [
+                {"$ref": "#/$defs/New"},
+                {"properties": {"id": {"type": "integer"}}, "required": ["id"]},
+            ],
+        },
+        "allOf",
+    ),
+    (
+        "allOf of types and enums",
+        {
+            "allOf": [
+                {"type": ["integer", "string"]},
+                {"type": ["number", "null"]},
+                {"enum": [1, 2.0, "a", None, 3]},
+                {"enum": [1, 2, 3, "b"]},
+            ]
+        },
+        "allOf",
+    ),
+    (
+        "keywords beside anyOf",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
+        },
+        "anyOf",
+    ),
+    (
+        "keywords beside oneOf",
+        {
+            "type": "object",
+            "properties": {"kind": {"enum": ["x", "y"]}},
+            "required": ["kind"],
+            "oneOf": [
+                {"properties": {"kind": {"const": "x"}}},
+                {"properties": {"kind": {"const": "y"}, "id": {"type": "integer"}}, "required": ["id"]},
+            ],
+        },
+        "oneOf",
+    ),
+    (
+        "$ref with siblings (2020-12)",
+        {
+            "$defs": {"o": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+            "$ref": "#/$defs/o",
+            "required": ["x"],
+        },
+        "allOf",
+    ),
+    (
+        "$ref siblings ignored (draft-07)",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "definitions": {"o": {"type": "integer"}},
+            "$ref": "#/definitions/o",
+            "type": "string",
+        },
+        "$ref",
+    ),
+    (
+        "anchor and $id refs",
+        {
+            "$id": "https://example.com/root.json",
+            "$defs": {
+                "a": {"$anchor": "num", "type": "integer", "maximum": 5},
+                "b": {
+                    "$id": "b.json",
+                    "type": "array",
+                    "items": {"$ref": "#/$defs/c"},
+                    "$defs": {"c": {"type": "string", "maxLength": 2}},
+                },
+            },
+            "type": "object",
+            "properties": {"n": {"$ref": "#num"}, "s": {"$ref": "https://example.com/b.json"}},
+        },
+        "$ref",
+    ),
+    (
+        "draft-07 items array",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "array",
+            "items": [{"type": "integer"}, {"type": "string"}],
+            "additionalItems": False,
+        },
+        "items",
+    ),
+    (
+        "draft-04 exclusive bounds",
+        {
+            "$schema": "http://json-schema.org/draft-04/schema#",
+            "type": "number",
+            "minimum": 1,
+            "exclusiveMinimum": True,
+            "maximum": 5,
+            "exclusiveMaximum": False,
+        },
+        "exclusiveMinimum",
+    ),
+    (
+        "fractional integer bounds",
+        {"type": "integer", "minimum": 1.5, "exclusiveMaximum": 7.5},
+        "minimum/maximum",
+    ),
     ("enum beyond its type", {"type": "string", "enum": ["a", 1, None, "b"]}, "enum"),
-    ("required beyond properties", {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x-": {"type": "integer"}},
-                                    "additionalProperties": {"type": "string"}, "required": ["a", "x-a", "b"]}, "required"),
-    ("false property", {"type": "object", "properties": {"a": {"type": "integer"}, "b": False}, "additionalProperties": False}, "properties"),
+    (
+        "required beyond properties",
+        {
+            "type": "object",
+            "properties": {"a": {}},
+            "patternProperties": {"^x-": {"type": "integer"}},
+            "additionalProperties": {"type": "string"},
+            "required": ["a", "x-a", "b"],
+        },
+        "required",
+    ),
+    (
+        "false property",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": False},
+            "additionalProperties": False,
+        },
+        "properties",
+    ),
     ("array without items", {"type": "array", "minItems": 1, "maxItems": 3}, "items/additionalProperties"),
     ("control characters in a pattern", {"type": "string", "pattern": "^a(.|[\r\n])*$"}, "pattern"),
 ]
@@ -103,15 +249,26 @@ def _generatable(schema) -> bool:
         return False
 
 
-@pytest.mark.parametrize("schema, instance", [
-    ({"allOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]}, {"properties": {"b": {}}, "required": ["b"]}]}, {"a": 1}),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
-    ({"type": "integer", "not": {"const": 3}}, 3),
-    ({"$defs": {"a": {"$anchor": "n", "type": "integer"}}, "$ref": "#n"}, "x"),
-    ({"type": "object", "properties": {"b": {}}, "required": ["a"]}, {"b": 1}),
-    ({"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 2}, "abcd"),
-    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "ab"),
-])
+@pytest.mark.parametrize(
+    "schema, instance",
+    [
+        (
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                    {"properties": {"b": {}}, "required": ["b"]},
+                ]
+            },
+            {"a": 1},
+        ),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
+        ({"type": "integer", "not": {"const": 3}}, 3),
+        ({"$defs": {"a": {"$anchor": "n", "type": "integer"}}, "$ref": "#n"}, "x"),
+        ({"type": "object", "properties": {"b": {}}, "required": ["a"]}, {"b": 1}),
+        ({"anyOf": [{"type": "string"}, {"type": "null"}], "maxLength": 2}, "abcd"),
+        ({"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "ab"),
+    ],
+)
 def test_xgrammar_ignores_what_the_walk_or_normaliser_handles(schema, instance):
     """Pins xgrammar 0.2.9's gaps that motivate this module (an upgrade that closes one shows here)."""
     assert not jsonschema.Draft202012Validator(schema).is_valid(instance)
@@ -119,25 +276,78 @@ def test_xgrammar_ignores_what_the_walk_or_normaliser_handles(schema, instance):
     assert _is_grammar_accept_string(grammar, json.dumps(instance))
     normalised, _, problems = js.normalise(schema)
     fixed = not js.unenforced(normalised, problems) and not _is_grammar_accept_string(
-        xgr.Grammar.from_json_schema(json.dumps(normalised), any_whitespace=False), json.dumps(instance))
+        xgr.Grammar.from_json_schema(json.dumps(normalised), any_whitespace=False), json.dumps(instance)
+    )
     tracked = not js.unenforced(normalised, problems) and jt.has_unique_items(normalised)  # at decode time
     assert fixed or tracked or js.unenforced(normalised, problems)
 
 
-@pytest.mark.parametrize("schema, pointer, keyword", [
-    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "object"}, "uniqueItems": True}}}, "/properties/tags/uniqueItems", "uniqueItems"),
-    ({"type": "object", "properties": {"tags": {"anyOf": [{"type": "array", "items": {"type": "string"}, "uniqueItems": True},
-                                                          {"type": "array"}]}}}, "/properties/tags/anyOf/0/uniqueItems", "uniqueItems"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x+$"}}}, "/properties/a/pattern", "pattern"),
-    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2}, "/minItems", "minItems"),
-    ({"type": "object", "properties": {"a": {}}, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "/if", "if"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "if": {"properties": {"a": {"const": "x"}}},
-      "then": {"required": ["b"]}}, "/if", "if"),  # "a" outside "x": not expressible for any string
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/oneOf", "oneOf"),
-    ({"type": "string", "format": "idn-email"}, "/format", "format"),
-    ({"type": "integer", "minimum": -1e20}, "/minimum", "minimum"),
-    ({"allOf": [{"type": "object", "properties": {"a": {"$ref": "#/allOf/0"}}}, {"required": ["a"]}]}, "/allOf", "allOf"),
-])
+@pytest.mark.parametrize(
+    "schema, pointer, keyword",
+    [
+        (
+            {
+                "type": "object",
+                "properties": {"tags": {"type": "array", "items": {"type": "object"}, "uniqueItems": True}},
+            },
+            "/properties/tags/uniqueItems",
+            "uniqueItems",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {
+                    "tags": {
+                        "anyOf": [
+                            {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                            {"type": "array"},
+                        ]
+                    }
+                },
+            },
+            "/properties/tags/anyOf/0/uniqueItems",
+            "uniqueItems",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x+$"}}},
+            "/properties/a/pattern",
+            "pattern",
+        ),
+        (
+            {"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "minItems": 2},
+            "/minItems",
+            "minItems",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {}},
+                "if": {"required": ["a"]},
+                "then": {"required": ["b"]},
+            },
+            "/if",
+            "if",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "string"}},
+                "if": {"properties": {"a": {"const": "x"}}},
+                "then": {"required": ["b"]},
+            },
+            "/if",
+            "if",
+        ),  # "a" outside "x": not expressible for any string
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "/oneOf", "oneOf"),
+        ({"type": "string", "format": "idn-email"}, "/format", "format"),
+        ({"type": "integer", "minimum": -1e20}, "/minimum", "minimum"),
+        (
+            {"allOf": [{"type": "object", "properties": {"a": {"$ref": "#/allOf/0"}}}, {"required": ["a"]}]},
+            "/allOf",
+            "allOf",
+        ),
+    ],
+)
 def test_strict_refuses_naming_pointer_and_keyword(schema, pointer, keyword):
     with pytest.raises(RequestError) as e:
         prepare(ConstraintSpec("json_schema", json.dumps(schema)), "strict")
@@ -151,15 +361,37 @@ def test_strict_refuses_naming_pointer_and_keyword(schema, pointer, keyword):
         xgr.Grammar.from_json_schema(lenient.backend_text, any_whitespace=False)  # lenient always compiles
 
 
-@pytest.mark.parametrize("kind, text, needle", [
-    ("json_schema", "{not json", "not valid JSON"),
-    ("json_schema", '{"type": "nonsense"}', "/type"),
-    ("json_schema", '{"properties": {"a": {"minimum": "x"}}}', "/properties/a/minimum"),
-    ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', "constraint.structural_tag"),
-    ("structural_tag", json.dumps({"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
-                                   "content": {"type": "json_schema", "json_schema": {"type": "array", "uniqueItems": True}}}}),
-     "/format/content/json_schema/uniqueItems"),
-])
+@pytest.mark.parametrize(
+    "kind, text, needle",
+    [
+        ("json_schema", "{not json", "not valid JSON"),
+        ("json_schema", '{"type": "nonsense"}', "/type"),
+        ("json_schema", '{"properties": {"a": {"minimum": "x"}}}', "/properties/a/minimum"),
+        (
+            "structural_tag",
+            '{"type": "structural_tag", "format": {"type": "nope"}}',
+            "constraint.structural_tag",
+        ),
+        (
+            "structural_tag",
+            json.dumps(
+                {
+                    "type": "structural_tag",
+                    "format": {
+                        "type": "tag",
+                        "begin": "<a>",
+                        "end": "</a>",
+                        "content": {
+                            "type": "json_schema",
+                            "json_schema": {"type": "array", "uniqueItems": True},
+                        },
+                    },
+                }
+            ),
+            "/format/content/json_schema/uniqueItems",
+        ),
+    ],
+)
 def test_bad_constraints_get_clean_messages(kind, text, needle):
     with pytest.raises(RequestError) as e:
         prepare(ConstraintSpec(kind, text), "strict")
@@ -168,22 +400,31 @@ def test_bad_constraints_get_clean_messages(kind, text, needle):
 
 def test_backend_messages_lose_their_source_paths():
     raw = "[21:54:26] /project/cpp/regex_converter.cc:94: Regex parsing error at position 4: Lookahead is not supported yet.\n"
-    assert js.clean_backend_message(raw) == "Regex parsing error at position 4: Lookahead is not supported yet."
+    assert (
+        js.clean_backend_message(raw) == "Regex parsing error at position 4: Lookahead is not supported yet."
+    )
     raw = "[21:54:26] /project/cpp/json_schema_converter.cc:975: Check failed: (val >= MIN) is false: Integer exceeds minimum limit"
     assert js.clean_backend_message(raw) == "Integer exceeds minimum limit"
 
 
 def test_output_validator_uses_the_schema_draft_and_formats():
-    v = js.OutputValidator({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
-                            "properties": {"d": {"type": "string", "format": "date"}, "n": {"type": "integer"}},
-                            "required": ["n"]})
+    v = js.OutputValidator(
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "object",
+            "properties": {"d": {"type": "string", "format": "date"}, "n": {"type": "integer"}},
+            "required": ["n"],
+        }
+    )
     assert v.violations('{"n": 1, "d": "2024-02-03"}') == []
     bad = v.violations('{"n": "x", "d": "2024-13-45"}')
     assert {(i.pointer, i.keyword) for i in bad} == {("/n", "type"), ("/d", "format")}
     assert v.violations('{"n": 1')[0].keyword == "json"
 
 
-@pytest.mark.parametrize("year", [0, 1, 4, 99, 100, 400, 1600, 1700, 1900, 1996, 2000, 2021, 2024, 2100, 2400, 9996, 9999])
+@pytest.mark.parametrize(
+    "year", [0, 1, 4, 99, 100, 400, 1600, 1700, 1900, 1996, 2000, 2021, 2024, 2100, 2400, 9996, 9999]
+)
 def test_date_pattern_is_exactly_the_date_format(year):
     """`format: date` becomes a pattern admitting exactly what jsonschema's date check admits
     (real calendar days, leap years, years 0001-9999), every month and day number 00-32 tried."""
@@ -195,15 +436,35 @@ def test_date_pattern_is_exactly_the_date_format(year):
             assert bool(date.fullmatch(s)) == checker.conforms(s, "date"), s
             dt = f"{s}T12:30:59.25+05:30"
             assert bool(re.fullmatch(js.FORMAT_PATTERNS["date-time"], dt)) == checker.conforms(s, "date"), dt
-    for bad in ("2021-02-28T24:00:00Z", "2021-02-28T10:60:00Z", "2021-02-28T10:00:60Z", "2021-02-28T10:00:00",
-                "2021-02-28 10:00:00Z", "2021-02-28T10:00:00+24:00", "21-02-28", "2021-2-28", "2021-02-28\n"):
+    for bad in (
+        "2021-02-28T24:00:00Z",
+        "2021-02-28T10:60:00Z",
+        "2021-02-28T10:00:60Z",
+        "2021-02-28T10:00:00",
+        "2021-02-28 10:00:00Z",
+        "2021-02-28T10:00:00+24:00",
+        "21-02-28",
+        "2021-2-28",
+        "2021-02-28\n",
+    ):
         assert not re.fullmatch(js.FORMAT_PATTERNS["date-time"], bad) and not date.fullmatch(bad), bad
 
 
-@pytest.mark.parametrize("fmt, good, bad", [
-    ("date", ["2020-02-29", "2000-02-29", "2021-12-31"], ["2021-02-31", "2021-04-31", "2021-02-29", "1900-02-29", "0000-01-01"]),
-    ("date-time", ["2020-02-29T23:59:59Z", "2021-01-31T00:00:00.5-08:00"], ["2021-02-31T10:00:00Z", "2021-02-28T10:00:60Z"]),
-])
+@pytest.mark.parametrize(
+    "fmt, good, bad",
+    [
+        (
+            "date",
+            ["2020-02-29", "2000-02-29", "2021-12-31"],
+            ["2021-02-31", "2021-04-31", "2021-02-29", "1900-02-29", "0000-01-01"],
+        ),
+        (
+            "date-time",
+            ["2020-02-29T23:59:59Z", "2021-01-31T00:00:00.5-08:00"],
+            ["2021-02-31T10:00:00Z", "2021-02-28T10:00:60Z"],
+        ),
+    ],
+)
 def test_date_formats_admit_only_real_days(fmt, good, bad):
     """xgrammar's own `date` / `date-time` grammars take 2021-02-31; the normalised schema's grammar
     cannot produce an impossible day (the pinned gap shows when an upgrade closes it)."""
@@ -233,7 +494,9 @@ def test_corpus_outcomes_are_pinned():
         warnings.simplefilter("ignore")
         for name, text in texts.items():
             got = outcome(text, compile_all=False)
-            want = {k: v for k, v in pinned[name].items() if k not in ("compiles_as_given", "compiles_normalised")}
+            want = {
+                k: v for k, v in pinned[name].items() if k not in ("compiles_as_given", "compiles_normalised")
+            }
             assert {k: v for k, v in got.items() if k in want} == want, name
             assert got["compiles_lenient"], name  # lenient never ends in a raw backend error
     outcomes = {v["outcome"] for v in pinned.values()}
@@ -268,7 +531,9 @@ def grammar_accepts(schema, value) -> bool:
     """Whether the backend's grammar of `schema` (as the server compiles it) produces `value`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":")
+        )
     text = json.dumps(_compact(value, _property_order(schema)), separators=(",", ":"))
     return _is_grammar_accept_string(grammar, text)
 
@@ -278,33 +543,88 @@ def grammar_accepts(schema, value) -> bool:
 # document that the normalised one cannot produce.
 KIND3 = {"kind": {"enum": ["a", "b", "c"]}, "x": {"type": "integer"}, "y": {"type": "string"}}
 ENFORCED = [
-    ("if/then/else on a required const", {
-        "type": "object", "properties": KIND3, "required": ["kind"], "additionalProperties": False,
-        "if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}, "else": {"required": ["y"]}},
-     {"kind": "a", "y": "s"}),
-    ("if/then on an optional enum (if requires it)", {
-        "type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}}, "additionalProperties": False,
-        "if": {"properties": {"kind": {"enum": ["a"]}}, "required": ["kind"]}, "then": {"required": ["x"]},
-        "else": {"properties": {"x": {"maximum": 3}}}},
-     {"kind": "a"}),
-    ("if/then/else on an optional boolean, untyped", {
-        "properties": {"on": {"type": "boolean"}, "x": {"type": "integer"}}, "additionalProperties": False,
-        "if": {"properties": {"on": {"const": True}}}, "then": {"required": ["x"]}, "else": {"maxProperties": 1}},
-     {"on": True}),
-    ("allOf of if/thens (one per discriminator value)", {
-        "type": "object", "properties": KIND3, "required": ["kind"], "additionalProperties": False,
-        "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}},
-                  {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}}]},
-     {"kind": "b", "x": 1}),
-    ("oneOf discriminated by a required const", {
-        "oneOf": [{"type": "object", "properties": {"t": {"const": "p"}, "x": {"type": "integer"}}, "required": ["t", "x"], "additionalProperties": False},
-                  {"type": "object", "properties": {"t": {"const": "q"}, "x": {"type": "string"}}, "required": ["t"], "additionalProperties": False}]},
-     {"t": "q", "x": 1}),
+    (
+        "if/then/else on a required const",
+        {
+            "type": "object",
+            "properties": KIND3,
+            "required": ["kind"],
+            "additionalProperties": False,
+            "if": {"properties": {"kind": {"const": "a"}}},
+            "then": {"required": ["x"]},
+            "else": {"required": ["y"]},
+        },
+        {"kind": "a", "y": "s"},
+    ),
+    (
+        "if/then on an optional enum (if requires it)",
+        {
+            "type": "object",
+            "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"}},
+            "additionalProperties": False,
+            "if": {"properties": {"kind": {"enum": ["a"]}}, "required": ["kind"]},
+            "then": {"required": ["x"]},
+            "else": {"properties": {"x": {"maximum": 3}}},
+        },
+        {"kind": "a"},
+    ),
+    (
+        "if/then/else on an optional boolean, untyped",
+        {
+            "properties": {"on": {"type": "boolean"}, "x": {"type": "integer"}},
+            "additionalProperties": False,
+            "if": {"properties": {"on": {"const": True}}},
+            "then": {"required": ["x"]},
+            "else": {"maxProperties": 1},
+        },
+        {"on": True},
+    ),
+    (
+        "allOf of if/thens (one per discriminator value)",
+        {
+            "type": "object",
+            "properties": KIND3,
+            "required": ["kind"],
+            "additionalProperties": False,
+            "allOf": [
+                {"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}},
+                {"if": {"properties": {"kind": {"const": "b"}}}, "then": {"required": ["y"]}},
+            ],
+        },
+        {"kind": "b", "x": 1},
+    ),
+    (
+        "oneOf discriminated by a required const",
+        {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {"t": {"const": "p"}, "x": {"type": "integer"}},
+                    "required": ["t", "x"],
+                    "additionalProperties": False,
+                },
+                {
+                    "type": "object",
+                    "properties": {"t": {"const": "q"}, "x": {"type": "string"}},
+                    "required": ["t"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        {"t": "q", "x": 1},
+    ),
     ("not of a type", {"type": ["string", "integer", "null"], "not": {"type": ["string", "null"]}}, "s"),
     ("not of an enum", {"enum": ["a", "b", 1, None], "not": {"enum": ["a", None]}}, "a"),
     ("not of a const boolean", {"type": "boolean", "not": {"const": False}}, False),
-    ("not of anything (property absent)", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}},
-                                           "additionalProperties": False}, {"b": 1}),
+    (
+        "not of anything (property absent)",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"not": {}}},
+            "additionalProperties": False,
+        },
+        {"b": 1},
+    ),
 ]
 
 
@@ -330,24 +650,99 @@ def test_rewrites_make_the_grammar_exact(name, schema, violating):
 
 
 RECURSIVE_CASES = [  # each rewrite applied through a recursive reference (trees, threads)
-    ("sibling beside anyOf (the issue's case)", {"type": "object", "additionalProperties": {
-        "minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}]},
-        "definitions": {"r": {"type": "object", "additionalProperties": {
-            "minProperties": 1, "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}]}}}}),
-    ("allOf with a recursive ref", {"$defs": {"node": {"type": "object", "properties": {
-        "name": {"type": "string"}, "kids": {"type": "array", "items": {"allOf": [{"$ref": "#/$defs/node"}, {"required": ["name"]}]}}}}},
-        "$ref": "#/$defs/node"}),
-    ("$ref siblings on a recursive ref (2020-12)", {"$defs": {"t": {"type": "object", "properties": {
-        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/t", "required": ["v"]}}}}, "$ref": "#/$defs/t"}),
-    ("if/then and not inside a recursion", {"$defs": {"c": {"type": "object", "properties": {
-        "kind": {"enum": ["leaf", "node"]}, "v": {"type": "integer", "not": {"const": 0}, "enum": [0, 1, 2]},
-        "kids": {"type": "array", "items": {"$ref": "#/$defs/c"}}}, "required": ["kind"], "additionalProperties": False,
-        "if": {"properties": {"kind": {"const": "node"}}}, "then": {"required": ["kids"]}, "else": {"required": ["v"]}}},
-        "$ref": "#/$defs/c"}),
-    ("mutual recursion beside oneOf", {"$defs": {
-        "a": {"type": "object", "properties": {"b": {"maxProperties": 2, "oneOf": [{"type": "null"}, {"$ref": "#/$defs/b"}]}}},
-        "b": {"type": "object", "properties": {"a": {"minProperties": 1, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}}}},
-        "$ref": "#/$defs/a"}),
+    (
+        "sibling beside anyOf (the issue's case)",
+        {
+            "type": "object",
+            "additionalProperties": {
+                "minProperties": 1,
+                "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}],
+            },
+            "definitions": {
+                "r": {
+                    "type": "object",
+                    "additionalProperties": {
+                        "minProperties": 1,
+                        "anyOf": [{"type": "string"}, {"$ref": "#/definitions/r"}],
+                    },
+                }
+            },
+        },
+    ),
+    (
+        "allOf with a recursive ref",
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "kids": {
+                            "type": "array",
+                            "items": {"allOf": [{"$ref": "#/$defs/node"}, {"required": ["name"]}]},
+                        },
+                    },
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+    ),
+    (
+        "$ref siblings on a recursive ref (2020-12)",
+        {
+            "$defs": {
+                "t": {
+                    "type": "object",
+                    "properties": {
+                        "v": {"type": "integer"},
+                        "next": {"$ref": "#/$defs/t", "required": ["v"]},
+                    },
+                }
+            },
+            "$ref": "#/$defs/t",
+        },
+    ),
+    (
+        "if/then and not inside a recursion",
+        {
+            "$defs": {
+                "c": {
+                    "type": "object",
+                    "properties": {
+                        "kind": {"enum": ["leaf", "node"]},
+                        "v": {"type": "integer", "not": {"const": 0}, "enum": [0, 1, 2]},
+                        "kids": {"type": "array", "items": {"$ref": "#/$defs/c"}},
+                    },
+                    "required": ["kind"],
+                    "additionalProperties": False,
+                    "if": {"properties": {"kind": {"const": "node"}}},
+                    "then": {"required": ["kids"]},
+                    "else": {"required": ["v"]},
+                }
+            },
+            "$ref": "#/$defs/c",
+        },
+    ),
+    (
+        "mutual recursion beside oneOf",
+        {
+            "$defs": {
+                "a": {
+                    "type": "object",
+                    "properties": {
+                        "b": {"maxProperties": 2, "oneOf": [{"type": "null"}, {"$ref": "#/$defs/b"}]}
+                    },
+                },
+                "b": {
+                    "type": "object",
+                    "properties": {
+                        "a": {"minProperties": 1, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/a"}]}
+                    },
+                },
+            },
+            "$ref": "#/$defs/a",
+        },
+    ),
 ]
 
 
@@ -369,7 +764,9 @@ def test_rewrites_terminate_on_cycles(name, schema):
     @given(JSON)
     def same_verdict(value):
         assert backend.is_valid(value) == original.is_valid(value), (value, normalised)
-        if exact and grammar_accepts(normalised, value):  # the backend drops unlisted properties: sound, narrower
+        if exact and grammar_accepts(
+            normalised, value
+        ):  # the backend drops unlisted properties: sound, narrower
             assert original.is_valid(value), (value, normalised)
 
     same_verdict()
@@ -381,7 +778,10 @@ def test_external_refs_are_refused_naming_the_reference():
         with pytest.raises(RequestError) as e:
             prepare(ConstraintSpec("json_schema", json.dumps(schema)), mode)
         assert e.value.code == "INVALID_ARGUMENT", e.value
-        assert "/properties/k/$ref" in e.value.message and "https://example.com/remote.json#/defs/k" in e.value.message
+        assert (
+            "/properties/k/$ref" in e.value.message
+            and "https://example.com/remote.json#/defs/k" in e.value.message
+        )
         assert "never fetched" in e.value.message
 
 
@@ -397,9 +797,14 @@ def test_vendored_schemas_served_by_default(hf_tokenizer):
     from service.config import ServerArgs
 
     d = ServerArgs()
-    limits = GrammarLimits(max_bytes=d.max_constraint_bytes, max_depth=d.max_constraint_depth,
-                           max_properties=d.max_constraint_properties, compile_timeout_s=d.grammar_compile_timeout_s,
-                           max_worker_rss_mb=d.grammar_worker_max_rss_mb, workers=2)
+    limits = GrammarLimits(
+        max_bytes=d.max_constraint_bytes,
+        max_depth=d.max_constraint_depth,
+        max_properties=d.max_constraint_properties,
+        compile_timeout_s=d.grammar_compile_timeout_s,
+        max_worker_rss_mb=d.grammar_worker_max_rss_mb,
+        workers=2,
+    )
     vendor = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor"
     texts = {f.stem: f.read_text() for f in sorted(vendor.glob("*.json"))}
     assert len(texts) == 26
@@ -417,13 +822,25 @@ def test_vendored_schemas_served_by_default(hf_tokenizer):
                 outcomes[name] = "relaxed" if p.relaxed else "exact"
             except RequestError as e:
                 assert e.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED") or (
-                    e.code == "INVALID_ARGUMENT" and "$ref" in e.message), (name, e.code, e.message)
+                    e.code == "INVALID_ARGUMENT" and "$ref" in e.message
+                ), (name, e.code, e.message)
                 assert "bytes exceed" not in e.message and ".cc" not in e.message, (name, e.message)
                 outcomes[name] = e.code
     finally:
         backend.shutdown()
     served = [n for n, o in outcomes.items() if o in ("exact", "relaxed")]
     assert len(served) >= 23, outcomes  # the rest: drone-ci's external $refs, a compile past the deadline
-    for must in ("github-workflows", "gitlab-ci", "compose-spec", "github-issue-forms", "circle-ci", "mergify",
-                 "snapcraft", "renovate", "dependabot", "readthedocs", "travis"):
+    for must in (
+        "github-workflows",
+        "gitlab-ci",
+        "compose-spec",
+        "github-issue-forms",
+        "circle-ci",
+        "mergify",
+        "snapcraft",
+        "renovate",
+        "dependabot",
+        "readthedocs",
+        "travis",
+    ):
         assert must in served, outcomes

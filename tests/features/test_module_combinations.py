@@ -62,7 +62,9 @@ def test_prefix_cache_with_chunked_prefill_and_mixed_batches(tiny_llama_dir, loo
     try:
         got = _run(c, waves)
         assert [ids for ids, _, _ in got] == want
-        assert all(last.cached_tokens >= 41 for _, _, last in got[4:])  # the system prompt came from the cache
+        assert all(
+            last.cached_tokens >= 41 for _, _, last in got[4:]
+        )  # the system prompt came from the cache
         assert c.engine.kv_all_free()
     finally:
         c.close()
@@ -102,8 +104,11 @@ def test_chunked_prefill_through_image_spans(tiny_llava_dir, loop):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llava_dir)
-    cases = [("A picture: <image> What is it?", [IMAGES[0]]), ("Plain text, no image at all here", []),
-             ("Two: <image> and <image> compared", [IMAGES[2], IMAGES[3]])]
+    cases = [
+        ("A picture: <image> What is it?", [IMAGES[0]]),
+        ("Plain text, no image at all here", []),
+        ("Two: <image> and <image> compared", [IMAGES[2], IMAGES[3]]),
+    ]
     waves = [[(tok.encode(text), _params(i)) for i, (text, _) in enumerate(cases)]]
     feats = [mm(*imgs) if imgs else None for _, imgs in cases]
     ref = _client(tiny_llava_dir, loop)
@@ -136,7 +141,9 @@ def test_retraction_with_prefix_cache_and_chunked_prefill(tiny_llama_dir, loop):
     prompts, params, feats = workload()
     shared = list(range(1000, 1024))
     prompts = [shared + p for p in prompts]
-    ref = make_client(tiny_llama_dir, "normal", kv=16384, admission_policy="reserve", disable_prefix_cache=True)
+    ref = make_client(
+        tiny_llama_dir, "normal", kv=16384, admission_policy="reserve", disable_prefix_cache=True
+    )
     try:
         want = summary(generate_all(ref, prompts, params, feats))
     finally:

@@ -42,7 +42,13 @@ def draw(w: int, h: int, seed: int, fmt: str = "PNG") -> bytes:
 
 
 # Sizes and aspect ratios that need a resize (shortest edge 32) and a centre crop; three formats.
-IMAGES = [draw(64, 48, 1), draw(40, 90, 2, "JPEG"), draw(100, 37, 3, "WEBP"), draw(32, 32, 4), draw(333, 200, 5)]
+IMAGES = [
+    draw(64, 48, 1),
+    draw(40, 90, 2, "JPEG"),
+    draw(100, 37, 3, "WEBP"),
+    draw(32, 32, 4),
+    draw(333, 200, 5),
+]
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -57,26 +63,39 @@ def tok(tiny_llava_dir):
     return AutoTokenizer.from_pretrained(tiny_llava_dir)
 
 
-def hf_reference(model_dir: Path, strategy: str, cases: list[tuple[str, list[bytes]]], n: int) -> list[list[int]]:
+def hf_reference(
+    model_dir: Path, strategy: str, cases: list[tuple[str, list[bytes]]], n: int
+) -> list[list[int]]:
     """transformers' LlavaProcessor + LlavaForConditionalGeneration.generate, fp32 greedy."""
     from transformers import AutoImageProcessor, AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
 
-    proc = LlavaProcessor(image_processor=AutoImageProcessor.from_pretrained(model_dir, backend="pil"),
-                          tokenizer=AutoTokenizer.from_pretrained(model_dir), patch_size=8,
-                          vision_feature_select_strategy=strategy, image_token="<image>", num_additional_image_tokens=1)
+    proc = LlavaProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(model_dir, backend="pil"),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        patch_size=8,
+        vision_feature_select_strategy=strategy,
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
     model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for text, images in cases:
-        inp = proc(text=text, images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+        inp = proc(
+            text=text, images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt"
+        )
         with torch.inference_mode():
             ids = model.generate(**inp, max_new_tokens=n, do_sample=False, pad_token_id=0)
-        out.append(ids[0, inp["input_ids"].shape[1]:].tolist())
+        out.append(ids[0, inp["input_ids"].shape[1] :].tolist())
     return out
 
 
 def client(model_dir: Path, loop: str = "overlap", **kw) -> SyncClient:
-    return SyncClient(ServerArgs(**{"dtype": "float32", "loop": loop, "kv_cache_tokens": 4000, "max_running_requests": 8, **kw}),
-                      model_dir)
+    return SyncClient(
+        ServerArgs(
+            **{"dtype": "float32", "loop": loop, "kv_cache_tokens": 4000, "max_running_requests": 8, **kw}
+        ),
+        model_dir,
+    )
 
 
 CASES = [
@@ -94,15 +113,27 @@ def test_greedy_tokens_equal_transformers(variant, tiny_llava_dir, smol_dir, tmp
     if variant == "default":
         model_dir, strategy = tiny_llava_dir, "default"
     else:
-        model_dir, strategy = make_tiny_llava(smol_dir, tmp_path / "llava-full", feature_layer=[-3, -1], strategy="full",
-                                              act="silu", projector_bias=False, tie=True), "full"
+        model_dir, strategy = (
+            make_tiny_llava(
+                smol_dir,
+                tmp_path / "llava-full",
+                feature_layer=[-3, -1],
+                strategy="full",
+                act="silu",
+                projector_bias=False,
+                tie=True,
+            ),
+            "full",
+        )
     ref = hf_reference(model_dir, strategy, CASES, 8)
     c = client(model_dir, loop="overlap" if variant == "default" else "normal")
     try:
         outs = c.generate([tok.encode(t) for t, _ in CASES], GREEDY, [mm(*imgs) for _, imgs in CASES])
         assert [collect(o)[0] for o in outs] == ref
-        assert all(o[-1].prompt_tokens == len(tok.encode(t)) + len(imgs) * (PER_IMAGE - 1 + (strategy == "full"))
-                   for o, (t, imgs) in zip(outs, CASES))
+        assert all(
+            o[-1].prompt_tokens == len(tok.encode(t)) + len(imgs) * (PER_IMAGE - 1 + (strategy == "full"))
+            for o, (t, imgs) in zip(outs, CASES)
+        )
         # The images matter: the same prompt with other images gives other tokens.
         other = c.generate([tok.encode(CASES[0][0])], GREEDY, [mm(IMAGES[4])])
         assert collect(other[0])[0] != ref[0]
@@ -125,7 +156,10 @@ def mixed_workload(tok):
 
 
 def run_together(c: SyncClient, prompts, feats, params=GREEDY) -> list[list[int]]:
-    reqs = [c.engine.build_request(f"r{i}", p, SamplingParams(**vars(params)), f) for i, (p, f) in enumerate(zip(prompts, feats))]
+    reqs = [
+        c.engine.build_request(f"r{i}", p, SamplingParams(**vars(params)), f)
+        for i, (p, f) in enumerate(zip(prompts, feats))
+    ]
     c.engine.submit_all(reqs)
     return [collect(c.wait(r.rid))[0] for r in reqs]
 
@@ -163,8 +197,10 @@ def test_repeated_image_hits_the_encoder_cache(tiny_llava_dir, tok):
         assert again == first and f.encoder_runs == 1 and f.cache.hits == hits + 2
         # Different bytes of the same picture are a different image to every cache.
         png, jpeg = draw(50, 50, 9), draw(50, 50, 9, "JPEG")
-        reqs = [c.engine.build_request(f"h{i}", tok.encode("<image>"), SamplingParams(**vars(GREEDY)), mm(b))
-                for i, b in enumerate((png, jpeg))]
+        reqs = [
+            c.engine.build_request(f"h{i}", tok.encode("<image>"), SamplingParams(**vars(GREEDY)), mm(b))
+            for i, b in enumerate((png, jpeg))
+        ]
         hashes = [r.features[MM].image_hashes[0] for r in reqs]
         assert hashes == [image_hash(png), image_hash(jpeg)] and hashes[0] != hashes[1]
         assert [r.features[MM].spans for r in reqs] == [((0, PER_IMAGE),)] * 2
@@ -210,8 +246,10 @@ def test_bad_images_fail_only_their_request(loop, tiny_llava_dir, tok):
             feats = [mm(IMAGES[0]), mm(IMAGES[1], bad)]
             prompts = [good, tok.encode("<image> then <image>")]
             try:
-                reqs = [c.engine.build_request(f"{loop}-{i}-{why}", p, SamplingParams(**vars(GREEDY)), f)
-                        for i, (p, f) in enumerate(zip(prompts, feats))]
+                reqs = [
+                    c.engine.build_request(f"{loop}-{i}-{why}", p, SamplingParams(**vars(GREEDY)), f)
+                    for i, (p, f) in enumerate(zip(prompts, feats))
+                ]
             except RequestError as e:  # refused while validating (cheap checks): before any work
                 assert e.code == "INVALID_ARGUMENT" and "images[1]" in e.message and why in e.message
                 continue
@@ -232,8 +270,11 @@ def test_bad_images_fail_only_their_request(loop, tiny_llava_dir, tok):
 
 def test_text_only_model_reports_multimodal_unavailable(tiny_llama_dir):
     """The matrix says why; image requests get FAILED_PRECONDITION (in-process and over gRPC)."""
-    server = BackgroundServer(ServerArgs(model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=1000,
-                                         max_running_requests=4))
+    server = BackgroundServer(
+        ServerArgs(
+            model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=1000, max_running_requests=4
+        )
+    )
     try:
         with pytest.raises(RequestError) as e:
             server.engine.build_request("x", [5, 6, 7], GREEDY, mm(IMAGES[0]))
@@ -243,14 +284,26 @@ def test_text_only_model_reports_multimodal_unavailable(tiny_llama_dir):
             row = {r.feature: r for r in stub.GetFeatureMatrix(pb2.GetFeatureMatrixRequest()).rows}[MM]
             assert not row.available and "text-only" in row.unavailable_reason
             sp = pb2.SamplingParams(max_new_tokens=3, temperature=0)
-            chat = pb2.ChatInput(messages=[pb2.ChatMessage(role="user", parts=[pb2.ContentPart(text="hi"),
-                                                                               pb2.ContentPart(image=IMAGES[0])])])
-            for req in (pb2.GenerateRequest(text="a <image>", images=[IMAGES[0]], sampling=sp),
-                        pb2.GenerateRequest(chat=chat, sampling=sp)):
+            chat = pb2.ChatInput(
+                messages=[
+                    pb2.ChatMessage(
+                        role="user", parts=[pb2.ContentPart(text="hi"), pb2.ContentPart(image=IMAGES[0])]
+                    )
+                ]
+            )
+            for req in (
+                pb2.GenerateRequest(text="a <image>", images=[IMAGES[0]], sampling=sp),
+                pb2.GenerateRequest(chat=chat, sampling=sp),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     stub.Generate(req)
-                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "text-only" in err.value.details()
-            assert len(stub.Generate(pb2.GenerateRequest(text="a <image>", sampling=sp)).token_ids) == 3  # text as usual
+                assert (
+                    err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    and "text-only" in err.value.details()
+                )
+            assert (
+                len(stub.Generate(pb2.GenerateRequest(text="a <image>", sampling=sp)).token_ids) == 3
+            )  # text as usual
     finally:
         server.stop()
 
@@ -282,14 +335,23 @@ def test_chunk_boundary_inside_an_image_span(tiny_llava_dir, tok):
         kv = TokenToKVPool(1024, s.num_layers, s.num_kv_heads, s.head_dim, torch.float32)
         table = ReqToTokenPool(4, 512)
         whole = logits(build_extend_batch([new_req(0)], table, kv, s.vocab_size), kv)
-        for cuts in ([a + 5], [a + 3, b + 9], [b + 1]):  # inside the first span, both spans, the second span's start
+        for cuts in (
+            [a + 5],
+            [a + 3, b + 9],
+            [b + 1],
+        ):  # inside the first span, both spans, the second span's start
             kv = TokenToKVPool(1024, s.num_layers, s.num_kv_heads, s.head_dim, torch.float32)
             table = ReqToTokenPool(4, 512)
             r = new_req(1)
             edges = [0, *cuts, len(prompt)]
             for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
-                batch = build_extend_batch([r], table, kv, s.vocab_size,
-                                           rows=[ExtendRow(r, prompt[lo:hi], prefix_len=lo, new_slot=i == 0)])
+                batch = build_extend_batch(
+                    [r],
+                    table,
+                    kv,
+                    s.vocab_size,
+                    rows=[ExtendRow(r, prompt[lo:hi], prefix_len=lo, new_slot=i == 0)],
+                )
                 assert batch.fb.mode is ForwardMode.EXTEND
                 out = logits(batch, kv)
             torch.testing.assert_close(out[:1], whole[:1], atol=1e-4, rtol=1e-4)
@@ -310,7 +372,16 @@ def test_chat_parts_follow_the_chat_template(tiny_llava_dir, tmp_path):
     chat_template.json is used when the tokenizer has none."""
     from service.tokenizer import Tokenizer
 
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "image"}, {"type": "text", "text": "what?"}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Hi "},
+                {"type": "image"},
+                {"type": "text", "text": "what?"},
+            ],
+        }
+    ]
     t = Tokenizer(tiny_llava_dir)
     assert "Hi <image>what?" in t.render_chat(parts)  # SmolLM2's template renders strings only
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -322,8 +393,16 @@ def test_chat_parts_follow_the_chat_template(tiny_llava_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def llava_server(tiny_llava_dir):
-    server = BackgroundServer(ServerArgs(model=str(tiny_llava_dir), port=0, dtype="float32", loop="overlap",
-                                         kv_cache_tokens=4000, max_running_requests=8))
+    server = BackgroundServer(
+        ServerArgs(
+            model=str(tiny_llava_dir),
+            port=0,
+            dtype="float32",
+            loop="overlap",
+            kv_cache_tokens=4000,
+            max_running_requests=8,
+        )
+    )
     yield server
     server.stop()
 
@@ -332,12 +411,26 @@ def test_grpc_chat_with_images_tokenize_and_errors(llava_server, tok):
     chan = grpc.insecure_channel(llava_server.address)
     stub = pb2_grpc.GenerationStub(chan)
     sp = pb2.SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    chat = pb2.ChatInput(messages=[pb2.ChatMessage(role="user", parts=[
-        pb2.ContentPart(text="What is in "), pb2.ContentPart(image=IMAGES[0]),
-        pb2.ContentPart(text=" and "), pb2.ContentPart(image=IMAGES[2]), pb2.ContentPart(text="?")])])
+    chat = pb2.ChatInput(
+        messages=[
+            pb2.ChatMessage(
+                role="user",
+                parts=[
+                    pb2.ContentPart(text="What is in "),
+                    pb2.ContentPart(image=IMAGES[0]),
+                    pb2.ContentPart(text=" and "),
+                    pb2.ContentPart(image=IMAGES[2]),
+                    pb2.ContentPart(text="?"),
+                ],
+            )
+        ]
+    )
     # Tokenize returns the expanded ids: the template's text with each image's run of image tokens.
-    expected_text = tok.apply_chat_template([{"role": "user", "content": "What is in <image> and <image>?"}],
-                                            add_generation_prompt=True, tokenize=False)
+    expected_text = tok.apply_chat_template(
+        [{"role": "user", "content": "What is in <image> and <image>?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     tk = stub.Tokenize(pb2.TokenizeRequest(chat=chat))
     assert tk.text == expected_text
     ids = list(tk.token_ids)
@@ -345,23 +438,37 @@ def test_grpc_chat_with_images_tokenize_and_errors(llava_server, tok):
     assert len(ids) == len(tok.encode(expected_text, add_special_tokens=False)) + 2 * (PER_IMAGE - 1)
     by_chat = stub.Generate(pb2.GenerateRequest(chat=chat, sampling=sp))
     # The same prompt as expanded token ids (or text with placeholders) + images gives the same tokens.
-    by_ids = stub.Generate(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=ids), images=[IMAGES[0], IMAGES[2]], sampling=sp))
+    by_ids = stub.Generate(
+        pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=ids), images=[IMAGES[0], IMAGES[2]], sampling=sp)
+    )
     assert list(by_chat.token_ids) == list(by_ids.token_ids) and len(by_chat.token_ids) == 6
     assert by_chat.usage.prompt_tokens == len(ids)
-    streamed = [t for m in stub.GenerateStream(pb2.GenerateRequest(chat=chat, sampling=sp)) for t in m.token_ids]
+    streamed = [
+        t for m in stub.GenerateStream(pb2.GenerateRequest(chat=chat, sampling=sp)) for t in m.token_ids
+    ]
     assert streamed == list(by_chat.token_ids)
     tk_text = stub.Tokenize(pb2.TokenizeRequest(text="<image> hi", images=[IMAGES[1]]))
     assert list(tk_text.token_ids)[:PER_IMAGE] == [TINY_LLAVA_IMAGE_TOKEN] * PER_IMAGE
     # Bad input: INVALID_ARGUMENT naming the image, before the request is queued.
     for req, match in [
-        (pb2.GenerateRequest(text="a <image> b <image>", images=[IMAGES[0], _truncated_png()], sampling=sp), "images[1]: "),
+        (
+            pb2.GenerateRequest(
+                text="a <image> b <image>", images=[IMAGES[0], _truncated_png()], sampling=sp
+            ),
+            "images[1]: ",
+        ),
         (pb2.GenerateRequest(text="a <image>", images=[IMAGES[0], IMAGES[1]], sampling=sp), "2 image(s)"),
         (pb2.GenerateRequest(chat=chat, images=[IMAGES[0]], sampling=sp), "chat.messages[].parts"),
-        (pb2.GenerateRequest(text="x <image>" * 9, images=[IMAGES[0]] * 9, sampling=sp), "--max-images-per-request"),
+        (
+            pb2.GenerateRequest(text="x <image>" * 9, images=[IMAGES[0]] * 9, sampling=sp),
+            "--max-images-per-request",
+        ),
     ]:
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(req)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details(), e.value.details()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details(), (
+            e.value.details()
+        )
     rows = {r.feature: r for r in stub.GetFeatureMatrix(pb2.GetFeatureMatrixRequest()).rows}
     assert rows[MM].available and rows[MM].batches_overlapped > 0
     assert stub.GetModelInfo(pb2.GetModelInfoRequest()).architecture == "LlavaForConditionalGeneration"
@@ -399,7 +506,9 @@ def test_a_slow_image_holds_up_nobody(loop, tiny_llava_dir, tok):
     encoder = f.encoder
     f.encoder = lambda px: (gate.wait(60), encoder(px))[1]
     try:
-        stuck = c.engine.build_request("stuck", tok.encode("Slow: <image>"), SamplingParams(**vars(GREEDY)), mm(IMAGES[3]))
+        stuck = c.engine.build_request(
+            "stuck", tok.encode("Slow: <image>"), SamplingParams(**vars(GREEDY)), mm(IMAGES[3])
+        )
         c.engine.submit(stuck)
         text = c.generate([tok.encode("Meanwhile, plain text"), tok.encode("and more text")], GREEDY)
         assert all(o[-1].finish_reason is FinishReason.LENGTH for o in text)

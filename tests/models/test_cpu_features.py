@@ -46,7 +46,9 @@ def test_caps_remove_what_they_name():
     assert "-mno-avx512bf16" in as_icelake.compile_flags()
     assert not features(SPR, onednn="AVX2").onednn_packs_bf16  # oneDNN capped below AVX512_CORE
     assert features(SPR, onednn="AVX512_CORE").onednn_packs_bf16
-    assert features({"avx2", "fma", "avx_ne_convert"}).onednn_packs_bf16  # Intel client CPUs with AVX-NE-CONVERT
+    assert features(
+        {"avx2", "fma", "avx_ne_convert"}
+    ).onednn_packs_bf16  # Intel client CPUs with AVX-NE-CONVERT
     with pytest.raises(ValueError, match="ZEROGAP_CPU_ISA='sse9'"):
         cf.parse_cap("sse9")
 
@@ -109,7 +111,9 @@ def test_threads_follow_the_grant():
 
 def test_engine_says_what_it_runs_on(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="zerogap"):
-        client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir)
+        client = SyncClient(
+            ServerArgs(dtype="float32", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir
+        )
     try:
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU: "))
         assert cf.cpu_features().describe() in line and "threads" in line
@@ -122,9 +126,15 @@ def test_bfloat16_runs_where_it_is_emulated_and_says_so(tiny_llama_dir, caplog):
     """`--dtype bfloat16` serves on any x86-64 CPU: here with the CPU's bf16 support as it is; the
     same on a CPU without it is run by the AVX-512-off pass below."""
     with caplog.at_level(logging.WARNING, logger="zerogap"):
-        client = SyncClient(ServerArgs(dtype="bfloat16", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir)
+        client = SyncClient(
+            ServerArgs(dtype="bfloat16", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir
+        )
     try:
-        ids = collect(client.generate([list(range(5, 15))], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0])[0]
+        ids = collect(
+            client.generate(
+                [list(range(5, 15))], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+            )[0]
+        )[0]
         assert len(ids) == 6
         emulated = any("runs emulated" in r.getMessage() for r in caplog.records)
         assert emulated == (not cf.cpu_features().native_bf16)
@@ -142,7 +152,11 @@ CAPPED_PASS = [
 ]
 CAPS = {  # ZEROGAP_CPU_ISA -> the environment that makes torch and oneDNN see the same CPU
     "avx2": AVX2_ENV,  # a Zen 3 or an Intel client CPU: no AVX-512 of any kind
-    "avx512": {"ZEROGAP_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512": {
+        "ZEROGAP_CPU_ISA": "avx512",
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+    },
 }
 
 
@@ -155,8 +169,14 @@ def test_cpu_paths_pass_with_extensions_forced_off(cap):
     if cap == "avx512" and not cf.cpu_features().avx512:
         pytest.skip("the AVX-512 variant exists only on an AVX-512 CPU; this one ran the avx2 pass")
     env = {**os.environ, **CAPS[cap]}  # the kernels' cache key holds their flags: a build of their own
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *CAPPED_PASS],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *CAPPED_PASS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail
     assert " passed" in r.stdout.splitlines()[-1] and " failed" not in r.stdout.splitlines()[-1], tail
@@ -194,7 +214,9 @@ def make_team(threads: int = 2):
     from service.engine.cpu_threads import AdaptiveTeam
 
     cpus = FakeCpus()
-    team = AdaptiveTeam(threads, clock=lambda: cpus.wall, cpu_clock=lambda: cpus.cpu, set_threads=cpus.sizes.append)
+    team = AdaptiveTeam(
+        threads, clock=lambda: cpus.wall, cpu_clock=lambda: cpus.cpu, set_threads=cpus.sizes.append
+    )
     return team, cpus
 
 
@@ -252,16 +274,26 @@ def test_engine_results_do_not_change_when_the_team_changes_size(tiny_llama_dir,
 
     prompts = [[5 + i * 7 + j for j in range(2 + 9 * i)] for i in range(5)]
     greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-    fixed = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8, adapt_cpu_team=False),
-                       tiny_llama_dir)
+    fixed = SyncClient(
+        ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8, adapt_cpu_team=False),
+        tiny_llama_dir,
+    )
     try:
         want = [collect(o)[0] for o in fixed.generate(prompts, greedy)]
     finally:
         fixed.close()
-    for name, value in (("SHARE_LOW", 2.0), ("MARGIN", 100.0), ("PROBE_FIRST_S", 0.0), ("PROBE_MAX_S", 0.0),
-                        ("SHARE_WINDOW_S", 0.0), ("PROBE_STEPS", 2)):
+    for name, value in (
+        ("SHARE_LOW", 2.0),
+        ("MARGIN", 100.0),
+        ("PROBE_FIRST_S", 0.0),
+        ("PROBE_MAX_S", 0.0),
+        ("SHARE_WINDOW_S", 0.0),
+        ("PROBE_STEPS", 2),
+    ):
         monkeypatch.setattr(AdaptiveTeam, name, value)  # every probe wins: the size flips every few steps
-    flipping = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8), tiny_llama_dir)
+    flipping = SyncClient(
+        ServerArgs(dtype="float32", kv_cache_tokens=1024, max_running_requests=8), tiny_llama_dir
+    )
     try:
         got = [collect(o)[0] for o in flipping.generate(prompts, greedy)]
         team = flipping.engine.worker.cpu_team

@@ -22,7 +22,9 @@ from service.models.attention import TorchAttention, masked_sdpa
 from service.models.cpu_features import cpu_features
 from service.models.linear import packed_if_exact
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it): apt-get install gcc")
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="needs cc (the native kernels are built with it): apt-get install gcc"
+)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -117,7 +119,9 @@ def test_grammar_mask_kernel_matches_xgrammar(dtype, vocab):
     assert cpu_kernels.apply_token_bitmask_(got, mask, torch.tensor(rows, dtype=torch.int64))
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 4]], logits[[1, 4]])  # unlisted rows untouched
-    assert not cpu_kernels.apply_token_bitmask_(got.to(torch.float16), mask, torch.tensor(rows))  # no kernel: caller falls back
+    assert not cpu_kernels.apply_token_bitmask_(
+        got.to(torch.float16), mask, torch.tensor(rows)
+    )  # no kernel: caller falls back
 
 
 @needs_kernels
@@ -137,7 +141,9 @@ def test_fused_layer_ops_match_eager(dtype):
     cos, sin = torch.randn(64, d, generator=g), torch.randn(64, d, generator=g)
     q, k, v = ops.split_qkv_rope(qkv.clone(), hq, hkv, d, pos, cos, sin)
     assert torch.equal(q, ops.rope_eager(qkv[:, : hq * d].reshape(11, hq, d), cos[pos], sin[pos]))
-    assert torch.equal(k, ops.rope_eager(qkv[:, hq * d : (hq + hkv) * d].reshape(11, hkv, d), cos[pos], sin[pos]))
+    assert torch.equal(
+        k, ops.rope_eager(qkv[:, hq * d : (hq + hkv) * d].reshape(11, hkv, d), cos[pos], sin[pos])
+    )
     assert torch.equal(v, qkv[:, (hq + hkv) * d :].reshape(11, hkv, d))
 
     gate_up = torch.randn(11, 2 * 40, generator=g).to(dtype) * 4
@@ -173,10 +179,17 @@ def test_extend_attention_costs_what_its_tokens_cost():
     t = sum(lens)
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
     fb = ForwardBatch(
-        mode=ForwardMode.EXTEND, input_ids=torch.zeros(t, dtype=torch.int64),
-        positions=torch.cat([torch.arange(n) for n in lens]), out_cache_loc=table[table > 0],
-        kv_indices=table, q_positions=torch.zeros(1), logits_index=torch.zeros(1), sampling=None,  # type: ignore[arg-type]
-        seq_lens=torch.tensor(lens), extend_lens=lens, extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        out_cache_loc=table[table > 0],
+        kv_indices=table,
+        q_positions=torch.zeros(1),
+        logits_index=torch.zeros(1),
+        sampling=None,  # type: ignore[arg-type]
+        seq_lens=torch.tensor(lens),
+        extend_lens=lens,
+        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
     )
     backend = TorchAttention(use_kernel=False)
     meta = backend.prepare(fb, hq, hkv, None)
@@ -186,7 +199,9 @@ def test_extend_attention_costs_what_its_tokens_cost():
     for _r, n in enumerate(lens):
         kr = k[row : row + n].transpose(0, 1).repeat_interleave(2, 0)
         vr = v[row : row + n].transpose(0, 1).repeat_interleave(2, 0)
-        ref = F.scaled_dot_product_attention(q[row : row + n].transpose(0, 1), kr, vr, is_causal=True, scale=0.25)
+        ref = F.scaled_dot_product_attention(
+            q[row : row + n].transpose(0, 1), kr, vr, is_causal=True, scale=0.25
+        )
         torch.testing.assert_close(out[row : row + n], ref.transpose(0, 1).reshape(n, -1))
         row += n
 
@@ -223,8 +238,10 @@ def test_fast_engine_and_pure_torch_engine_give_the_same_greedy_tokens(tiny_llam
         fast.close()
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    slow = SyncClient(ServerArgs(dtype=dtype, kv_cache_tokens=1024, max_running_requests=8,
-                                 attention_backend="torch-sdpa"), tiny_llama_dir)
+    slow = SyncClient(
+        ServerArgs(dtype=dtype, kv_cache_tokens=1024, max_running_requests=8, attention_backend="torch-sdpa"),
+        tiny_llama_dir,
+    )
     try:
         slow_ids = [collect(o)[0] for o in slow.generate(prompts, greedy)]
     finally:

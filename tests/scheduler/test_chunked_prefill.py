@@ -17,7 +17,14 @@ from tests.helpers import wait_until
 from tests.scheduler.test_overlap import assert_pools_initial, forbid_placeholders
 
 LONG = 150  # tokens of the long prompt (the tiny models' context is 512)
-LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 3, "token_ids_logprob": [5, 17], "logprob_start_len": 0}}
+LOGPROBS = {
+    "logprobs": {
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [5, 17],
+        "logprob_start_len": 0,
+    }
+}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -27,10 +34,15 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def client(model_dir, guard: bool = True, **args) -> SyncClient:
     """guard: any future placeholder reaching the model fails the forward (a host read itself)."""
-    base = {"dtype": "float32", "loop": "normal", "kv_cache_tokens": 3000, "max_running_requests": 8,
-            "chunked_prefill_size": 0, "enable_mixed_chunk": False}  # the reference: whole-prompt prefill
-    c = SyncClient(ServerArgs(**{**base, **args}),
-                   model_dir)
+    base = {
+        "dtype": "float32",
+        "loop": "normal",
+        "kv_cache_tokens": 3000,
+        "max_running_requests": 8,
+        "chunked_prefill_size": 0,
+        "enable_mixed_chunk": False,
+    }  # the reference: whole-prompt prefill
+    c = SyncClient(ServerArgs(**{**base, **args}), model_dir)
     if guard:
         forbid_placeholders(c)
     return c
@@ -67,13 +79,25 @@ def workload():
     params = [
         SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0.9, seed=7, max_new_tokens=16, ignore_eos=True, frequency_penalty=1.5,
-                       repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(
+            temperature=0.9,
+            seed=7,
+            max_new_tokens=16,
+            ignore_eos=True,
+            frequency_penalty=1.5,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+        ),
         SamplingParams(temperature=0.8, seed=11, top_k=40, max_new_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True, stop=["e"], min_new_tokens=2),
     ]
-    feats = [LOGPROBS, LOGPROBS, None,
-             {"logprobs": {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 17}}, None]
+    feats = [
+        LOGPROBS,
+        LOGPROBS,
+        None,
+        {"logprobs": {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 17}},
+        None,
+    ]
     return prompts, params, feats
 
 
@@ -93,13 +117,23 @@ def test_chunk_sizes_give_the_same_tokens_and_logprobs(size, tiny_llama_dir, ref
     assert len(first) == 1 and len(first[0]["input"]) == LONG - 1 and first[0]["input_start"] == 1
 
 
-@pytest.mark.parametrize("loop,mixed,size", [("normal", False, 16), ("overlap", False, 16), ("normal", True, 16),
-                                             ("overlap", True, 16), ("overlap", True, 100)])
+@pytest.mark.parametrize(
+    "loop,mixed,size",
+    [
+        ("normal", False, 16),
+        ("overlap", False, 16),
+        ("normal", True, 16),
+        ("overlap", True, 16),
+        ("overlap", True, 100),
+    ],
+)
 def test_mixed_and_overlap_equal_whole_prefill(loop, mixed, size, tiny_llama_dir, reference):
     """The long prompt comes last, so its chunks meet running decodes. Size 100: chunks past the CPU
     kernel's extend limit (SDPA), the decode rows beside them through the kernel."""
     prompts, params, feats = (x[::-1] for x in workload())
-    got, counters = run(tiny_llama_dir, prompts, params, feats, chunked_prefill_size=size, enable_mixed_chunk=mixed, loop=loop)
+    got, counters = run(
+        tiny_llama_dir, prompts, params, feats, chunked_prefill_size=size, enable_mixed_chunk=mixed, loop=loop
+    )
     assert_same(reference, got[::-1])
     assert counters["chunks"] > 0
     if mixed:
@@ -110,9 +144,20 @@ def test_mixed_and_overlap_equal_whole_prefill(loop, mixed, size, tiny_llama_dir
 
 def test_sliding_window_across_chunk_boundaries(tiny_mistral_dir):
     """Mistral (window 8): chunks of 5 and mixed rows attend the same window as one prefill."""
-    prompts, params = [prompt(1, 60), prompt(2, 7)], [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)] * 2
+    prompts, params = (
+        [prompt(1, 60), prompt(2, 7)],
+        [SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)] * 2,
+    )
     ref, _ = run(tiny_mistral_dir, prompts, params, [LOGPROBS] * 2)
-    got, _ = run(tiny_mistral_dir, prompts, params, [LOGPROBS] * 2, chunked_prefill_size=5, enable_mixed_chunk=True, loop="overlap")
+    got, _ = run(
+        tiny_mistral_dir,
+        prompts,
+        params,
+        [LOGPROBS] * 2,
+        chunked_prefill_size=5,
+        enable_mixed_chunk=True,
+        loop="overlap",
+    )
     assert_same(ref, got)
 
 
@@ -131,7 +176,10 @@ def test_logprob_start_at_a_chunk_boundary(tiny_llama_dir):
     """Input logprobs from each position around a boundary (chunks of 8: boundary tokens at 8, 16)."""
     p = prompt(10, 20)
     sp = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
-    feats = [{"logprobs": {"top_logprobs_num": 2, "token_ids_logprob": [9], "logprob_start_len": s}} for s in (7, 8, 9, 16, 19)]
+    feats = [
+        {"logprobs": {"top_logprobs_num": 2, "token_ids_logprob": [9], "logprob_start_len": s}}
+        for s in (7, 8, 9, 16, 19)
+    ]
     ref, _ = run(tiny_llama_dir, [p] * 5, [sp] * 5, feats)
     got, _ = run(tiny_llama_dir, [p] * 5, [sp] * 5, feats, chunked_prefill_size=8, max_running_requests=1)
     assert_same(ref, got)
@@ -142,9 +190,20 @@ def test_grammar_starts_after_the_last_chunk(tiny_llama_dir):
     pytest.importorskip("xgrammar")
     prompts = [prompt(11, 90), prompt(12, 4)]
     sp = SamplingParams(temperature=0, max_new_tokens=16)
-    feats = [{"constrained": {"kind": "regex", "text": r"[a-z]{2,6}( [0-9]+)?"}}, {"constrained": {"kind": "json_object"}}]
+    feats = [
+        {"constrained": {"kind": "regex", "text": r"[a-z]{2,6}( [0-9]+)?"}},
+        {"constrained": {"kind": "json_object"}},
+    ]
     ref, _ = run(tiny_llama_dir, prompts, [sp] * 2, feats)
-    got, counters = run(tiny_llama_dir, prompts, [sp] * 2, feats, chunked_prefill_size=8, enable_mixed_chunk=True, loop="overlap")
+    got, counters = run(
+        tiny_llama_dir,
+        prompts,
+        [sp] * 2,
+        feats,
+        chunked_prefill_size=8,
+        enable_mixed_chunk=True,
+        loop="overlap",
+    )
     assert [r[:3] for r in got] == [r[:3] for r in ref]
     assert counters["chunked_requests"] == 1
 

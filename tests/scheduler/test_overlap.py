@@ -30,12 +30,24 @@ def workload(seed: int, n: int) -> list[tuple[list[int], SamplingParams, float, 
         if kind == 0:
             sp = SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 40))
         elif kind == 1:
-            sp = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=rng.randrange(1 << 30), max_new_tokens=rng.randrange(5, 40),
-                                repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2)
+            sp = SamplingParams(
+                temperature=0.9,
+                top_k=40,
+                top_p=0.95,
+                seed=rng.randrange(1 << 30),
+                max_new_tokens=rng.randrange(5, 40),
+                repetition_penalty=1.2,
+                frequency_penalty=0.3,
+                presence_penalty=0.2,
+            )
         elif kind == 2:
-            sp = SamplingParams(temperature=0.7, min_p=0.1, seed=i, max_new_tokens=rng.randrange(5, 30), stop=["e", ", "])
+            sp = SamplingParams(
+                temperature=0.7, min_p=0.1, seed=i, max_new_tokens=rng.randrange(5, 30), stop=["e", ", "]
+            )
         else:
-            sp = SamplingParams(temperature=0, max_new_tokens=rng.randrange(10, 40), min_new_tokens=3, stop=["the"])
+            sp = SamplingParams(
+                temperature=0, max_new_tokens=rng.randrange(10, 40), min_new_tokens=3, stop=["the"]
+            )
         abort_after = rng.randrange(1, 5) if i % 7 == 3 else None
         items.append((prompt, sp, rng.random() * 0.3, abort_after))
     return items
@@ -55,7 +67,15 @@ def run_workload(client: SyncClient, items, tag: str) -> dict[int, tuple[list[in
     aborted = {i for i, it in enumerate(items) if it[3] is not None}
     for i in aborted:  # abort as soon as the request has produced k tokens (any loop)
         rid, k = rids[i], items[i][3]
-        wait_until(lambda: len(client._outputs.get(rid, [])) >= k or rid not in client.engine._live and rid in client._outputs, 30, 0.001)
+        wait_until(
+            lambda: (
+                len(client._outputs.get(rid, [])) >= k
+                or rid not in client.engine._live
+                and rid in client._outputs
+            ),
+            30,
+            0.001,
+        )
         client.engine.abort(rid)
     t.join()
     results = {}
@@ -103,7 +123,10 @@ def compare(normal: dict, overlap: dict, items) -> None:
 def tiny_clients(tiny_llama_dir):
     clients = {}
     for mode in ("normal", "overlap"):
-        clients[mode] = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=3000, max_running_requests=12), tiny_llama_dir)
+        clients[mode] = SyncClient(
+            ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=3000, max_running_requests=12),
+            tiny_llama_dir,
+        )
         forbid_placeholders(clients[mode])
     yield clients
     for c in clients.values():
@@ -124,7 +147,9 @@ def test_overlap_matches_normal_on_smollm2(smol_dir):
     items = [(p, sp, d, None) for p, sp, d, _ in workload(11, 10)]
     res = {}
     for mode in ("normal", "overlap"):
-        c = SyncClient(ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=4096, max_running_requests=8), smol_dir)
+        c = SyncClient(
+            ServerArgs(dtype="float32", loop=mode, kv_cache_tokens=4096, max_running_requests=8), smol_dir
+        )
         forbid_placeholders(c)
         try:
             res[mode] = run_workload(c, items, mode)
@@ -138,7 +163,12 @@ def test_tiny_future_map_is_still_correct(tiny_llama_dir, tiny_clients):
     """A map that holds just one batch forces sync points; results stay the same."""
     items = [(p, sp, d, None) for p, sp, d, _ in workload(5, 20)]
     ref = run_workload(tiny_clients["normal"], items, "ref")
-    c = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=3000, max_running_requests=12, future_map_size=12), tiny_llama_dir)
+    c = SyncClient(
+        ServerArgs(
+            dtype="float32", loop="overlap", kv_cache_tokens=3000, max_running_requests=12, future_map_size=12
+        ),
+        tiny_llama_dir,
+    )
     forbid_placeholders(c)
     try:
         compare(ref, run_workload(c, items, "tiny"), items)
@@ -150,7 +180,16 @@ def test_tiny_future_map_is_still_correct(tiny_llama_dir, tiny_clients):
 
 def test_future_map_smaller_than_a_batch_fails_loudly(tiny_llama_dir):
     with pytest.raises(ValueError, match="future map size"):
-        SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=1000, max_running_requests=8, future_map_size=4), tiny_llama_dir)
+        SyncClient(
+            ServerArgs(
+                dtype="float32",
+                loop="overlap",
+                kv_cache_tokens=1000,
+                max_running_requests=8,
+                future_map_size=4,
+            ),
+            tiny_llama_dir,
+        )
 
 
 def test_finish_and_abort_in_the_same_step_frees_once(tiny_clients):
@@ -163,7 +202,10 @@ def test_finish_and_abort_in_the_same_step_frees_once(tiny_clients):
             sched.abort_request(req.rid)
 
     with on_each_result(sched, hook):
-        outs = c.generate([[5, 6, 7, i + 10] for i in range(10)], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+        outs = c.generate(
+            [[5, 6, 7, i + 10] for i in range(10)],
+            SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True),
+        )
         assert all(collect(o)[2].finish_reason in (FinishReason.LENGTH, FinishReason.ABORT) for o in outs)
     assert_pools_initial(c)
 
@@ -171,12 +213,27 @@ def test_finish_and_abort_in_the_same_step_frees_once(tiny_clients):
 def test_overlap_matches_normal_through_grpc(smol_dir):
     rng = random.Random(3)
     prompts = [f"Question {i}: what is {rng.randrange(100)} plus {rng.randrange(100)}?" for i in range(10)]
-    samplings = [pb2.SamplingParams(max_new_tokens=rng.randrange(4, 30), temperature=0.0 if i % 2 else 0.8, seed=i,
-                                    stop=[" is"] if i % 3 == 0 else []) for i in range(10)]
+    samplings = [
+        pb2.SamplingParams(
+            max_new_tokens=rng.randrange(4, 30),
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            stop=[" is"] if i % 3 == 0 else [],
+        )
+        for i in range(10)
+    ]
     results = {}
     for mode in ("normal", "overlap"):
-        srv = BackgroundServer(ServerArgs(dtype="float32", model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8,
-                                          loop=mode))
+        srv = BackgroundServer(
+            ServerArgs(
+                dtype="float32",
+                model=str(smol_dir),
+                port=0,
+                kv_cache_tokens=4096,
+                max_running_requests=8,
+                loop=mode,
+            )
+        )
         try:
             with grpc.insecure_channel(srv.address) as ch:
                 stub = pb2_grpc.GenerationStub(ch)
@@ -184,7 +241,9 @@ def test_overlap_matches_normal_through_grpc(smol_dir):
                 for p, sp in zip(prompts, samplings):
                     futures.append(stub.Generate.future(pb2.GenerateRequest(text=p, sampling=sp)))
                     time.sleep(0.02)
-                results[mode] = [(list(f.result().token_ids), f.result().text, f.result().finish_reason) for f in futures]
+                results[mode] = [
+                    (list(f.result().token_ids), f.result().text, f.result().finish_reason) for f in futures
+                ]
                 assert stub.GetServerInfo(pb2.GetServerInfoRequest()).scheduler_mode == mode
             assert wait_until(lambda: srv.engine.kv_all_free(), 10)
         finally:
@@ -194,7 +253,16 @@ def test_overlap_matches_normal_through_grpc(smol_dir):
 
 def test_trace_file_and_busy_stats(tiny_llama_dir, tmp_path):
     trace = tmp_path / "trace.json"
-    c = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=2000, max_running_requests=8, trace_file=str(trace)), tiny_llama_dir)
+    c = SyncClient(
+        ServerArgs(
+            dtype="float32",
+            loop="overlap",
+            kv_cache_tokens=2000,
+            max_running_requests=8,
+            trace_file=str(trace),
+        ),
+        tiny_llama_dir,
+    )
     try:
         c.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
         stats = c.engine.stats()

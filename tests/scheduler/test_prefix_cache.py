@@ -44,7 +44,10 @@ def test_tree_match_split_insert_and_counts():
     m = tree.match([1, 2, 3, 9])  # ends inside the edge: split
     assert m.length == 3 and m.rows.tolist() == a[:3].tolist() and m.node.key == [1, 2, 3]
     b = _insert(tree, [1, 2, 3, 7, 8])
-    assert tree.total_tokens == 7 and tree.match([1, 2, 3, 7, 8]).rows.tolist() == a[:3].tolist() + b[3:].tolist()
+    assert (
+        tree.total_tokens == 7
+        and tree.match([1, 2, 3, 7, 8]).rows.tolist() == a[:3].tolist() + b[3:].tolist()
+    )
     assert tree.match([1, 2, 3, 4, 5], limit=4).length == 4
     tree.check()
     assert tree.kv_pool.free_count == 64 - 7
@@ -71,7 +74,13 @@ def test_tree_locks_protect_and_eviction_is_lru_leaves_first():
 
 # ---- through the engine ----------------------------------------------------------------------------
 def _client(model_dir, loop: str, cache: bool, **kw) -> SyncClient:
-    args = dict(dtype="float32", loop=loop, kv_cache_tokens=4096, max_running_requests=16, disable_prefix_cache=not cache)
+    args = dict(
+        dtype="float32",
+        loop=loop,
+        kv_cache_tokens=4096,
+        max_running_requests=16,
+        disable_prefix_cache=not cache,
+    )
     return SyncClient(ServerArgs(**{**args, **kw}), model_dir)
 
 
@@ -106,8 +115,13 @@ def _run_waves(client: SyncClient, waves: list[list[tuple[list[int], SamplingPar
 def _shared_prefix_waves(rng: random.Random) -> list[list[tuple[list[int], SamplingParams]]]:
     system = [rng.randrange(3, 49000) for _ in range(40)]
     first = [(system + [rng.randrange(3, 49000) for _ in range(5)], _params(0))]
-    rest = [(system + [rng.randrange(3, 49000) for _ in range(rng.randrange(1, 12))], _params(i)) for i in range(1, 7)]
-    unrelated = [([rng.randrange(3, 49000) for _ in range(rng.randrange(3, 30))], _params(i)) for i in range(3)]
+    rest = [
+        (system + [rng.randrange(3, 49000) for _ in range(rng.randrange(1, 12))], _params(i))
+        for i in range(1, 7)
+    ]
+    unrelated = [
+        ([rng.randrange(3, 49000) for _ in range(rng.randrange(3, 30))], _params(i)) for i in range(3)
+    ]
     return [first, rest + unrelated]
 
 
@@ -145,7 +159,9 @@ def test_outputs_equal_with_and_without_cache(tiny_llama_dir, loop):
     # ... and in each later turn the whole previous history but the last output token's KV.
     for _, last, prev in turns_on:
         assert last.cached_tokens == max(prev - 1, 0)
-    assert info_on.enabled and info_on.hit_tokens == sum(hits) + sum(last.cached_tokens for _, last, _ in turns_on)
+    assert info_on.enabled and info_on.hit_tokens == sum(hits) + sum(
+        last.cached_tokens for _, last, _ in turns_on
+    )
     assert 0 < info_on.hit_rate < 1 and info_on.hit_requests == 6 + 6
 
 
@@ -154,6 +170,7 @@ def test_concurrent_sharers_hit_the_first_ones_prefill(tiny_llama_dir):
     rng = random.Random(3)
     system = [rng.randrange(3, 49000) for _ in range(48)]
     prompts = [system + [rng.randrange(3, 49000) for _ in range(3)] for _ in range(6)]
+
     def run(client):
         res = client.generate(prompts, [_params(i) for i in range(6)])
         assert client.engine.kv_all_free()
@@ -168,9 +185,15 @@ def test_concurrent_sharers_hit_the_first_ones_prefill(tiny_llama_dir):
 def test_eviction_under_a_tiny_pool_while_requests_run(tiny_llama_dir, loop):
     rng = random.Random(4)
     prefixes = [[rng.randrange(3, 49000) for _ in range(60)] for _ in range(6)]
-    waves = [[(p + [rng.randrange(3, 49000) for _ in range(4)], _params(i, 12)) for i, p in enumerate(prefixes[k:k + 2])]
-             for k in range(0, 6, 2)]
+    waves = [
+        [
+            (p + [rng.randrange(3, 49000) for _ in range(4)], _params(i, 12))
+            for i, p in enumerate(prefixes[k : k + 2])
+        ]
+        for k in range(0, 6, 2)
+    ]
     waves.append([(prefixes[0] + [7, 8], _params(0, 12)), (prefixes[5] + [9], _params(1, 12))])
+
     def run(client):
         out = [ids for ids, _ in _run_waves(client, waves)]
         # All at once: two run, and each admission evicts what finished ones left while the other runs.
@@ -197,7 +220,9 @@ def test_abort_of_a_request_whose_prefix_running_ones_share(tiny_llama_dir, loop
     ref = _client(tiny_llama_dir, loop, False)
     try:
         for i, p in enumerate(sharers):
-            want[i] = collect(ref.generate([p], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))[0])[0]
+            want[i] = collect(
+                ref.generate([p], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))[0]
+            )[0]
     finally:
         ref.close()
     client = _client(tiny_llama_dir, loop, True)
@@ -207,7 +232,9 @@ def test_abort_of_a_request_whose_prefix_running_ones_share(tiny_llama_dir, loop
         assert wait_until(lambda: len(client._outputs.get("owner", [])) >= 2, 60, 0.005)
         for i, p in enumerate(sharers):
             client.submit(f"s{i}", p, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
-        assert wait_until(lambda: all(len(client._outputs.get(f"s{i}", [])) >= 1 for i in range(3)), 60, 0.005)
+        assert wait_until(
+            lambda: all(len(client._outputs.get(f"s{i}", [])) >= 1 for i in range(3)), 60, 0.005
+        )
         e.abort("owner")
         e.abort("s0")
         assert collect(client.wait("owner"))[2].finish_reason is FinishReason.ABORT
@@ -229,6 +256,7 @@ def test_input_logprobs_never_come_from_the_cache(tiny_llama_dir):
     prompt = [rng.randrange(3, 49000) for _ in range(30)]
     greedy = SamplingParams(temperature=0, max_new_tokens=4)
     lp = {"logprobs": dict(return_logprob=True, logprob_start_len=10)}
+
     def run(client):
         client.generate([prompt], greedy)  # cache the prompt
         return client.generate([prompt], greedy, [lp])[0]
@@ -250,15 +278,27 @@ def test_grpc_usage_server_info_and_disable_flag(smol_dir):
     from service.server import BackgroundServer
     from zerogap.client.types import Completion
 
-    chat = pb2.ChatInput(messages=[pb2.ChatMessage(role="system", content="You are a terse assistant. Answer in one word."),
-                                   pb2.ChatMessage(role="user", content="Capital of France?")])
+    chat = pb2.ChatInput(
+        messages=[
+            pb2.ChatMessage(role="system", content="You are a terse assistant. Answer in one word."),
+            pb2.ChatMessage(role="user", content="Capital of France?"),
+        ]
+    )
     req = pb2.GenerateRequest(chat=chat, sampling=pb2.SamplingParams(max_new_tokens=6, temperature=0))
     texts = {}
     for disabled in (False, True):
         import grpc
 
-        srv = BackgroundServer(ServerArgs(model=str(smol_dir), port=0, dtype="float32", disable_prefix_cache=disabled,
-                                          kv_cache_tokens=4096, max_running_requests=8))
+        srv = BackgroundServer(
+            ServerArgs(
+                model=str(smol_dir),
+                port=0,
+                dtype="float32",
+                disable_prefix_cache=disabled,
+                kv_cache_tokens=4096,
+                max_running_requests=8,
+            )
+        )
         try:
             with grpc.insecure_channel(srv.address) as ch:
                 stub = pb2_grpc.GenerationStub(ch)
@@ -273,10 +313,14 @@ def test_grpc_usage_server_info_and_disable_flag(smol_dir):
                     assert second.usage.cached_tokens == second.usage.prompt_tokens - 1
                     assert info.prefix_cache_enabled and info.prefix_cache_tokens > 0
                     assert info.prefix_cache_hit_tokens == second.usage.cached_tokens
-                    assert info.prefix_cache_hit_rate == pytest.approx(second.usage.cached_tokens / (2 * second.usage.prompt_tokens))
+                    assert info.prefix_cache_hit_rate == pytest.approx(
+                        second.usage.cached_tokens / (2 * second.usage.prompt_tokens)
+                    )
                     # The client library and the OpenAI gateway's usage carry it too.
                     assert Completion.from_proto(second).cached_tokens == second.usage.cached_tokens
-                    body = gateway_usage(second.usage.prompt_tokens, 0, Completion.from_proto(second).cached_tokens)
+                    body = gateway_usage(
+                        second.usage.prompt_tokens, 0, Completion.from_proto(second).cached_tokens
+                    )
                     assert body["prompt_tokens_details"]["cached_tokens"] == second.usage.cached_tokens
                 # Idle: every row is free or held only by the cache (evictable).
                 assert info.kv_pool_free_tokens == info.kv_pool_total_tokens
@@ -310,6 +354,7 @@ def test_constrained_requests_hit_and_equal(tiny_llama_dir):
     prompt = [rng.randrange(3, 49000) for _ in range(40)]
     feats = [{"constrained": dict(kind="regex", text=r"[a-z]{2,6}( [0-9]+)?")}]
     sp = SamplingParams(temperature=0.8, seed=3, max_new_tokens=12)
+
     def run(client):
         first = collect(client.generate([prompt], sp, feats)[0])
         second = collect(client.generate([prompt], sp, feats)[0])

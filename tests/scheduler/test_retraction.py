@@ -40,16 +40,35 @@ def workload(n: int = 16, seed: int = 0):
         if kind == 0:
             sp = SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True, stop=["ing "])
         elif kind == 1:
-            sp = SamplingParams(temperature=0.9, seed=i, max_new_tokens=m, ignore_eos=True, repetition_penalty=1.3,
-                                frequency_penalty=0.4, presence_penalty=0.2)
+            sp = SamplingParams(
+                temperature=0.9,
+                seed=i,
+                max_new_tokens=m,
+                ignore_eos=True,
+                repetition_penalty=1.3,
+                frequency_penalty=0.4,
+                presence_penalty=0.2,
+            )
         elif kind == 2:
             sp = SamplingParams(temperature=0, max_new_tokens=m, ignore_eos=True)
-            f = {"logprobs": dict(return_logprob=True, top_logprobs_num=3, token_ids_logprob=(5, 17), logprob_start_len=1)}
+            f = {
+                "logprobs": dict(
+                    return_logprob=True, top_logprobs_num=3, token_ids_logprob=(5, 17), logprob_start_len=1
+                )
+            }
         elif kind == 3:
             sp = SamplingParams(temperature=0.8, seed=i, max_new_tokens=m)
             f = {"constrained": dict(kind="regex", text=REGEX)}
         else:
-            sp = SamplingParams(temperature=0.7, seed=i, top_p=0.9, min_new_tokens=5, max_new_tokens=m, ignore_eos=True, stop=["e,"])
+            sp = SamplingParams(
+                temperature=0.7,
+                seed=i,
+                top_p=0.9,
+                min_new_tokens=5,
+                max_new_tokens=m,
+                ignore_eos=True,
+                stop=["e,"],
+            )
         params.append(sp)
         feats.append(f)
     return prompts, params, feats
@@ -62,10 +81,17 @@ def grpc_request(i: int, rid: str = "") -> pb2.GenerateRequest:
     """Request i of workload() as a GenerateRequest."""
     prompts, params, feats = WORKLOAD
     sp = params[i]
-    sampling = pb2.SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                  min_new_tokens=sp.min_new_tokens, repetition_penalty=sp.repetition_penalty,
-                                  frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
-                                  ignore_eos=sp.ignore_eos, stop=sp.stop)
+    sampling = pb2.SamplingParams(
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        min_new_tokens=sp.min_new_tokens,
+        repetition_penalty=sp.repetition_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        presence_penalty=sp.presence_penalty,
+        ignore_eos=sp.ignore_eos,
+        stop=sp.stop,
+    )
     if sp.seed is not None:
         sampling.seed = sp.seed
     req = pb2.GenerateRequest(request_id=rid, token_ids=pb2.TokenIds(ids=prompts[i]), sampling=sampling)
@@ -79,15 +105,25 @@ def grpc_request(i: int, rid: str = "") -> pb2.GenerateRequest:
 
 def make_client(model_dir, loop: str, kv: int = POOL, **args) -> SyncClient:
     # Scenarios are tuned to whole-prompt prefill steps (chunked prefill: tests/features/test_module_combinations.py).
-    base = dict(dtype="float32", loop=loop, kv_cache_tokens=kv, max_running_requests=16, chunked_prefill_size=0,
-                enable_mixed_chunk=False, **PRESSURE)
+    base = dict(
+        dtype="float32",
+        loop=loop,
+        kv_cache_tokens=kv,
+        max_running_requests=16,
+        chunked_prefill_size=0,
+        enable_mixed_chunk=False,
+        **PRESSURE,
+    )
     return SyncClient(ServerArgs(**{**base, **args}), model_dir)
 
 
 def generate_all(client: SyncClient, prompts, params, feats, tag: str = "r"):
     """All requests in one scheduler command (deterministic admission), then their outputs."""
     e = client.engine
-    reqs = [e.build_request(f"{tag}-{i}", p, SamplingParams(**vars(sp)), f) for i, (p, sp, f) in enumerate(zip(prompts, params, feats))]
+    reqs = [
+        e.build_request(f"{tag}-{i}", p, SamplingParams(**vars(sp)), f)
+        for i, (p, sp, f) in enumerate(zip(prompts, params, feats))
+    ]
     for r in reqs:
         for fut in e.features.pending(r):
             fut.result(timeout=60)
@@ -143,7 +179,11 @@ class StepLog:
     def __init__(self, scheduler):
         self.steps: list[dict[str, list[str]]] = [{"finish": [], "retract": []}]
         launch = "launch_batch" if scheduler.overlap else "run_batch"
-        run, finish, retract = getattr(scheduler, launch), scheduler.output.finish, scheduler.retraction.retract
+        run, finish, retract = (
+            getattr(scheduler, launch),
+            scheduler.output.finish,
+            scheduler.retraction.retract,
+        )
 
         def on_launch(*a, **k):
             self.steps.append({"finish": [], "retract": []})
@@ -177,7 +217,9 @@ def test_retraction_matches_ample_memory(loop, tiny_llama_dir, reference, tmp_pa
         assert max(counts) >= 2, "some request is retracted twice"
         row = {r.feature: r for r in client.engine.features.matrix()}["retraction"]
         if loop == "overlap":
-            assert stats.retraction_sync_points > 0 and row.batches_overlapped > 0 and row.batches_fallback == 0
+            assert (
+                stats.retraction_sync_points > 0 and row.batches_overlapped > 0 and row.batches_fallback == 0
+            )
         else:
             assert row.batches_normal_loop > 0
         assert_initial(client)
@@ -193,8 +235,9 @@ def test_retraction_in_the_same_step_as_a_finish(loop, tiny_llama_dir):
     29 x 14 + 13 = 419, so the step after A's last token needs 14 rows with only A's 13 freed. The
     retraction happens between the same two forwards as A's finish; outputs equal an ample pool's."""
     prompts = [[9] * 4] + [[11 + i] * 20 for i in range(14)]
-    params = [SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)] + \
-             [SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)] * 14
+    params = [SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)] + [
+        SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)
+    ] * 14
     ratio = dict(init_new_token_ratio=0.05, min_new_token_ratio=0.05)
     ample = make_client(tiny_llama_dir, loop, kv=4096, **ratio)
     try:
@@ -270,7 +313,7 @@ def test_abort_while_retracted(loop, tiny_llama_dir, reference):
         k = int(victims[0].split("-")[1])
         ids, _, reason, *_ = got[k]
         assert reason is FinishReason.ABORT and ids == reference[k][0][: len(ids)]
-        assert_same(got[:k] + got[k + 1:], reference[:k] + reference[k + 1:])
+        assert_same(got[:k] + got[k + 1 :], reference[:k] + reference[k + 1 :])
         assert_initial(client)
     finally:
         client.close()
@@ -280,9 +323,19 @@ def test_client_cancel_while_retracted(tiny_llama_dir, reference):
     """Through gRPC: the first victim's client cancels its call while the request waits to be re-prefilled
     (the scheduler holds until the abort is queued); it ends CANCELLED, the others equal the reference,
     and the pool is whole again."""
-    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", port=0, model=str(tiny_llama_dir), kv_cache_tokens=POOL,
-                                      chunked_prefill_size=0, enable_mixed_chunk=False,
-                                      max_running_requests=16, **PRESSURE))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            loop="overlap",
+            port=0,
+            model=str(tiny_llama_dir),
+            kv_cache_tokens=POOL,
+            chunked_prefill_size=0,
+            enable_mixed_chunk=False,
+            max_running_requests=16,
+            **PRESSURE,
+        )
+    )
     s = srv.engine.scheduler
     calls: dict[str, grpc.Future] = {}
     cancelled: list[str] = []
@@ -330,9 +383,19 @@ def test_grpc_stream_and_unary_under_retraction(tiny_llama_dir, reference):
     """Through gRPC: concurrent streams and unary calls under retraction pressure; each stream's deltas
     concatenate to the reference (no gap, repeat or reorder); usage.retractions and ServerInfo agree."""
     prompts = WORKLOAD[0]
-    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", port=0, model=str(tiny_llama_dir), kv_cache_tokens=POOL,
-                                      chunked_prefill_size=0, enable_mixed_chunk=False,
-                                      max_running_requests=16, **PRESSURE))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            loop="overlap",
+            port=0,
+            model=str(tiny_llama_dir),
+            kv_cache_tokens=POOL,
+            chunked_prefill_size=0,
+            enable_mixed_chunk=False,
+            max_running_requests=16,
+            **PRESSURE,
+        )
+    )
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb2_grpc.GenerationStub(ch)
@@ -342,7 +405,11 @@ def test_grpc_stream_and_unary_under_retraction(tiny_llama_dir, reference):
                     r = stub.Generate(grpc_request(i))
                     return list(r.token_ids), r.text, r.usage.retractions
                 parts = list(stub.GenerateStream(grpc_request(i)))
-                return [t for p in parts for t in p.token_ids], "".join(p.text for p in parts), parts[-1].usage.retractions
+                return (
+                    [t for p in parts for t in p.token_ids],
+                    "".join(p.text for p in parts),
+                    parts[-1].usage.retractions,
+                )
 
             with ThreadPoolExecutor(16) as pool:
                 results = list(pool.map(run, range(len(prompts))))
@@ -351,14 +418,19 @@ def test_grpc_stream_and_unary_under_retraction(tiny_llama_dir, reference):
             assert (ids, text) == tuple(reference[i][:2]), f"request {i}"
         assert info.admission_policy == "optimistic" and info.retractions > 0
         assert sum(r[2] for r in results) == info.retractions
-        metrics = {m.name: m.samples[0].value for m in EngineCollector(srv.engine, srv.running.router).collect()}
-        assert metrics["zerogap_retractions"] == info.retractions and 0 < metrics["zerogap_new_token_ratio"] <= 1
+        metrics = {
+            m.name: m.samples[0].value for m in EngineCollector(srv.engine, srv.running.router).collect()
+        }
+        assert (
+            metrics["zerogap_retractions"] == info.retractions and 0 < metrics["zerogap_new_token_ratio"] <= 1
+        )
         assert wait_until(lambda: srv.engine.kv_all_free(), 10)
     finally:
         srv.stop()
 
 
 # ---- the policy alone ----------------------------------------------------------------------
+
 
 def _req(rid: str, prompt: int, out: int, max_new: int, arrival: float) -> Req:
     r = Req(rid, [5] * prompt, SamplingParams(max_new_tokens=max_new), 0, None, frozenset())  # type: ignore[arg-type]
@@ -371,7 +443,12 @@ def _req(rid: str, prompt: int, out: int, max_new: int, arrival: float) -> Req:
 
 def test_victims_fewest_output_tokens_first_never_a_reserved_one():
     p = AdmissionPolicy(RetractionConfig(max_retractions=1, headroom_steps=2))
-    a, b, c, d = _req("a", 10, 30, 100, 1.0), _req("b", 10, 5, 100, 2.0), _req("c", 50, 5, 100, 3.0), _req("d", 10, 1, 100, 4.0)
+    a, b, c, d = (
+        _req("a", 10, 30, 100, 1.0),
+        _req("b", 10, 5, 100, 2.0),
+        _req("c", 50, 5, 100, 3.0),
+        _req("d", 10, 1, 100, 4.0),
+    )
     d.features["retraction"] = Retracted(count=1)  # hit the bound: reserved, never a victim
     assert p.reserved(d) and retractions_of(d) == 1
     # 4 decoding, 0 free: c (5 tokens, later arrival) goes first, then b; 2 left need 4 rows.

@@ -52,7 +52,13 @@ def server(smol_dir):
     srv = BackgroundServer(
         # bf16: a prefix-cache hit rounds differently from a full prefill, and these tests compare the
         # same request's logprobs through the gateway and gRPC (README "Prefix cache").
-        ServerArgs(model=str(smol_dir), port=0, kv_cache_tokens=4096, max_running_requests=8, disable_prefix_cache=True)
+        ServerArgs(
+            model=str(smol_dir),
+            port=0,
+            kv_cache_tokens=4096,
+            max_running_requests=8,
+            disable_prefix_cache=True,
+        )
     )
     yield srv
     srv.stop()

@@ -16,8 +16,16 @@ pb2, pb2_grpc = protos.load()
 
 @pytest.fixture(scope="module")
 def server(smol_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", loop="overlap", model=str(smol_dir), port=0, kv_cache_tokens=4096,
-                                      max_running_requests=16))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            loop="overlap",
+            model=str(smol_dir),
+            port=0,
+            kv_cache_tokens=4096,
+            max_running_requests=16,
+        )
+    )
     yield srv
     srv.stop()
 
@@ -34,8 +42,10 @@ def greedy(n: int = 16, **kw) -> pb2.SamplingParams:
 
 
 def test_stream_concatenates_to_unary(stub):
-    req = pb2.GenerateRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="Tell me a story.")]),
-                              sampling=greedy(40))
+    req = pb2.GenerateRequest(
+        chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="Tell me a story.")]),
+        sampling=greedy(40),
+    )
     whole = stub.Generate(req)
     parts = list(stub.GenerateStream(req))
     assert [t for p in parts for t in p.token_ids] == list(whole.token_ids)
@@ -46,7 +56,9 @@ def test_stream_concatenates_to_unary(stub):
 
 
 def test_text_input_and_request_id(stub):
-    r = stub.Generate(pb2.GenerateRequest(request_id="mine-1", text="The capital of France is", sampling=greedy(8)))
+    r = stub.Generate(
+        pb2.GenerateRequest(request_id="mine-1", text="The capital of France is", sampling=greedy(8))
+    )
     assert r.request_id == "mine-1"
     assert "Paris" in r.text
     assert r.finish_reason == pb2.FINISH_REASON_LENGTH
@@ -59,7 +71,9 @@ def test_stop_string_is_trimmed_and_reported(stub):
     assert r.finish_reason == pb2.FINISH_REASON_STOP
     assert r.matched_stop_str == " 7,"
     assert r.text == base.text[: base.text.index(" 7,")]
-    parts = list(stub.GenerateStream(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12, stop=[" 7,"]))))
+    parts = list(
+        stub.GenerateStream(pb2.GenerateRequest(text="1, 2, 3, 4,", sampling=greedy(12, stop=[" 7,"])))
+    )
     assert "".join(p.text for p in parts) == r.text
 
 
@@ -76,7 +90,9 @@ def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
     assert list(t.token_ids) == hf_tokenizer.encode("Hello world")
     d = stub.Detokenize(pb2.DetokenizeRequest(token_ids=t.token_ids))
     assert d.text == "Hello world"
-    chat = stub.Tokenize(pb2.TokenizeRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="hi")])))
+    chat = stub.Tokenize(
+        pb2.TokenizeRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="hi")]))
+    )
     assert chat.text.endswith("<|im_start|>assistant\n")
     info = stub.GetModelInfo(pb2.GetModelInfoRequest())
     assert info.vocab_size == 49152 and info.context_length == 8192 and info.has_chat_template
@@ -102,9 +118,15 @@ def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
         (dict(text="hi", sampling=pb2.SamplingParams(min_p=2)), "sampling.min_p"),
         (dict(text="hi", sampling=pb2.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"),
         (dict(text="hi", sampling=pb2.SamplingParams(frequency_penalty=3)), "sampling.frequency_penalty"),
-        (dict(text="hi", sampling=pb2.SamplingParams(presence_penalty=float("inf"))), "sampling.presence_penalty"),
+        (
+            dict(text="hi", sampling=pb2.SamplingParams(presence_penalty=float("inf"))),
+            "sampling.presence_penalty",
+        ),
         (dict(text="hi", sampling=pb2.SamplingParams(max_new_tokens=0)), "sampling.max_new_tokens"),
-        (dict(text="hi", sampling=pb2.SamplingParams(max_new_tokens=4, min_new_tokens=8)), "sampling.min_new_tokens"),
+        (
+            dict(text="hi", sampling=pb2.SamplingParams(max_new_tokens=4, min_new_tokens=8)),
+            "sampling.min_new_tokens",
+        ),
         (dict(text="hi", sampling=pb2.SamplingParams(stop_token_ids=[99999])), "sampling.stop_token_ids"),
         (dict(text="hi", sampling=pb2.SamplingParams(stop=[""])), "sampling.stop"),
     ],
@@ -127,7 +149,9 @@ def test_context_and_pool_limits(stub):
 
 
 def test_cancelled_stream_frees_kv(stub, server):
-    call = stub.GenerateStream(pb2.GenerateRequest(text="Write a long essay.", sampling=greedy(2000, ignore_eos=True)))
+    call = stub.GenerateStream(
+        pb2.GenerateRequest(text="Write a long essay.", sampling=greedy(2000, ignore_eos=True))
+    )
     it = iter(call)
     next(it), next(it)
     assert server.engine.kv_pool.free_count < server.engine.kv_pool.size
@@ -137,13 +161,20 @@ def test_cancelled_stream_frees_kv(stub, server):
 
 def test_deadline_aborts_request(stub, server):
     with pytest.raises(grpc.RpcError) as e:
-        stub.Generate(pb2.GenerateRequest(text="Count to a million.", sampling=greedy(3000, ignore_eos=True)), timeout=0.5)
+        stub.Generate(
+            pb2.GenerateRequest(text="Count to a million.", sampling=greedy(3000, ignore_eos=True)),
+            timeout=0.5,
+        )
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_until(lambda: kv_idle(server), 20)
 
 
 def test_abort_rpc(stub, server):
-    call = stub.GenerateStream(pb2.GenerateRequest(request_id="to-abort", text="Go on forever.", sampling=greedy(3000, ignore_eos=True)))
+    call = stub.GenerateStream(
+        pb2.GenerateRequest(
+            request_id="to-abort", text="Go on forever.", sampling=greedy(3000, ignore_eos=True)
+        )
+    )
     it = iter(call)
     next(it)
     assert stub.Abort(pb2.AbortRequest(request_id="to-abort")).found
@@ -161,10 +192,15 @@ def test_fault_in_one_request_fails_only_that_one(stub, server):
     with on_each_result(server.engine.scheduler, hook):
         good = stub.Generate.future(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(12)))
         with pytest.raises(grpc.RpcError) as e:
-            stub.Generate(pb2.GenerateRequest(request_id="boom", text="The capital of France is", sampling=greedy(12)))
+            stub.Generate(
+                pb2.GenerateRequest(request_id="boom", text="The capital of France is", sampling=greedy(12))
+            )
         assert e.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in e.value.details()
         assert "Paris" in good.result().text
-    assert "Paris" in stub.Generate(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(8))).text
+    assert (
+        "Paris"
+        in stub.Generate(pb2.GenerateRequest(text="The capital of France is", sampling=greedy(8))).text
+    )
     assert wait_until(lambda: kv_idle(server), 20)
 
 
@@ -181,7 +217,9 @@ def test_forward_fault_fails_batch_and_server_recovers(stub, server):
 
 
 def test_duplicate_live_request_id(stub):
-    call = stub.GenerateStream(pb2.GenerateRequest(request_id="dup", text="Talk.", sampling=greedy(500, ignore_eos=True)))
+    call = stub.GenerateStream(
+        pb2.GenerateRequest(request_id="dup", text="Talk.", sampling=greedy(500, ignore_eos=True))
+    )
     it = iter(call)
     next(it)
     with pytest.raises(grpc.RpcError) as e:
@@ -194,9 +232,16 @@ def test_duplicate_live_request_id(stub):
 
 def test_full_uint64_seed_range_and_tiny_temperature(stub):
     """Regression: a seed >= 2^63 used to break batch formation for every live request."""
-    big = pb2.GenerateRequest(text="Once upon a time", sampling=pb2.SamplingParams(max_new_tokens=8, temperature=0.9, seed=2**64 - 1))
+    big = pb2.GenerateRequest(
+        text="Once upon a time",
+        sampling=pb2.SamplingParams(max_new_tokens=8, temperature=0.9, seed=2**64 - 1),
+    )
     assert stub.Generate(big).token_ids == stub.Generate(big).token_ids
-    tiny = stub.Generate(pb2.GenerateRequest(text="Once upon a time", sampling=pb2.SamplingParams(max_new_tokens=8, temperature=1e-30)))
+    tiny = stub.Generate(
+        pb2.GenerateRequest(
+            text="Once upon a time", sampling=pb2.SamplingParams(max_new_tokens=8, temperature=1e-30)
+        )
+    )
     zero = stub.Generate(pb2.GenerateRequest(text="Once upon a time", sampling=greedy(8)))
     assert tiny.token_ids == zero.token_ids
 
@@ -205,7 +250,10 @@ def test_health_and_reflection(server):
     channel = grpc.insecure_channel(server.address)
     h = health_pb2_grpc.HealthStub(channel)
     for name in ("", "zerogap.v1.Generation"):
-        assert h.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            h.Check(health_pb2.HealthCheckRequest(service=name)).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     r = reflection_pb2_grpc.ServerReflectionStub(channel)

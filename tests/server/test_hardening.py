@@ -39,19 +39,32 @@ def kv_idle(srv: BackgroundServer) -> bool:
 
 
 def test_second_server_on_a_taken_port_refuses_to_start(tiny_llama_dir):
-    first = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2))
+    first = BackgroundServer(
+        ServerArgs(
+            dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2
+        )
+    )
     try:
         port = first.port
         with pytest.raises(AddressInUse, match=f"127.0.0.1:{port}.*in use"):
-            BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=port, kv_cache_tokens=400))
+            BackgroundServer(
+                ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=port, kv_cache_tokens=400)
+            )
         # The CLI says so and exits non-zero, before loading the model.
-        out = subprocess.run([sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "service", "serve", "--model", str(tiny_llama_dir), "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
         # Every new connection still reaches the first server.
         for _ in range(4):
             with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                r = pb2_grpc.GenerationStub(ch).Generate(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]), sampling=greedy(2)))
+                r = pb2_grpc.GenerationStub(ch).Generate(
+                    pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]), sampling=greedy(2))
+                )
                 assert len(r.token_ids) == 2
         assert wait_until(lambda: kv_idle(first), 20)
     finally:
@@ -82,22 +95,39 @@ def test_exclusive_bind_refuses_a_port_held_with_so_reuseport():
 
 def slow_schema(tag: str, n: int = 2000) -> str:
     """Compiles for ~20 s in xgrammar (1,000 properties: ~1 s; the cost grows faster than linearly)."""
-    return json.dumps({"type": "object", "title": tag, "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+    return json.dumps(
+        {"type": "object", "title": tag, "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+    )
 
 
 def constrained(constraint: pb2.Constraint, n: int = 8) -> pb2.GenerateRequest:
-    return pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7]), sampling=greedy(n), constraint=constraint)
+    return pb2.GenerateRequest(
+        token_ids=pb2.TokenIds(ids=[5, 6, 7]), sampling=greedy(n), constraint=constraint
+    )
 
 
 PLAIN = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7, 8]), sampling=greedy(12, ignore_eos=True))
-STOPPED = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}  # time or memory bound, whichever first
+STOPPED = {
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}  # time or memory bound, whichever first
 
 
 @pytest.fixture(scope="module")
 def grammar_server(tiny_llama_dir):
     # Limits relaxed so that a slow schema reaches the compiler: what is tested here is the stop.
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=2000, max_running_requests=8,
-                                      grammar_compile_timeout_s=6, max_constraint_bytes=1 << 20, max_constraint_properties=10_000))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            model=str(tiny_llama_dir),
+            port=0,
+            kv_cache_tokens=2000,
+            max_running_requests=8,
+            grammar_compile_timeout_s=6,
+            max_constraint_bytes=1 << 20,
+            max_constraint_properties=10_000,
+        )
+    )
     assert srv.engine.features.features["constrained"].backend.wait_ready(120)
     yield srv
     srv.stop()
@@ -118,7 +148,10 @@ def test_slow_compile_is_stopped_and_small_grammars_are_not_starved(grammar_serv
         stub = pb2_grpc.GenerationStub(ch)
         plain_before = stub.Generate(PLAIN).token_ids
         stopped_before = sum(backend_of(srv).stats.stopped.values())
-        bigs = [stub.Generate.future(constrained(pb2.Constraint(json_schema=slow_schema(t)))) for t in ("a", "b", "c")]
+        bigs = [
+            stub.Generate.future(constrained(pb2.Constraint(json_schema=slow_schema(t))))
+            for t in ("a", "b", "c")
+        ]
         assert wait_until(lambda: any(s.job is not None for s in backend_of(srv)._slots), 30)
         # Large compiles are waiting or running: a tiny regex still compiles, plain requests run, and both
         # are answered while the large ones are still compiling (they end only at their deadline).
@@ -129,7 +162,9 @@ def test_slow_compile_is_stopped_and_small_grammars_are_not_starved(grammar_serv
         for f in bigs:
             with pytest.raises(grpc.RpcError) as e:
                 f.result()
-            assert e.value.code() in STOPPED and "constraint.json_schema" in e.value.details(), e.value.details()
+            assert e.value.code() in STOPPED and "constraint.json_schema" in e.value.details(), (
+                e.value.details()
+            )
     # The running compile was killed (not left to run on), the queued ones expired: nothing compiles any more.
     assert sum(backend_of(srv).stats.stopped.values()) > stopped_before
     assert wait_until(lambda: compiles_idle(srv) and kv_idle(srv), 10)
@@ -177,13 +212,28 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
     port, grace = free_port(), 4
-    proc = serve_process(tiny_llama_dir, port, "--kv-cache-tokens", "2000", "--grace-period-s", str(grace),
-                         "--grammar-compile-timeout-s", "300", "--max-constraint-bytes", str(1 << 20),
-                         "--max-constraint-properties", "10000", "--grammar-worker-max-rss-mb", "16384")
+    proc = serve_process(
+        tiny_llama_dir,
+        port,
+        "--kv-cache-tokens",
+        "2000",
+        "--grace-period-s",
+        str(grace),
+        "--grammar-compile-timeout-s",
+        "300",
+        "--max-constraint-bytes",
+        str(1 << 20),
+        "--max-constraint-properties",
+        "10000",
+        "--grammar-worker-max-rss-mb",
+        "16384",
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb2_grpc.GenerationStub(ch)
-            stub.Generate(constrained(pb2.Constraint(regex="[0-9]{2}")), timeout=120)  # the compile workers run
+            stub.Generate(
+                constrained(pb2.Constraint(regex="[0-9]{2}")), timeout=120
+            )  # the compile workers run
             big = stub.Generate.future(constrained(pb2.Constraint(json_schema=slow_schema("sigterm"))))
             time.sleep(1.0)  # compiling now (it would take minutes)
             workers = _descendants(proc.pid)
@@ -194,7 +244,9 @@ def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
             with pytest.raises(grpc.RpcError) as e:
                 big.result()
             assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        assert wait_until(lambda: not any(_alive(p) for p in workers), 10), "no compile worker outlives the server"
+        assert wait_until(lambda: not any(_alive(p) for p in workers), 10), (
+            "no compile worker outlives the server"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -206,7 +258,11 @@ def test_sigterm_exits_within_grace_with_a_compile_in_progress(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=4000, max_running_requests=8))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=4000, max_running_requests=8
+        )
+    )
     assert backend_of(srv).wait_ready(120)
     yield srv
     srv.stop()
@@ -224,22 +280,29 @@ def nested_schema(depth: int) -> str:
     return head * depth + '{"type": "integer"}' + "}}" * depth
 
 
-@pytest.mark.parametrize("constraint, says", [
-    (pb2.Constraint(json_schema=nested_schema(500)), "constraint.json_schema: nesting depth"),
-    (pb2.Constraint(json_schema="[" * 100_000), "constraint.json_schema: 100000 bytes exceed the limit"),
-    (pb2.Constraint(json_schema="[" * 10_000), "constraint.json_schema: nesting depth"),
-    (pb2.Constraint(regex="(" * 5000 + "a" + ")" * 5000), "constraint.regex: nesting depth"),
-    (pb2.Constraint(ebnf="root ::= root"), "constraint.ebnf: the grammar accepts no output"),
-    (pb2.Constraint(regex=r"[^\s\S]"), "constraint.regex: the grammar accepts no output"),
-])
+@pytest.mark.parametrize(
+    "constraint, says",
+    [
+        (pb2.Constraint(json_schema=nested_schema(500)), "constraint.json_schema: nesting depth"),
+        (pb2.Constraint(json_schema="[" * 100_000), "constraint.json_schema: 100000 bytes exceed the limit"),
+        (pb2.Constraint(json_schema="[" * 10_000), "constraint.json_schema: nesting depth"),
+        (pb2.Constraint(regex="(" * 5000 + "a" + ")" * 5000), "constraint.regex: nesting depth"),
+        (pb2.Constraint(ebnf="root ::= root"), "constraint.ebnf: the grammar accepts no output"),
+        (pb2.Constraint(regex=r"[^\s\S]"), "constraint.regex: the grammar accepts no output"),
+    ],
+)
 def test_bad_grammars_are_invalid_argument_before_admission(server, stub, caplog, constraint, says):
     plain_before = stub.Generate(PLAIN).token_ids
     other = stub.Generate.future(PLAIN)
     with caplog.at_level("ERROR"):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(constrained(constraint))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(says), e.value.details()
-    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], "no traceback for the client's fault"
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(says), (
+        e.value.details()
+    )
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], (
+        "no traceback for the client's fault"
+    )
     assert other.result().token_ids == plain_before
     assert wait_until(lambda: kv_idle(server), 10)
 
@@ -253,7 +316,9 @@ def test_grammar_dead_end_fails_that_request_only(server, stub, temperature):
     req.sampling.temperature, req.sampling.seed = temperature, 7
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(req)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allows no continuation" in e.value.details(), e.value.details()
+    assert (
+        e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allows no continuation" in e.value.details()
+    ), e.value.details()
     assert other.result().token_ids == plain_before
     assert wait_until(lambda: kv_idle(server), 10)
 
@@ -261,11 +326,15 @@ def test_grammar_dead_end_fails_that_request_only(server, stub, temperature):
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream", "Tokenize", "GetServerInfo"])
 def test_undecodable_request_body_is_invalid_argument(server, stub, method):
     with grpc.insecure_channel(server.address) as ch:
-        call = (ch.unary_stream if method == "GenerateStream" else ch.unary_unary)(f"/zerogap.v1.Generation/{method}")
+        call = (ch.unary_stream if method == "GenerateStream" else ch.unary_unary)(
+            f"/zerogap.v1.Generation/{method}"
+        )
         with pytest.raises(grpc.RpcError) as e:
             out = call(b"\xff\xff\xff\xff")
             list(out) if method == "GenerateStream" else out
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be decoded" in e.value.details(), e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be decoded" in e.value.details(), (
+        e.value.details()
+    )
     assert stub.Generate(PLAIN).token_ids  # the server serves on
 
 
@@ -301,8 +370,12 @@ def _answered_during(stub, call) -> int:
 @pytest.mark.parametrize("size, says", [(5 << 20, "bytes cannot fit"), (60_000, "tokens in its first")])
 def test_oversized_text_is_refused_cheaply(server, stub, size, says):
     text = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
-    for req in (pb2.GenerateRequest(text=text, sampling=greedy(4)),
-                pb2.GenerateRequest(chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content=text)]), sampling=greedy(4))):
+    for req in (
+        pb2.GenerateRequest(text=text, sampling=greedy(4)),
+        pb2.GenerateRequest(
+            chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content=text)]), sampling=greedy(4)
+        ),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             stub.Generate(req)
         assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and says in e.value.details(), e.value.details()
@@ -354,14 +427,25 @@ class Streamed:
 
 
 def long_request(n: int, prompt: int = 10) -> pb2.GenerateRequest:
-    return pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=list(range(5, 5 + prompt))), sampling=greedy(n, ignore_eos=True))
+    return pb2.GenerateRequest(
+        token_ids=pb2.TokenIds(ids=list(range(5, 5 + prompt))), sampling=greedy(n, ignore_eos=True)
+    )
 
 
 @pytest.fixture(scope="module")
 def kv_server(tiny_llama_dir):
     # Reserve admission: requests wait for their whole budget (optimistic admission would run them all).
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=1000, max_running_requests=8,
-                                      max_skip_ahead=2, admission_policy="reserve"))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            model=str(tiny_llama_dir),
+            port=0,
+            kv_cache_tokens=1000,
+            max_running_requests=8,
+            max_skip_ahead=2,
+            admission_policy="reserve",
+        )
+    )
     yield srv
     srv.stop()
 
@@ -437,7 +521,9 @@ def _prefill_together(srv: BackgroundServer, stub, reqs: list[pb2.GenerateReques
 
 
 MIXED_LONG = long_request(1, prompt=480)
-MIXED_SHORT = [pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[9 + i]), sampling=greedy(1)) for i in range(16)]
+MIXED_SHORT = [
+    pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[9 + i]), sampling=greedy(1)) for i in range(16)
+]
 
 
 def test_mixed_prompt_lengths_give_the_same_tokens(server, stub):
@@ -455,7 +541,11 @@ class AttentionWork:
         from service.models import attention, cpu_kernels
 
         self.pairs = 0
-        sdpa, masked, kernel = attention.F.scaled_dot_product_attention, attention.masked_sdpa, cpu_kernels.PagedAttention.__call__
+        sdpa, masked, kernel = (
+            attention.F.scaled_dot_product_attention,
+            attention.masked_sdpa,
+            cpu_kernels.PagedAttention.__call__,
+        )
 
         def counted_sdpa(q, k, v, *args, **kwargs):
             self.pairs += q.shape[:-1].numel() * k.shape[-2]
@@ -493,24 +583,53 @@ def test_mixed_prompt_lengths_cost_about_their_tokens(server, stub, monkeypatch)
 # ---- 7. input limits, compact JSON ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, code, says", [
-    (dict(request_id="x" * (1 << 20)), "INVALID_ARGUMENT", "request_id: 1048576 bytes exceed the limit of 256 (--max-request-id-bytes)"),
-    (dict(sampling=greedy(4, stop=["a"] * 17)), "INVALID_ARGUMENT", "sampling.stop: 17 strings exceed the limit of 16"),
-    (dict(sampling=greedy(4, stop=["a" * 257])), "INVALID_ARGUMENT", "sampling.stop: a string of 257 bytes exceed the limit of 256"),
-    (dict(sampling=greedy(4, stop_token_ids=list(range(65)))), "INVALID_ARGUMENT", "sampling.stop_token_ids: 65 ids exceed"),
-    (dict(constraint=pb2.Constraint(regex="a" * ((8 << 20) + 1))), "INVALID_ARGUMENT",
-     "constraint.regex: 8388609 bytes exceed the limit of 8388608"),
-    (dict(text="x" * (17 << 20)), "RESOURCE_EXHAUSTED", "message larger than max"),
-])
+@pytest.mark.parametrize(
+    "kw, code, says",
+    [
+        (
+            dict(request_id="x" * (1 << 20)),
+            "INVALID_ARGUMENT",
+            "request_id: 1048576 bytes exceed the limit of 256 (--max-request-id-bytes)",
+        ),
+        (
+            dict(sampling=greedy(4, stop=["a"] * 17)),
+            "INVALID_ARGUMENT",
+            "sampling.stop: 17 strings exceed the limit of 16",
+        ),
+        (
+            dict(sampling=greedy(4, stop=["a" * 257])),
+            "INVALID_ARGUMENT",
+            "sampling.stop: a string of 257 bytes exceed the limit of 256",
+        ),
+        (
+            dict(sampling=greedy(4, stop_token_ids=list(range(65)))),
+            "INVALID_ARGUMENT",
+            "sampling.stop_token_ids: 65 ids exceed",
+        ),
+        (
+            dict(constraint=pb2.Constraint(regex="a" * ((8 << 20) + 1))),
+            "INVALID_ARGUMENT",
+            "constraint.regex: 8388609 bytes exceed the limit of 8388608",
+        ),
+        (dict(text="x" * (17 << 20)), "RESOURCE_EXHAUSTED", "message larger than max"),
+    ],
+)
 def test_input_limits_refused_with_the_right_status(server, stub, kw, code, says):
     req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]), sampling=greedy(4))
     req.MergeFrom(pb2.GenerateRequest(**kw))
     for call in (stub.Generate, lambda r: list(stub.GenerateStream(r))):
         with pytest.raises(grpc.RpcError) as e:
             call(req)
-        assert e.value.code() == getattr(grpc.StatusCode, code) and says in e.value.details(), e.value.details()
-    ok = stub.Generate(pb2.GenerateRequest(request_id="r" * 256, token_ids=pb2.TokenIds(ids=[5, 6]),
-                                           sampling=greedy(4, stop=["a" * 256] * 16, stop_token_ids=list(range(3, 67)))))
+        assert e.value.code() == getattr(grpc.StatusCode, code) and says in e.value.details(), (
+            e.value.details()
+        )
+    ok = stub.Generate(
+        pb2.GenerateRequest(
+            request_id="r" * 256,
+            token_ids=pb2.TokenIds(ids=[5, 6]),
+            sampling=greedy(4, stop=["a" * 256] * 16, stop_token_ids=list(range(3, 67))),
+        )
+    )
     assert ok.request_id == "r" * 256
     assert wait_until(lambda: kv_idle(server), 10)
 
@@ -527,12 +646,29 @@ def _whitespace_outside_strings(text: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("constraint", [
-    pb2.Constraint(json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "object", "properties": {
-        "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}, "c": {"type": "string", "maxLength": 6}}}},
-        "required": ["a"]})),
-    pb2.Constraint(json_object=True),
-])
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        pb2.Constraint(
+            json_schema=json.dumps(
+                {
+                    "type": "object",
+                    "properties": {
+                        "a": {
+                            "type": "object",
+                            "properties": {
+                                "b": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+                                "c": {"type": "string", "maxLength": 6},
+                            },
+                        }
+                    },
+                    "required": ["a"],
+                }
+            )
+        ),
+        pb2.Constraint(json_object=True),
+    ],
+)
 def test_constrained_json_is_compact(stub, constraint):
     """No free whitespace between JSON tokens, whatever the sampler picks (a random model at temperature 1)."""
     for seed in range(6):

@@ -26,15 +26,24 @@ def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb2_grpc.GenerationStub(ch)
-            stream = stub.GenerateStream(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6, 7]),
-                                                             sampling=pb2.SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)))
+            stream = stub.GenerateStream(
+                pb2.GenerateRequest(
+                    token_ids=pb2.TokenIds(ids=[5, 6, 7]),
+                    sampling=pb2.SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True),
+                )
+            )
             it = iter(stream)
             next(it)
             proc.send_signal(signal.SIGTERM)
             # Draining is announced through health (NOT_SERVING); wait for it rather than for a fixed time.
             health = health_pb2_grpc.HealthStub(ch)
-            assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status
-                              != health_pb2.HealthCheckResponse.SERVING, 20)
+            assert wait_until(
+                lambda: (
+                    health.Check(health_pb2.HealthCheckRequest()).status
+                    != health_pb2.HealthCheckResponse.SERVING
+                ),
+                20,
+            )
             with pytest.raises(grpc.RpcError) as e:
                 stub.Generate(pb2.GenerateRequest(text="new", sampling=pb2.SamplingParams(max_new_tokens=2)))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -48,12 +57,23 @@ def test_sigterm_finishes_in_flight_then_refuses_and_exits(tiny_llama_dir):
 
 
 def test_full_queue_answers_resource_exhausted(tiny_llama_dir):
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=1,
-                                      max_queued_requests=2))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            model=str(tiny_llama_dir),
+            port=0,
+            kv_cache_tokens=400,
+            max_running_requests=1,
+            max_queued_requests=2,
+        )
+    )
     try:
         with grpc.insecure_channel(srv.address) as ch:
             stub = pb2_grpc.GenerationStub(ch)
-            req = pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]), sampling=pb2.SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True))
+            req = pb2.GenerateRequest(
+                token_ids=pb2.TokenIds(ids=[5, 6]),
+                sampling=pb2.SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True),
+            )
             futures = [stub.Generate.future(req) for _ in range(8)]
             codes = []
             for f in futures:
@@ -69,9 +89,18 @@ def test_full_queue_answers_resource_exhausted(tiny_llama_dir):
 
 
 def test_cli_help_lists_options():
-    out = subprocess.run([sys.executable, "-m", "service", "serve", "--help"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--help"], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.returncode == 0
-    for opt in ("--model", "--max-running-requests", "--kv-cache-tokens", "--dtype", "--disable-overlap", "--trace-file"):
+    for opt in (
+        "--model",
+        "--max-running-requests",
+        "--kv-cache-tokens",
+        "--dtype",
+        "--disable-overlap",
+        "--trace-file",
+    ):
         assert opt in out.stdout
 
 
@@ -79,15 +108,32 @@ def test_prometheus_metrics_endpoint(tiny_llama_dir):
     import urllib.request
 
     port = free_port()
-    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(tiny_llama_dir), port=0, kv_cache_tokens=400, max_running_requests=2,
-                                      metrics_port=port))
+    srv = BackgroundServer(
+        ServerArgs(
+            dtype="float32",
+            model=str(tiny_llama_dir),
+            port=0,
+            kv_cache_tokens=400,
+            max_running_requests=2,
+            metrics_port=port,
+        )
+    )
     try:
         with grpc.insecure_channel(srv.address) as ch:
-            pb2_grpc.GenerationStub(ch).Generate(pb2.GenerateRequest(token_ids=pb2.TokenIds(ids=[5, 6]),
-                                                                     sampling=pb2.SamplingParams(max_new_tokens=8, temperature=0)))
+            pb2_grpc.GenerationStub(ch).Generate(
+                pb2.GenerateRequest(
+                    token_ids=pb2.TokenIds(ids=[5, 6]),
+                    sampling=pb2.SamplingParams(max_new_tokens=8, temperature=0),
+                )
+            )
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        for name in ("zerogap_forward_busy_fraction", "zerogap_forward_gap_median_seconds", "zerogap_kv_pool_free_tokens",
-                     "zerogap_forward_steps_total", 'zerogap_requests_finished_total{reason="length"} 1.0'):
+        for name in (
+            "zerogap_forward_busy_fraction",
+            "zerogap_forward_gap_median_seconds",
+            "zerogap_kv_pool_free_tokens",
+            "zerogap_forward_steps_total",
+            'zerogap_requests_finished_total{reason="length"} 1.0',
+        ):
             assert name in body, name
     finally:
         srv.stop()

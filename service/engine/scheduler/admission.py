@@ -107,7 +107,9 @@ class AdmissionPolicy:
         if free_rows >= len(decoding):
             return []
         want = self.config.headroom_steps
-        candidates = sorted((r for r in decoding if not self.reserved(r)), key=lambda r: (len(r.output_ids), -r.arrival))
+        candidates = sorted(
+            (r for r in decoding if not self.reserved(r)), key=lambda r: (len(r.output_ids), -r.arrival)
+        )
         out: list[Req] = []
         n = len(decoding)
         for r in candidates:
@@ -130,9 +132,18 @@ class AdmissionPolicy:
 class Retraction:
     """Frees KV for the next decode step: evicts cached prefixes, then retracts victims."""
 
-    def __init__(self, policy: AdmissionPolicy, running: list[Req], waiting: deque[Req], cache: CacheManager,
-                 kv_pool: TokenToKVPool, in_flight: InFlight, output: OutputManager, features: FeatureRegistry,
-                 timeline: Timeline):
+    def __init__(
+        self,
+        policy: AdmissionPolicy,
+        running: list[Req],
+        waiting: deque[Req],
+        cache: CacheManager,
+        kv_pool: TokenToKVPool,
+        in_flight: InFlight,
+        output: OutputManager,
+        features: FeatureRegistry,
+        timeline: Timeline,
+    ):
         self.policy = policy
         self.running = running
         self.waiting = waiting
@@ -162,7 +173,9 @@ class Retraction:
             more = self.policy.victims(decoding, self.cache.free_rows(len(decoding)))
             if not more:
                 break
-            for req in sorted(more, key=lambda r: r.arrival, reverse=True):  # the oldest ends up first in the queue
+            for req in sorted(
+                more, key=lambda r: r.arrival, reverse=True
+            ):  # the oldest ends up first in the queue
                 self.retract(req)
             victims += more
         stats = self.policy.stats
@@ -170,8 +183,13 @@ class Retraction:
         stats.events += bool(victims)
         if victims:
             self.policy.after_retraction([r for r in self.running if r.launched < r.max_new_tokens])
-        self.timeline.add(SCHEDULER_TID, "retract" if victims else "retract check", start, time.perf_counter(),
-                          {"retracted": len(victims), "synced": synced, "free": self.kv_pool.free_count})
+        self.timeline.add(
+            SCHEDULER_TID,
+            "retract" if victims else "retract check",
+            start,
+            time.perf_counter(),
+            {"retracted": len(victims), "synced": synced, "free": self.kv_pool.free_count},
+        )
 
     def retract(self, req: Req) -> None:
         """Free a settled running request's KV and slot; it waits at the head of the queue to be
@@ -192,4 +210,6 @@ class Retraction:
             self.features.on_retract(req)
         except Exception as e:
             log.exception("on_retract failed for %s", req.rid)
-            self.output.finish(req, FinishReason.ERROR, error=f"rebuilding state after a retraction failed: {e!r}")
+            self.output.finish(
+                req, FinishReason.ERROR, error=f"rebuilding state after a retraction failed: {e!r}"
+            )

@@ -64,12 +64,19 @@ PrefixCache = PrefixCacheManager | NullPrefixCache
 class CacheManager:
     """Scheduler thread: KV reservations and a request's rows, through the (possibly null) prefix cache."""
 
-    def __init__(self, prefix: PrefixCache, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool,
-                 feature_limit: Callable[[Req], int | None]):
+    def __init__(
+        self,
+        prefix: PrefixCache,
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        feature_limit: Callable[[Req], int | None],
+    ):
         self.prefix = prefix
         self.req_pool = req_pool
         self.kv_pool = kv_pool
-        self.feature_limit = feature_limit  # the most prompt tokens a request's features let it take from the cache
+        self.feature_limit = (
+            feature_limit  # the most prompt tokens a request's features let it take from the cache
+        )
         self.reserved_tokens = 0  # KV rows promised to admitted requests
 
     def limit(self, req: Req) -> int:
@@ -105,7 +112,7 @@ class CacheManager:
         retracted request's kept output tokens) is extended on top of them."""
         for req in admitted:
             self.prefix.start(req)
-        return [ExtendRow(r, r.prefill_ids[r.cache_owned:], prefix_len=r.cache_owned) for r in admitted]
+        return [ExtendRow(r, r.prefill_ids[r.cache_owned :], prefix_len=r.cache_owned) for r in admitted]
 
     def prefilled(self, batch: ScheduleBatch) -> None:
         """An extend batch's result was processed: its prompts' KV is written and may be shared."""

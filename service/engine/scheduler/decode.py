@@ -10,8 +10,16 @@ from service.engine.scheduler.admission import AdmissionPolicy, Retraction
 
 
 class DecodeManager:
-    def __init__(self, running: list[Req], policy: AdmissionPolicy, retraction: Retraction, req_pool: ReqToTokenPool,
-                 kv_pool: TokenToKVPool, vocab_size: int, device: Device):
+    def __init__(
+        self,
+        running: list[Req],
+        policy: AdmissionPolicy,
+        retraction: Retraction,
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        vocab_size: int,
+        device: Device,
+    ):
         self.running = running
         self.policy, self.retraction = policy, retraction
         self.req_pool, self.kv_pool, self.vocab_size, self.device = req_pool, kv_pool, vocab_size, device

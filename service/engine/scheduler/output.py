@@ -15,8 +15,14 @@ from service.engine.scheduler.cache import CacheManager
 
 
 class OutputManager:
-    def __init__(self, sink: OutputSink, features: FeatureRegistry, cache: CacheManager, waiting: deque[Req],
-                 reqs: dict[str, Req]):
+    def __init__(
+        self,
+        sink: OutputSink,
+        features: FeatureRegistry,
+        cache: CacheManager,
+        waiting: deque[Req],
+        reqs: dict[str, Req],
+    ):
         self.sink = sink
         self.features = features
         self.cache = cache
@@ -97,8 +103,19 @@ class OutputManager:
         error_code: str = "INTERNAL",
     ) -> None:
         self.outbox.append(
-            RequestOutput(req.rid, token_ids, text, len(req.prompt_ids), len(req.output_ids), reason, matched, error,
-                          extras or {}, error_code, cached_tokens=req.cached_tokens)
+            RequestOutput(
+                req.rid,
+                token_ids,
+                text,
+                len(req.prompt_ids),
+                len(req.output_ids),
+                reason,
+                matched,
+                error,
+                extras or {},
+                error_code,
+                cached_tokens=req.cached_tokens,
+            )
         )
 
     def flush(self) -> None:

@@ -30,10 +30,22 @@ class PrefillLimits:
 
 
 class PrefillManager:
-    def __init__(self, limits: PrefillLimits, waiting: deque[Req], running: list[Req], chunker: PrefillChunker | None,
-                 policy: AdmissionPolicy, retraction: Retraction, cache: CacheManager, output: OutputManager,
-                 features: FeatureRegistry, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, vocab_size: int,
-                 device: Device):
+    def __init__(
+        self,
+        limits: PrefillLimits,
+        waiting: deque[Req],
+        running: list[Req],
+        chunker: PrefillChunker | None,
+        policy: AdmissionPolicy,
+        retraction: Retraction,
+        cache: CacheManager,
+        output: OutputManager,
+        features: FeatureRegistry,
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        vocab_size: int,
+        device: Device,
+    ):
         self.limits = limits
         self.waiting, self.running = waiting, running
         self.chunker = chunker  # None: whole prompts per step
@@ -53,8 +65,13 @@ class PrefillManager:
         tokens = 0
         blocked: Req | None = None  # the oldest waiting request that does not fit yet
         # KV rows the admission policy leaves for new requests (summed over running requests: only when some wait)
-        room = self.policy.room(self.running, self.kv_pool.free_count, self.cache.reserved_tokens,
-                                self.kv_pool.size) if self.waiting else 0
+        room = (
+            self.policy.room(
+                self.running, self.kv_pool.free_count, self.cache.reserved_tokens, self.kv_pool.size
+            )
+            if self.waiting
+            else 0
+        )
         for req in list(self.waiting):
             if step is not None and not step.room():
                 break
@@ -99,4 +116,6 @@ class PrefillManager:
         self.running.extend(admitted)
         self.policy.admitted(len(self.running))
         rows = self.cache.extend_rows(admitted)
-        return build_extend_batch(admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device, rows=rows)
+        return build_extend_batch(
+            admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device, rows=rows
+        )

@@ -65,7 +65,13 @@ class Scheduler:
         prefix_cache: PrefixCacheManager | None = None,
         admission: AdmissionPolicy | None = None,
     ):
-        self.worker, self.device, self.timeline, self.overlap, self.features = worker, worker.device, timeline, overlap, features
+        self.worker, self.device, self.timeline, self.overlap, self.features = (
+            worker,
+            worker.device,
+            timeline,
+            overlap,
+            features,
+        )
         self.overlap_worker = self._overlap_worker(future_map_size, limits.max_running) if overlap else None
         # The scheduler thread's device work (metadata copies, table writes, KV-index gathers) runs on
         # this stream; each batch's `ready` event marks its end.
@@ -83,16 +89,42 @@ class Scheduler:
         self.cache = CacheManager(self.prefix_cache, req_pool, kv_pool, features.max_cached_prefix)
         self.output = OutputManager(output_sink, features, self.cache, self.waiting, self.reqs)
         self.in_flight = InFlight(self.overlap_worker, self.process_batch_result)
-        self.retraction = Retraction(self.admission, self.running, self.waiting, self.cache, kv_pool, self.in_flight,
-                                     self.output, features, timeline)
-        self.prefill = PrefillManager(limits, self.waiting, self.running, chunker, self.admission, self.retraction,
-                                      self.cache, self.output, features, req_pool, kv_pool, vocab_size, self.device)
-        self.decode = DecodeManager(self.running, self.admission, self.retraction, req_pool, kv_pool, vocab_size, self.device)
+        self.retraction = Retraction(
+            self.admission,
+            self.running,
+            self.waiting,
+            self.cache,
+            kv_pool,
+            self.in_flight,
+            self.output,
+            features,
+            timeline,
+        )
+        self.prefill = PrefillManager(
+            limits,
+            self.waiting,
+            self.running,
+            chunker,
+            self.admission,
+            self.retraction,
+            self.cache,
+            self.output,
+            features,
+            req_pool,
+            kv_pool,
+            vocab_size,
+            self.device,
+        )
+        self.decode = DecodeManager(
+            self.running, self.admission, self.retraction, req_pool, kv_pool, vocab_size, self.device
+        )
 
     def _overlap_worker(self, size: int | None, max_running: int) -> OverlapWorker:
         size = size or 3 * max_running + 1
         if size < max_running:
-            raise ValueError(f"future map size {size} < max_running_requests {max_running}: a batch could never launch")
+            raise ValueError(
+                f"future map size {size} < max_running_requests {max_running}: a batch could never launch"
+            )
         return OverlapWorker(self.worker, FutureMap(size, self.worker.device))
 
     @property
@@ -215,11 +247,15 @@ class Scheduler:
         self.running[:] = [r for r in self.running if not r.finished]
         batch = self.prefill.form() or self.decode.form()
         if batch is not None:
-            batch.plan = batch.fb.features = self.features.plan(batch.reqs, batch.partial_rows) + batch.own_plan
+            batch.plan = batch.fb.features = (
+                self.features.plan(batch.reqs, batch.partial_rows) + batch.own_plan
+            )
             batch.support = support_of(batch.plan)
             for feature, rows in batch.plan:
                 feature.on_batch_formed(batch, rows)
-            self.timeline.add(SCHEDULER_TID, f"form {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
+            self.timeline.add(
+                SCHEDULER_TID, f"form {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)}
+            )
         return batch
 
     def run_batch(self, batch: ScheduleBatch) -> Outcome:
@@ -269,10 +305,19 @@ class Scheduler:
             if not req.finished:  # else finished or aborted while this batch was in flight
                 self.process_row(batch, i, req, token, result, feature_rows)
         self.cache.prefilled(batch)
-        self.timeline.add(SCHEDULER_TID, f"process {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)})
+        self.timeline.add(
+            SCHEDULER_TID, f"process {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)}
+        )
 
-    def process_row(self, batch: ScheduleBatch, i: int, req: Req, token: int, result: BatchResult,
-                    feature_rows: dict[str, set[int]]) -> None:
+    def process_row(
+        self,
+        batch: ScheduleBatch,
+        i: int,
+        req: Req,
+        token: int,
+        result: BatchResult,
+        feature_rows: dict[str, set[int]],
+    ) -> None:
         """One request's token: its features' fields, then stop checks and the delta; a fault is its own."""
         if i in batch.partial_rows:  # chunked prefill: a non-final chunk's token is not the request's
             try:
