@@ -285,14 +285,23 @@ class ConstrainedDecoding(Feature):
         # and a whole batch takes ~1 µs per row.
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self._token_index: jt.TokenIndex | None = None
+        self._init_thread: threading.Thread | None = None
 
     def bind(self, engine: Any) -> None:
         self._engine = engine
         # Build the tokenizer info in the background: the first constrained request must not
         # stall the gRPC event loop for it.
-        threading.Thread(
-            target=lambda: (self.backend, self.token_index), name="zerogap-grammar-init", daemon=True
-        ).start()
+        self._init_thread = threading.Thread(
+            target=self._build_in_background, name="zerogap-grammar-init", daemon=True
+        )
+        self._init_thread.start()
+
+    def _build_in_background(self) -> None:
+        try:
+            self.backend  # noqa: B018 (built on first use)
+            self.token_index  # noqa: B018
+        except RequestError:  # shut down before it was built
+            pass
 
     @property
     def backend(self) -> GrammarBackend:
@@ -316,6 +325,10 @@ class ConstrainedDecoding(Feature):
         )
 
     def shutdown(self) -> None:
+        # No thread may still be inside xgrammar's native code when the process exits (it would
+        # abort the process: "terminate called without an active exception").
+        if self._init_thread is not None:
+            self._init_thread.join(timeout=120)
         with self._backend_lock:
             self._closed = True
             if self._backend is not None:

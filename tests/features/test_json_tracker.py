@@ -86,7 +86,7 @@ def test_unique_items_of_scalars_are_enforced_at_decode_time(vocab):
     grammar = compiler.compile_json_schema(prepared.backend_text, any_whitespace=False, separators=(",", ":"))
     validator = js.OutputValidator(UNIQUE)
     dup = {False: 0, True: 0}
-    for seed in range(40):
+    for seed in range(12):  # the grammar alone wrote duplicates in 27 of 40 walks
         for track in (False, True):
             text = _walk(grammar, info, index, prepared.unique_root, seed, track)
             try:
