@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -175,14 +176,9 @@ def run_setup(name: str, args: argparse.Namespace) -> dict:
     try:
         asyncio.run(_load(address, 2, 2, 8))  # warm-up
         for label, hogged in (("quiet", False), ("hog", True)):
-            if hogged:
-                hogs = Hogs().__enter__()
-            try:
+            with Hogs() if hogged else contextlib.nullcontext():
                 single = asyncio.run(_load(address, 1, 2, args.tokens))
                 many = asyncio.run(_load(address, 16, 16, args.tokens))
-            finally:
-                if hogged:
-                    hogs.__exit__()
             out[label] = {"single_tok_s": single.tok_per_s, "16_streams_tok_s": many.tok_per_s}
             print(
                 f"[contention] {name:10s} {label:5s}: single {single.tok_per_s:6.1f} tok/s, "
