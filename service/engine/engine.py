@@ -98,8 +98,7 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)
-        if not self.device.is_cuda:
-            self._size_cpu_threads(args.num_threads)
+        self.cpu_threads = None if self.device.is_cuda else self._size_cpu_threads(args.num_threads)
         self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
@@ -140,13 +139,15 @@ class Engine:
             self.mode,
         )
 
-    def _size_cpu_threads(self, asked: int | None) -> None:
+    def _size_cpu_threads(self, asked: int | None) -> int:
         """One CPU-op thread per CPU actually granted (affinity mask, cgroup quota), or --num-threads;
         says what it found, and warns where the dtype asked for is emulated on this CPU."""
         grant, cpu = cpu_grant(), cpu_features()
         threads = asked or grant.threads
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        # Always set: besides this thread's team it sets torch's process-wide count, which each new
+        # thread (the set-up thread, the forward thread) takes at its first op; another thread's
+        # torch.set_num_threads (an adaptive team's, an earlier engine's) may have left it elsewhere.
+        torch.set_num_threads(threads)
         log.info(
             "CPU: %s; native kernels: %s; %s",
             cpu.describe(),
@@ -158,6 +159,7 @@ class Engine:
                 "bfloat16 on a CPU without AVX-512 BF16 or AMX runs emulated, several times slower than "
                 "float32 (--dtype auto picks float32 here)"
             )
+        return threads
 
     def _load(self) -> int:
         """Weights, pools, sampler and worker (the one-time parallel CPU work); the KV pool's size."""
@@ -197,14 +199,10 @@ class Engine:
             self.model,
             self.kv_pool,
             Sampler(args.max_running_requests, self.vocab_size, dev),
-            get_attention_backend(
-                self.attention_backend, cpu_team=None if self.device.is_cuda else torch.get_num_threads()
-            ),
+            get_attention_backend(self.attention_backend, cpu_team=self.cpu_threads),
             self.timeline,
             self.device,
-            cpu_team=None
-            if self.device.is_cuda or not args.adapt_cpu_team
-            else AdaptiveTeam(torch.get_num_threads()),
+            cpu_team=AdaptiveTeam(self.cpu_threads) if self.cpu_threads and args.adapt_cpu_team else None,
         )
         if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
             max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)

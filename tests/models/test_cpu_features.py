@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,33 @@ def test_engine_results_do_not_change_when_the_team_changes_size(tiny_llama_dir,
     assert got == want
     if torch.get_num_threads() > 1:
         assert team is not None and team.changes >= 4
+
+
+@pytest.mark.adaptive_team
+def test_engine_sizes_its_team_whatever_another_thread_left_torch_at(tiny_llama_dir):
+    """torch's process-wide thread count is what a new thread (the engine's set-up and forward threads)
+    starts with; another thread's torch.set_num_threads(1) (an earlier engine's adaptive team) once left
+    a new engine with a team of one that never adapted. The engine sets the count it found."""
+    want = cpu_grant().threads
+    if want < 2:
+        pytest.skip("needs two granted CPUs")
+    seen: list[int] = []
+    setter = threading.Thread(target=lambda: (torch.set_num_threads(1), seen.append(torch.get_num_threads())))
+    setter.start()
+    setter.join()
+    assert seen == [1]
+    client = SyncClient(
+        ServerArgs(dtype="float32", kv_cache_tokens=256, max_running_requests=2), tiny_llama_dir
+    )
+    try:
+        assert client.engine.cpu_threads == want
+        assert client.engine.worker.cpu_team is not None and client.engine.worker.cpu_team.full == want
+        fresh: list[int] = []
+        probe = threading.Thread(
+            target=lambda: (torch.zeros(2).add_(1), fresh.append(torch.get_num_threads()))
+        )
+        probe.start()
+        probe.join()
+        assert fresh == [want]
+    finally:
+        client.close()
