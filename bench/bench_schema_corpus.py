@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from features import constrained as C
     from features.grammar_backend import GrammarBackend, GrammarLimits, check_limits
     from service.config import ServerArgs
-    from service.engine.request import RequestError
+    from service.core.request import RequestError
     from service.model_prep import prepare_default_model
 
     d = ServerArgs()
