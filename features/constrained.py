@@ -245,6 +245,7 @@ class GrammarMaskBatch:
     rows: list[int] = field(default_factory=list)  # the rows whose mask is filled
     row_index: torch.Tensor | None = None  # the same, as an int64 tensor for the native mask kernel
     ready: threading.Event = field(default_factory=threading.Event)
+    waited: bool = False  # the forward reached sampling before the mask was filled (a sync point)
 
 
 def forbid_tokens(row: Any, tokens: list[int]) -> None:
@@ -496,6 +497,10 @@ class ConstrainedDecoding(Feature):
         finally:
             data.ready.set()
 
+    def waited_on_host(self, batch: Any) -> bool:
+        data = batch.fb.feature_data.get(self.name)
+        return isinstance(data, GrammarMaskBatch) and data.waited
+
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
         matcher = req.feature_state[self.name]
         token = req.output_ids[-1]
@@ -575,6 +580,7 @@ class ConstrainedDecoding(Feature):
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
         data: GrammarMaskBatch = fb.feature_data[self.name]
+        data.waited = not data.ready.is_set()
         if not data.ready.wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
         if any(f.reads_raw_logits for f, _ in fb.features):
