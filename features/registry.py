@@ -246,14 +246,18 @@ def support_of(plan: list[tuple[Feature, list[int]]]) -> OverlapSupport:
     return worst
 
 
-def render_matrix_markdown(features: list[Feature]) -> str:
-    """The README table, from the declarations alone."""
+def render_matrix_markdown(features: list[Feature], column: tuple[str, dict[str, str]] | None = None) -> str:
+    """The README table, from the declarations; `column` (title, cell by feature name) adds one
+    more, e.g. what a measurement found (service/matrix.py --measured)."""
+    title, cells = column if column is not None else ("", {})
+    extra = f" {title} |" if column is not None else ""
     lines = [
-        "| feature | overlap support | why |",
-        "|---|---|---|",
+        "| feature | overlap support | why |" + extra,
+        "|---|---|---|" + ("---|" if column is not None else ""),
     ]
     for f in features:
-        lines.append(f"| {f.name} | {f.support.value} | {f.reason} |")
+        cell = f" {cells.get(f.name, 'not measured')} |" if column is not None else ""
+        lines.append(f"| {f.name} | {f.support.value} | {f.reason} |" + cell)
     if not features:
-        lines.append("| _(no feature modules yet)_ | | |")
+        lines.append("| _(no feature modules yet)_ | | |" + (" |" if column is not None else ""))
     return "\n".join(lines)

@@ -8,7 +8,6 @@ import random
 import grpc
 import pytest
 
-from features.registry import render_matrix_markdown
 from features.testing import BanTokensFeature, fake_features
 from service import protos
 from service.config import ServerArgs
@@ -16,7 +15,7 @@ from service.core.feature import OverlapSupport
 from service.core.request import RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.engine.modules import builtin_features
-from service.matrix import README, readme_with_matrix
+from service.matrix import README, readme_table, readme_with_matrix
 from service.server import BackgroundServer
 from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WORKLOADS
 
@@ -266,6 +265,6 @@ def test_get_feature_matrix_rpc(tiny_llama_dir):
 
 def test_readme_matrix_is_current():
     text = README.read_text()
-    assert readme_with_matrix(text, render_matrix_markdown(builtin_features())) == text, (
+    assert readme_with_matrix(text, readme_table()) == text, (
         "README.md's feature matrix is stale: run `python -m service matrix --write-readme`"
     )
