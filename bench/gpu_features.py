@@ -395,6 +395,7 @@ def run_workload(
     """Build an engine for the workload, warm it up (GPU), then one measured run."""
     from service.config import ServerArgs
     from service.engine.engine import Engine
+    from service.engine.modules import builtin_features
 
     args = dict(w.args)
     kv_scale = args.pop("kv_cache_tokens_scale", 1)
@@ -415,6 +416,7 @@ def run_workload(
         max_prefill_tokens=max(4096, s.streams * (s.prompt_len + s.system_len)),
         disable_cuda_graph=not cuda_graph,
         adapt_cpu_team=False,  # a fixed team: both loops see the same CPU
+        disabled_features=[f.name for f in builtin_features() if f.name not in w.features],  # alone
         **args,
     )
     col = Collector()

@@ -580,9 +580,15 @@ class ConstrainedDecoding(Feature):
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
         data: GrammarMaskBatch = fb.feature_data[self.name]
-        data.waited = not data.ready.is_set()
+        queued = None
+        if not data.ready.is_set() and self._engine.device.is_cuda:
+            queued = self._engine.device.record_event()  # the end of the work enqueued so far
+        late = not data.ready.is_set()
         if not data.ready.wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
+        # A sync point when the device ran dry meanwhile (CUDA: the enqueued work had finished when
+        # the mask came; CPU: the forward thread is the device, so any wait).
+        data.waited = late and (queued is None or bool(queued.query()))
         if any(f.reads_raw_logits for f, _ in fb.features):
             logits = logits.clone()  # keep the raw logits intact (logprobs)
         if not data.rows:
