@@ -429,6 +429,8 @@ def run_workload(
             engine.flush_prefix_cache()  # the measured run's hits come from its own turns
         before = _counters(engine)
         stats0 = engine.stats()
+        graphs = engine.worker.graphs
+        replays0 = graphs.replays if graphs is not None else 0
         engine.timeline.device_timing = True
         engine.timeline.clear_device_spans()
         log: list = []
@@ -445,6 +447,7 @@ def run_workload(
         busy, host_gap = engine.timeline.forward_stats()
         stats = engine.stats()
         counters = _minus(_counters(engine), before)
+        replays = graphs.replays - replays0 if graphs is not None else None
         kv_free = engine.kv_all_free()
     finally:
         engine.shutdown()
@@ -462,6 +465,8 @@ def run_workload(
         median_decode_gap_ms=decode.median_gap_ms,
         host_busy_fraction=busy,
         host_median_gap_ms=host_gap * 1e3,
+        decode_graph_replays=replays,  # None: no CUDA graphs (CPU, --no-cuda-graph); vs decode steps
+        decode_steps=sum(1 for m, *_ in engine.timeline.device_spans if m == "decode"),
         host_syncs=len(log) if sync_debug is not None and overlap else None,
         first_syncs=log[:3],
         counters={f: counters[f] for f in counters if any(counters[f].values())},

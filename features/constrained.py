@@ -469,7 +469,10 @@ class ConstrainedDecoding(Feature):
         return self._token_index
 
     def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs)))
+        mask = self.backend.allocate_bitmask(len(batch.reqs))
+        if self._engine.device.is_cuda:
+            mask = mask.pin_memory()  # its copy to the device is then asynchronous: no host sync
+        batch.fb.feature_data[self.name] = GrammarMaskBatch(mask)
 
     def after_launch(self, batch: Any, rows: list[int]) -> None:
         """Fill every live constrained row's mask in one native call (no Python work per row
@@ -594,6 +597,7 @@ class ConstrainedDecoding(Feature):
         if not data.rows:
             return logits
         if not cpu_kernels.apply_token_bitmask_(logits, data.mask, data.row_index):
-            mask = data.mask.to(logits.device, non_blocking=True)  # filled on the host
-            xgr.apply_token_bitmask_inplace(logits, mask, indices=data.rows)  # CUDA: xgrammar's Triton kernel
+            mask = data.mask.to(logits.device, non_blocking=True)  # filled on the host (pinned on CUDA)
+            # Every row (the others' masks are all ones): a host list of indices would be copied with a sync.
+            xgr.apply_token_bitmask_inplace(logits, mask)  # CUDA: xgrammar's Triton kernel
         return logits

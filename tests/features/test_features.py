@@ -256,6 +256,7 @@ def test_get_feature_matrix_rpc(tiny_llama_dir):
             rows["test_none"].overlap_support == "none" and rows["test_sync"].overlap_support == "sync point"
         )
         assert not rows["test_sync"].enabled and rows["test_full"].reason
+        assert rows["test_full"].batches_synced == 0  # nothing ran: the field is served
         assert (
             not rows["test_unavailable"].available and "vision" in rows["test_unavailable"].unavailable_reason
         )
