@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -78,8 +77,8 @@ class Scale:
 SCALES = {
     # the GPU run: 64 streams decode on the 135M shape
     "full": Scale(64, 64, 32, 8, 1024, 256, 256, 24, True),
-    # --quick (the CPU test): tiny everything, no warm-up
-    "quick": Scale(4, 4, 8, 2, 40, 16, 24, 6, False),
+    # --quick (the CPU test): tiny everything; the warm-up too (its path runs, cold starts stay out)
+    "quick": Scale(4, 4, 8, 2, 40, 16, 24, 6, True),
 }
 
 
@@ -291,56 +290,30 @@ def make_llava_dir(text_shape: dict[str, Any], tokenizer_dir: Path, out: Path, d
 
 
 # ---- one run ------------------------------------------------------------------------------------
-class Collector:
-    """The engine's output sink: every delta by request, and waits on them."""
-
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.outputs: dict[str, list[Any]] = {}
-        self.engine: Any = None
-
-    def sink(self, outputs: list[Any]) -> None:
-        with self.cv:
-            for o in outputs:
-                self.outputs.setdefault(o.rid, []).append(o)
-                if o.finish_reason is not None:
-                    self.engine.on_finished(o.rid)
-            self.cv.notify_all()
-
-    def wait(self, rids: list[str], done: Callable[[list[Any]], bool], timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while not all(done(self.outputs.get(r, [])) for r in rids):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"requests did not progress in {timeout}s")
-                self.cv.wait(left)
-
-
-def _finished(outs: list[Any]) -> bool:
-    return bool(outs) and outs[-1].finish_reason is not None
-
-
-def _streamed(outs: list[Any]) -> bool:
-    return _finished(outs) or any(o.token_ids for o in outs)
-
-
-def run_waves(engine: Any, col: Collector, waves: list[Wave], tag: str, image_token: int) -> list[dict]:
+def run_waves(client: Any, waves: list[Wave], tag: str, image_token: int) -> list[dict]:
     """Submit the waves as they say; every request's tokens, finish and error, in submission order."""
     from service.core.request import SamplingParams
 
+    engine = client.engine
     submitted: list[list[tuple[str, list[int]]]] = []  # (rid, prompt) of each wave's requests
+    outputs: dict[str, list[Any]] = {}  # finished requests' deltas
+
+    def finish(rids: list[str]) -> None:
+        for r in rids:
+            if r not in outputs:
+                outputs[r] = client.wait(r, timeout=600)
+
     for w, wave in enumerate(waves):
         if wave.when == "finished":
-            col.wait([r for sub in submitted for r, _ in sub], _finished)
+            finish([r for sub in submitted for r, _ in sub])
         elif wave.when == "decoding" and submitted:
-            col.wait([r for r, _ in submitted[-1]], _streamed)
+            client.wait_streaming([r for r, _ in submitted[-1]], timeout=600)
         reqs, these = [], []
         for i, item in enumerate(wave.items):
             prompt = list(item.prompt)
             if wave.continues is not None:
                 rid, before = submitted[wave.continues][i]
-                prompt = before + [t for o in col.outputs[rid] for t in o.token_ids] + prompt
+                prompt = before + [t for o in outputs[rid] for t in o.token_ids] + prompt
             elif "multimodal" in item.features:  # a continued turn has its images' placeholders already
                 prompt = [image_token] * len(item.features["multimodal"].images) + prompt
             params = SamplingParams(temperature=0, max_new_tokens=item.max_new_tokens, ignore_eos=True)
@@ -351,10 +324,10 @@ def run_waves(engine: Any, col: Collector, waves: list[Wave], tag: str, image_to
         engine.submit_all(reqs)
         submitted.append(these)
     done = [r for sub in submitted for r, _ in sub]
-    col.wait(done, _finished)
+    finish(done)
     rows = []
     for rid in done:
-        outs = col.outputs.pop(rid)
+        outs = outputs[rid]
         rows.append(
             dict(
                 tokens=[t for o in outs for t in o.token_ids],
@@ -394,7 +367,7 @@ def run_workload(
 ) -> dict:
     """Build an engine for the workload, warm it up (GPU), then one measured run."""
     from service.config import ServerArgs
-    from service.engine.engine import Engine
+    from service.engine.engine import SyncClient
     from service.engine.modules import builtin_features
 
     args = dict(w.args)
@@ -419,14 +392,15 @@ def run_workload(
         disabled_features=[f.name for f in builtin_features() if f.name not in w.features],  # alone
         **args,
     )
-    col = Collector()
-    engine = Engine(sa, model_dir, col.sink)
-    col.engine = engine
+    client = SyncClient(sa, model_dir)
+    engine = client.engine
     image_token = int(getattr(engine.hf_config, "image_token_id", -1) or -1)
     try:
         if s.warmup:
-            run_waves(engine, col, w.waves, "warmup", image_token)
+            run_waves(client, w.waves, "warmup", image_token)
             engine.flush_prefix_cache()  # the measured run's hits come from its own turns
+            admission = engine.scheduler.admission  # and it starts from the configured admission ratio
+            admission.ratio = admission.config.init_ratio  # (the warm-up's retractions backed it off)
         before = _counters(engine)
         stats0 = engine.stats()
         graphs = engine.worker.graphs
@@ -437,9 +411,9 @@ def run_workload(
         t0 = time.perf_counter()
         if sync_debug is not None and overlap:
             with sync_debug(log):
-                rows = run_waves(engine, col, w.waves, "run", image_token)
+                rows = run_waves(client, w.waves, "run", image_token)
         else:
-            rows = run_waves(engine, col, w.waves, "run", image_token)
+            rows = run_waves(client, w.waves, "run", image_token)
         wall = time.perf_counter() - t0
         engine.timeline.device_timing = False
         every = engine.timeline.device_forward_stats()
@@ -450,7 +424,7 @@ def run_workload(
         replays = graphs.replays - replays0 if graphs is not None else None
         kv_free = engine.kv_all_free()
     finally:
-        engine.shutdown()
+        client.close()
     generated = sum(len(r["tokens"]) for r in rows)
     return dict(
         loop="overlap" if overlap else "normal",
