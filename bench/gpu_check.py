@@ -521,6 +521,7 @@ def check_features_part(
             only,
         ),
         device=results_device(device_name),
+        setup=f"{shape}, {dtype}" + (", quick" if quick else ""),
     )
 
 

@@ -234,14 +234,17 @@ def make_llava_dir(text_shape: dict[str, Any], tokenizer_dir: Path, out: Path, d
     """A random-init LLaVA (a small CLIP tower, 16 image tokens per 32x32 image) over a Llama of
     `text_shape`, SmolLM2's tokenizer plus "<image>", saved with its image processor."""
     import torch
+    import transformers
     from transformers import (
         AutoTokenizer,
-        CLIPImageProcessorPil,
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
     )
+
+    # the PIL-only processor where this transformers has it (no torchvision needed), else the classic one
+    processor = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
 
     out.mkdir(parents=True, exist_ok=True)
     image_token = 49152
@@ -283,9 +286,7 @@ def make_llava_dir(text_shape: dict[str, Any], tokenizer_dir: Path, out: Path, d
     tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN_NAME]})
     assert tok.convert_tokens_to_ids(IMAGE_TOKEN_NAME) == image_token
     tok.save_pretrained(out)
-    CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
-        out
-    )
+    processor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(out)
     return out
 
 

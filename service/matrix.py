@@ -36,6 +36,7 @@ class Measured:
     device: str
     verdicts: dict[str, dict[str, Any]]  # each feature alone
     together: dict[str, dict[str, Any]] = field(default_factory=dict)  # in the "all" workload
+    setup: str = ""  # the model shape and dtype measured
 
     @classmethod
     def from_check(cls, results: dict[str, Any]) -> Measured:
@@ -44,10 +45,12 @@ class Measured:
         if "verdicts" not in part:
             raise ValueError("no feature measurements in it: run bench/gpu_check.py without --skip features")
         together = next((w["verdicts"] for w in part.get("workloads", []) if w.get("workload") == "all"), {})
-        return cls(part.get("device", "?"), part["verdicts"], part.get("together", together))
+        return cls(
+            part.get("device", "?"), part["verdicts"], part.get("together", together), part.get("setup", "")
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return dict(device=self.device, verdicts=self.verdicts, together=self.together)
+        return dict(device=self.device, setup=self.setup, verdicts=self.verdicts, together=self.together)
 
 
 def _ms(x: float | None) -> str:
@@ -85,7 +88,7 @@ def measured_cell(v: dict[str, Any], together: dict[str, Any] | None = None) -> 
 
 
 def measured_column(m: Measured) -> tuple[str, dict[str, str]]:
-    title = f"measured on {m.device} (gap overlap/normal)"
+    title = f"measured on {m.device} ({m.setup + '; ' if m.setup else ''}gap overlap/normal)"
     return title, {name: measured_cell(v, m.together.get(name)) for name, v in m.verdicts.items()}
 
 

@@ -76,7 +76,8 @@ def test_gpu_check_runs_on_cpu(smol_dir, tmp_path, capsys):
     # the matrix with the measured column, from the JSON as written
     assert main(["--measured", str(out)]) == 0
     table = capsys.readouterr().out.strip().splitlines()
-    assert table[0].endswith("| measured on " + feats["device"] + " (gap overlap/normal) |")
+    assert feats["setup"] == "tiny, float32, quick"
+    assert table[0].endswith(f"| measured on {feats['device']} (tiny, float32, quick; gap overlap/normal) |")
     body = {line.split(" | ")[0].lstrip("| "): line for line in table[2:]}
     assert set(body) == {f.name for f in builtin_features()}
     assert all(line.count(" | ") == 3 for line in body.values())
