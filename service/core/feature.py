@@ -180,6 +180,11 @@ class Feature:
         """Packed input embeddings [T, hidden] -> the ones the first layer sees."""
         return hidden
 
+    def changes_embeddings(self, fb: "ForwardBatch") -> bool:
+        """Whether modify_embeddings changes this batch's embeddings (a decode CUDA graph, which
+        covers the model from the token ids on, cannot run it then). Default: whenever it is overridden."""
+        return type(self).modify_embeddings is not Feature.modify_embeddings
+
     def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
         return logits
 
