@@ -454,6 +454,15 @@ def run_workload(
     )
 
 
+def first_difference(pairs: list[tuple[list[int], list[int]]]) -> dict | None:
+    """The first request whose tokens differ between the loops, and where they part."""
+    for i, (a, b) in enumerate(pairs):
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return dict(request=i, at=at, normal=a[at : at + 4], overlap=b[at : at + 4])
+    return None
+
+
 def measure(declared: str, c: dict[str, int], host_syncs: int | None, identical: bool) -> dict[str, Any]:
     """One feature's verdict from its overlap run's counters (see the module's docstring)."""
     if c.get("fallback", 0) and declared == "none":
@@ -518,7 +527,9 @@ def check_features(
             print(f"  {w.name} FAILED:\n{rows[-1]['error']}", flush=True)
             continue
         normal, overlap = res[False], res[True]
-        identical = normal.pop("outputs") == overlap.pop("outputs")
+        pairs = list(zip(normal.pop("outputs"), overlap.pop("outputs")))
+        same = [a == b for a, b in pairs]
+        identical = all(same)
         gap_ratio = overlap["median_gap_ms"] / normal["median_gap_ms"] if normal["median_gap_ms"] else None
         speedup = overlap["tokens_per_s"] / normal["tokens_per_s"] if normal["tokens_per_s"] else None
         ok = identical and not normal["errors"] and not overlap["errors"]
@@ -529,6 +540,8 @@ def check_features(
             model=w.model,
             requests=sum(len(wave.items) for wave in w.waves),
             identical_tokens=identical,
+            identical_requests=f"{sum(same)}/{len(same)}",
+            first_difference=first_difference(pairs),
             ok=ok,
             gap_ratio=gap_ratio,
             speedup=speedup,

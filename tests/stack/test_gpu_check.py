@@ -53,7 +53,7 @@ def test_gpu_check_runs_on_cpu(smol_dir, tmp_path, capsys):
     rows = {w["workload"]: w for w in feats["workloads"]}
     assert tuple(rows) == WORKLOADS
     for w in rows.values():
-        assert w["ok"] and w["identical_tokens"], w
+        assert w["ok"] and w["identical_tokens"] and w["first_difference"] is None, w
         for r in (w["normal"], w["overlap"]):
             assert (
                 r["forward_pairs"] > 0 and r["median_forward_ms"] > 0 and 0 < r["device_busy_fraction"] <= 1
