@@ -73,3 +73,21 @@ def test_full_feature_that_waits_is_counted_synced(tiny_llama_dir):
     assert late.batches_overlapped > 0 and late.batches_synced == late.batches_overlapped
     assert on_time.batches_overlapped > 0 and on_time.batches_synced == 0
     assert late.batches_fallback == on_time.batches_fallback == 0
+
+
+def test_prefix_cache_row_counts_the_batches_that_hit(tiny_llama_dir):
+    """The prefix cache is an engine mechanism (no request carries it): its row counts the prefill
+    batches whose rows start from a cached prefix, and nothing before a hit."""
+    args = ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=1024, max_running_requests=8)
+    client = SyncClient(args, tiny_llama_dir)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+        shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16] * 3
+        client.generate([shared + [40]], params)
+        row = {r.feature: r for r in client.engine.features.matrix()}["prefix_cache"]
+        assert row.batches_overlapped == 0
+        client.generate([shared + [41], shared + [42]], params)  # one prefill batch, two hits
+        row = {r.feature: r for r in client.engine.features.matrix()}["prefix_cache"]
+    finally:
+        client.close()
+    assert row.batches_overlapped == 1 and row.batches_synced == row.batches_fallback == 0
