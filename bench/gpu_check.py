@@ -20,6 +20,13 @@ tokenizer comes from --tokenizer (default: the prepared SmolLM2 directory).
    torch.cuda.set_sync_debug_mode("warn"): every synchronizing CUDA call, on any
    thread, is reported with its thread and stack.
 
+4. features (bench/gpu_features.py): every feature alone and all of them together, in both
+   loops, on random-init models (the first of --models, and a LLaVA over its shape): tokens
+   identical between the loops, the median device gap between consecutive forwards, busy
+   fraction, throughput overlap/normal, host syncs of the overlap run (CUDA), and from the
+   matrix counters whether each feature stayed full, became a sync point or fell back —
+   `python -m service matrix --measured gpu_check.json` renders it as a column of the matrix.
+
 Decode runs as CUDA graphs (the engine's default with the Triton backend);
 `--no-cuda-graph` measures the eager path.
 
@@ -109,7 +116,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--no-cuda-graph", action="store_true", help="decode eagerly (default: CUDA graphs on CUDA)"
     )
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,loops,syncs")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: kernels,loops,syncs,features")
+    p.add_argument(
+        "--workloads", default=None, help="comma-separated feature workloads (default: all of them)"
+    )
     p.add_argument("--out", default=None, help="write the results here as JSON")
     return p.parse_args()
 
@@ -485,6 +495,48 @@ def check_syncs(model_dir: Path, device_name: str, dtype: str, cuda_graph: bool)
     return dict(sync_calls=len(log), first=log[:5])
 
 
+# ---- 4. features ------------------------------------------------------------------------------
+def check_features_part(
+    a: argparse.Namespace, text_dir: Path, shape: str, tok: Path, tmp: Path, device_name: str, dtype: str
+) -> dict:
+    """Each feature alone and all together (bench/gpu_features.py); the LLaVA only if needed."""
+    import torch
+    from gpu_features import WORKLOAD_NAMES, check_features, make_llava_dir
+
+    only = a.workloads.split(",") if a.workloads else list(WORKLOAD_NAMES)
+    llava = None
+    if {"multimodal", "all"} & set(only):
+        llava = make_llava_dir(SHAPES[shape], tok, tmp / f"llava-{shape}", dtype)
+    cuda = torch.cuda.is_available() and device_name.startswith(("cuda", "auto"))
+    quick = a.quick or not cuda
+    return dict(
+        check_features(
+            text_dir,
+            llava,
+            device_name,
+            dtype,
+            quick,
+            not a.no_cuda_graph,
+            sync_debug if cuda else None,
+            only,
+        ),
+        device=results_device(device_name),
+        setup=f"{shape}, {dtype}" + (", quick" if quick else ""),
+    )
+
+
+def results_device(device_name: str) -> str:
+    import torch
+
+    if torch.cuda.is_available() and device_name.startswith(("cuda", "auto")):
+        return torch.cuda.get_device_name(torch.device(device_name if device_name != "auto" else "cuda"))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"
+
+
 def default_tokenizer_dir() -> Path:
     from service.model_prep import MODEL_NAME, cache_root
 
@@ -547,12 +599,24 @@ def main() -> int:
         if "syncs" not in skip:
             print("3. host syncs", flush=True)
             part("syncs", lambda: check_syncs(dirs[models[0]], str(device), dtype, not a.no_cuda_graph))
+        if "features" not in skip:
+            print("4. features alone and together, normal vs overlap loop", flush=True)
+            part(
+                "features",
+                lambda: check_features_part(
+                    a, dirs[models[0]], models[0], tok, Path(tmp), str(device), dtype
+                ),
+            )
     results["errors"] = errors
     results["elapsed_s"] = time.perf_counter() - t0
     ok = (
         not errors
         and all(r["ok"] for r in results.get("kernels", []))
         and all(r["identical_tokens"] for r in results.get("loops", []))
+        and all(r.get("ok") for r in results.get("features", {}).get("workloads", []))
+        and not any(
+            v["measured"] == "unused" for v in results.get("features", {}).get("verdicts", {}).values()
+        )
     )
     goals = []
     for r in results.get("loops", []):

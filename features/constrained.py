@@ -245,6 +245,7 @@ class GrammarMaskBatch:
     rows: list[int] = field(default_factory=list)  # the rows whose mask is filled
     row_index: torch.Tensor | None = None  # the same, as an int64 tensor for the native mask kernel
     ready: threading.Event = field(default_factory=threading.Event)
+    waited: bool = False  # the forward reached sampling before the mask was filled (a sync point)
 
 
 def forbid_tokens(row: Any, tokens: list[int]) -> None:
@@ -468,7 +469,10 @@ class ConstrainedDecoding(Feature):
         return self._token_index
 
     def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs)))
+        mask = self.backend.allocate_bitmask(len(batch.reqs))
+        if self._engine.device.is_cuda:
+            mask = mask.pin_memory()  # its copy to the device is then asynchronous: no host sync
+        batch.fb.feature_data[self.name] = GrammarMaskBatch(mask)
 
     def after_launch(self, batch: Any, rows: list[int]) -> None:
         """Fill every live constrained row's mask in one native call (no Python work per row
@@ -495,6 +499,10 @@ class ConstrainedDecoding(Feature):
             data.row_index = torch.tensor(live, dtype=torch.int64)
         finally:
             data.ready.set()
+
+    def waited_on_host(self, batch: Any) -> bool:
+        data = batch.fb.feature_data.get(self.name)
+        return isinstance(data, GrammarMaskBatch) and data.waited
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
         matcher = req.feature_state[self.name]
@@ -575,13 +583,21 @@ class ConstrainedDecoding(Feature):
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
         data: GrammarMaskBatch = fb.feature_data[self.name]
+        queued = None
+        if not data.ready.is_set() and self._engine.device.is_cuda:
+            queued = self._engine.device.record_event()  # the end of the work enqueued so far
+        late = not data.ready.is_set()
         if not data.ready.wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
+        # A sync point when the device ran dry meanwhile (CUDA: the enqueued work had finished when
+        # the mask came; CPU: the forward thread is the device, so any wait).
+        data.waited = late and (queued is None or bool(queued.query()))
         if any(f.reads_raw_logits for f, _ in fb.features):
             logits = logits.clone()  # keep the raw logits intact (logprobs)
         if not data.rows:
             return logits
         if not cpu_kernels.apply_token_bitmask_(logits, data.mask, data.row_index):
-            mask = data.mask.to(logits.device, non_blocking=True)  # filled on the host
-            xgr.apply_token_bitmask_inplace(logits, mask, indices=data.rows)  # CUDA: xgrammar's Triton kernel
+            mask = data.mask.to(logits.device, non_blocking=True)  # filled on the host (pinned on CUDA)
+            # Every row (the others' masks are all ones): a host list of indices would be copied with a sync.
+            xgr.apply_token_bitmask_inplace(logits, mask)  # CUDA: xgrammar's Triton kernel
         return logits

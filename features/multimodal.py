@@ -436,6 +436,10 @@ class MultimodalFeature(Feature):
         return None
 
     # ---- forward thread ------------------------------------------------------------------
+    def changes_embeddings(self, fb: Any) -> bool:
+        """Only batches with image rows to splice (prefill chunks): its decode batches can replay a graph."""
+        return fb.feature_data.get(self.name) is not None
+
     def modify_embeddings(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
         data: ImageSplices | None = fb.feature_data.get(self.name)
         for dst, emb, src, n in data.splices if data is not None else ():

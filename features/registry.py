@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service.core.feature import Feature, FeatureContext, OverlapSupport
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
 from service.core.request import RequestError
 
 if TYPE_CHECKING:
@@ -31,6 +31,9 @@ class MatrixRow:
     batches_fallback: int
     batches_normal_loop: int
     counters: dict[str, int] = field(default_factory=dict)  # the feature's own (Feature.counters)
+    # Overlap-loop batches that waited anyway (not declared): the forward waited on the host for the
+    # feature's work, or the results in flight were processed first for it. 0 for a feature truly full.
+    batches_synced: int = 0
 
 
 @dataclass
@@ -38,6 +41,7 @@ class _Counters:
     overlapped: int = 0
     fallback: int = 0
     normal_loop: int = 0
+    synced: int = 0
     live_requests: int = 0  # requests using the feature, admitted and not finished
 
 
@@ -179,6 +183,19 @@ class FeatureRegistry:
             c = self.counters[f.name]
             setattr(c, how, getattr(c, how) + 1)
 
+    def count_waits(self, batch: "BatchView", plan: list[tuple[Feature, list[int]]]) -> None:
+        """Scheduler thread, once an overlap-loop batch's result is processed: each feature whose hooks
+        made its forward wait on the host (`Feature.waited_on_host`) counts it as synced."""
+        for f, _ in plan:
+            if f.waited_on_host(batch):
+                self.counters[f.name].synced += 1
+
+    def count_synced(self, name: str) -> None:
+        """An undeclared sync point on the feature's behalf (e.g. retraction processing the results
+        in flight before its victims are retracted)."""
+        if name in self.counters:
+            self.counters[name].synced += 1
+
     # ---- scheduler-attached features (retraction) -------------------------------------------
     def enabled_feature(self, name: str) -> Feature | None:
         f = self.features.get(name)
@@ -214,6 +231,7 @@ class FeatureRegistry:
                     c.fallback,
                     c.normal_loop,
                     f.counters(),
+                    c.synced,
                 )
             )
         return rows
@@ -228,14 +246,18 @@ def support_of(plan: list[tuple[Feature, list[int]]]) -> OverlapSupport:
     return worst
 
 
-def render_matrix_markdown(features: list[Feature]) -> str:
-    """The README table, from the declarations alone."""
+def render_matrix_markdown(features: list[Feature], column: tuple[str, dict[str, str]] | None = None) -> str:
+    """The README table, from the declarations; `column` (title, cell by feature name) adds one
+    more, e.g. what a measurement found (service/matrix.py --measured)."""
+    title, cells = column if column is not None else ("", {})
+    extra = f" {title} |" if column is not None else ""
     lines = [
-        "| feature | overlap support | why |",
-        "|---|---|---|",
+        "| feature | overlap support | why |" + extra,
+        "|---|---|---|" + ("---|" if column is not None else ""),
     ]
     for f in features:
-        lines.append(f"| {f.name} | {f.support.value} | {f.reason} |")
+        cell = f" {cells.get(f.name, 'not measured')} |" if column is not None else ""
+        lines.append(f"| {f.name} | {f.support.value} | {f.reason} |" + cell)
     if not features:
-        lines.append("| _(no feature modules yet)_ | | |")
+        lines.append("| _(no feature modules yet)_ | | |" + (" |" if column is not None else ""))
     return "\n".join(lines)

@@ -80,6 +80,16 @@ class EngineCollector:
         yield CounterMetricFamily(
             "zerogap_completion_tokens", "Output tokens delivered", value=self.router.completion_tokens
         )
+        batches = CounterMetricFamily(
+            "zerogap_feature_batches",
+            "Batches carrying a feature, by what happened: overlapped, fallback (per-batch), normal_loop, "
+            "synced (overlapped batches that waited anyway; 0 for a truly full feature)",
+            labels=["feature", "how"],
+        )
+        for row in self.engine.features.matrix():
+            for how in ("overlapped", "fallback", "normal_loop", "synced"):
+                batches.add_metric([row.feature, how], getattr(row, f"batches_{how}"))
+        yield batches
         finished = CounterMetricFamily(
             "zerogap_requests_finished", "Finished requests by reason", labels=["reason"]
         )

@@ -15,6 +15,7 @@ points. Hooks run on the thread named in their docstring — never both.
                       after_launch             the batch's forward runs meanwhile; called once the
                                                results of all earlier batches were processed
                       on_result                the batch's result is on the host, per row
+                      waited_on_host           (overlap loop, at result) did its forward wait for us?
                       on_retract               the request was retracted; rebuild state from its kept tokens
                       on_finish                the request ended (any reason); may add fields to its last message
                       on_chunk_result          (chunked prefill, features that read chunks) a non-final
@@ -148,6 +149,12 @@ class Feature:
         """Per active row, after its token was appended; returns output fields for the client."""
         return None
 
+    def waited_on_host(self, batch: "BatchView") -> bool:
+        """Once the batch's result is processed: whether its forward waited on the host for this
+        feature's scheduler-side work (e.g. a mask not filled yet at sampling) — the batch then became a
+        sync point, counted in the matrix (`batches_synced`), whatever the declaration says."""
+        return False
+
     def on_retract(self, req: "Req") -> None:
         """The request lost its KV and will be re-run from prompt + kept output tokens."""
 
@@ -172,6 +179,11 @@ class Feature:
     def modify_embeddings(self, fb: "ForwardBatch", hidden: "torch.Tensor") -> "torch.Tensor":
         """Packed input embeddings [T, hidden] -> the ones the first layer sees."""
         return hidden
+
+    def changes_embeddings(self, fb: "ForwardBatch") -> bool:
+        """Whether modify_embeddings changes this batch's embeddings (a decode CUDA graph, which
+        covers the model from the token ids on, cannot run it then). Default: whenever it is overridden."""
+        return type(self).modify_embeddings is not Feature.modify_embeddings
 
     def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
         return logits

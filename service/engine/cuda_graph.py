@@ -11,7 +11,8 @@ position 0 and write the pool's reserved row 0, so they touch nothing real.
 The graph covers the model only: sampling, penalties and feature hooks run
 eagerly on its logits (a view of the graph's output, consumed in stream order
 before the next replay). Batches the graph cannot express (extend, input
-logprob rows, features that change embeddings, too large) run eagerly.
+logprob rows, a feature changing this batch's embeddings, too large) run eagerly: a decode batch
+of image requests replays (their images were spliced in at prefill).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import logging
 
 import torch
 
-from service.core.feature import Feature
 from service.core.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger("zerogap.cuda_graph")
@@ -31,10 +31,6 @@ def graph_buckets(max_bs: int) -> list[int]:
     """Padded batch sizes: 1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, and max_bs."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
     return sorted({s for s in sizes if s < max_bs} | {max_bs})
-
-
-def _changes_embeddings(feature: Feature) -> bool:
-    return type(feature).modify_embeddings is not Feature.modify_embeddings
 
 
 class DecodeGraphs:
@@ -96,7 +92,7 @@ class DecodeGraphs:
             and fb.batch_size <= self.max_bs
             and fb.kv_indices.shape[1] <= self.max_context
             and fb.extra_logit_rows is None
-            and not any(_changes_embeddings(f) for f, _ in fb.features)
+            and not any(f.changes_embeddings(fb) for f, _ in fb.features)
         )
 
     def run(self, fb: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:

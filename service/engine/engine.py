@@ -416,6 +416,19 @@ class SyncClient:
                     raise TimeoutError(f"request {rid} did not finish in {timeout}s")
                 self._cv.wait(left)
 
+    def wait_streaming(self, rids: list[str], timeout: float = 300.0) -> None:
+        """Block until each request streamed a token or finished (its outputs stay for `wait`)."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not all(
+                any(o.token_ids or o.finish_reason is not None for o in self._outputs.get(r, []))
+                for r in rids
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"requests did not start streaming in {timeout}s")
+                self._cv.wait(left)
+
     def generate(
         self,
         prompts: list[list[int]],

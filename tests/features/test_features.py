@@ -8,7 +8,6 @@ import random
 import grpc
 import pytest
 
-from features.registry import render_matrix_markdown
 from features.testing import BanTokensFeature, fake_features
 from service import protos
 from service.config import ServerArgs
@@ -16,7 +15,7 @@ from service.core.feature import OverlapSupport
 from service.core.request import RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.engine.modules import builtin_features
-from service.matrix import README, readme_with_matrix
+from service.matrix import README, readme_table, readme_with_matrix
 from service.server import BackgroundServer
 from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WORKLOADS
 
@@ -257,6 +256,7 @@ def test_get_feature_matrix_rpc(tiny_llama_dir):
             rows["test_none"].overlap_support == "none" and rows["test_sync"].overlap_support == "sync point"
         )
         assert not rows["test_sync"].enabled and rows["test_full"].reason
+        assert rows["test_full"].batches_synced == 0  # nothing ran: the field is served
         assert (
             not rows["test_unavailable"].available and "vision" in rows["test_unavailable"].unavailable_reason
         )
@@ -266,6 +266,6 @@ def test_get_feature_matrix_rpc(tiny_llama_dir):
 
 def test_readme_matrix_is_current():
     text = README.read_text()
-    assert readme_with_matrix(text, render_matrix_markdown(builtin_features())) == text, (
+    assert readme_with_matrix(text, readme_table()) == text, (
         "README.md's feature matrix is stale: run `python -m service matrix --write-readme`"
     )

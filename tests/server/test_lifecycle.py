@@ -133,6 +133,7 @@ def test_prometheus_metrics_endpoint(tiny_llama_dir):
             "zerogap_kv_pool_free_tokens",
             "zerogap_forward_steps_total",
             'zerogap_requests_finished_total{reason="length"} 1.0',
+            'zerogap_feature_batches_total{feature="retraction",how="synced"} 0.0',
         ):
             assert name in body, name
     finally:

@@ -180,6 +180,8 @@ class Retraction:
             victims += more
         stats = self.policy.stats
         stats.sync_points += synced
+        if synced:
+            self.features.count_synced("retraction")  # declared full: the drain is counted against it
         stats.events += bool(victims)
         if victims:
             self.policy.after_retraction([r for r in self.running if r.launched < r.max_new_tokens])

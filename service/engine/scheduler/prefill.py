@@ -16,7 +16,7 @@ from service.core.device import Device
 from service.core.request import FinishReason, Req, RequestError
 from service.engine.chunking import PrefillChunker
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
-from service.engine.schedule_batch import ScheduleBatch, build_extend_batch
+from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_extend_batch
 from service.engine.scheduler.admission import AdmissionPolicy, Retraction
 from service.engine.scheduler.cache import CacheManager
 from service.engine.scheduler.output import OutputManager
@@ -110,12 +110,22 @@ class PrefillManager:
             assert self.chunker is not None
             batch, done = self.chunker.build(step, self.req_pool, self.kv_pool, self.vocab_size, self.device)
             self.running.extend(done)
+            self._plan_hits(batch, step.rows)  # the first rows of the batch
             return batch
         if not admitted:
             return None
         self.running.extend(admitted)
         self.policy.admitted(len(self.running))
         rows = self.cache.extend_rows(admitted)
-        return build_extend_batch(
+        batch = build_extend_batch(
             admitted, self.req_pool, self.kv_pool, self.vocab_size, self.device, rows=rows
         )
+        self._plan_hits(batch, rows)
+        return batch
+
+    def _plan_hits(self, batch: ScheduleBatch, rows: list[ExtendRow]) -> None:
+        """The prefix cache's matrix row counts the batches whose prefills start from a cached prefix."""
+        hits = [i for i, row in enumerate(rows) if row.new_slot and row.prefix_len > 0]
+        feature = self.features.enabled_feature("prefix_cache") if hits else None
+        if feature is not None:
+            batch.own_plan = batch.own_plan + [(feature, hits)]

@@ -293,6 +293,8 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: Outcome) -> None:
         start = time.perf_counter()
+        if self.overlap:
+            self.features.count_waits(batch, batch.plan)  # a "full" feature that waited anyway
         if batch.hook_error is not None and not isinstance(result, BaseException):
             result = batch.hook_error
         if isinstance(result, BaseException):
