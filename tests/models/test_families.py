@@ -116,7 +116,7 @@ def make_family_model(smol: Path, out: Path, name: str) -> Path:
     import transformers
 
     cls_name, kwargs = CONFIGS[name]
-    cfg = getattr(transformers, cls_name)(**COMMON, **kwargs)
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -171,6 +171,8 @@ def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], int]:
         for feats in runs:
             params = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
             outs = c.generate(prompts(), params, [feats] * len(PROMPT_LENS))
+            for o in outs:
+                assert o[-1].error is None, o[-1].error
             results.append([(collect(o)[0], [d.extras.get("logprobs") for d in o]) for o in outs])
         hits = c.engine.stats().prefix_cache.hit_tokens
         assert_pools_initial(c)
