@@ -12,7 +12,8 @@ request-to-token row per request) and never leave the device:
 - extend: new tokens of each request attend to the cached prefix (read from
   the pool) and causally to each other (read from this step's packed K/V).
 
-Sliding windows (Mistral) restrict both to the last `window` positions.
+Sliding windows (Mistral, Gemma's local layers) restrict both to the last `window` positions;
+`softcap` > 0 caps the scores, softcap * tanh(scores / softcap) (Gemma-2), before the softmax.
 Accumulation is float32; fp32 inputs use IEEE dot products (no TF32).
 
 Tests run these on CPU with `TRITON_INTERPRET=1`, which must be set before
@@ -61,6 +62,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _scores(q, k, sm_scale, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """q.k * scale; SOFTCAP > 0: SOFTCAP * tanh(. / SOFTCAP), tanh as 1 - 2 / (exp(2x) + 1)."""
+    qk = _dot(q, k, IEEE) * sm_scale
+    if SOFTCAP > 0:
+        qk = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * qk / SOFTCAP) + 1.0))
+    return qk
+
+
+@triton.jit
 def _online_softmax_step(qk, m_i, l_i, acc, v, IEEE: tl.constexpr):
     """One block of flash attention: qk [M, N] (masked with -inf), v [N, D]."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -101,6 +111,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -137,7 +148,7 @@ def _decode_stage1_kernel(
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )
-        qk = _dot(q, k, IEEE) * sm_scale
+        qk = _scores(q, k, sm_scale, SOFTCAP, IEEE)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(
             V_cache + rows[:, None] * stride_vc_t + kvh * stride_vc_h + offs_d[None, :],
@@ -224,6 +235,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -262,7 +274,7 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = _dot(q, k, IEEE) * sm_scale
+            qk = _scores(q, k, sm_scale, SOFTCAP, IEEE)
             visible = mask_n[None, :]
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
@@ -287,7 +299,7 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = _dot(q, k, IEEE) * sm_scale
+            qk = _scores(q, k, sm_scale, SOFTCAP, IEEE)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - WINDOW)
@@ -353,6 +365,7 @@ def decode_attention(
     window: int = 0,
     block_n: int = 64,
     mid: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -394,6 +407,7 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         WINDOW=window,
+        SOFTCAP=softcap,
         IEEE=ieee,
     )
     _decode_stage2_kernel[(bs, hq)](
@@ -430,6 +444,7 @@ def extend_attention(
     window: int = 0,
     block_m: int = 64,
     block_n: int = 64,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     bs = seq_lens.shape[0]
     hq, d = q.shape[1], q.shape[2]
@@ -466,6 +481,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         WINDOW=window,
+        SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32,
     )
     return o
@@ -478,6 +494,7 @@ class TritonMeta:
     fb: ForwardBatch
     window: int  # 0: no sliding window
     num_splits: int  # decode only
+    softcap: float  # 0: scores not capped; else softcap * tanh(scores / softcap) (Gemma-2)
     mid: tuple[torch.Tensor, torch.Tensor] | None = None  # decode scratch, allocated by the first layer
 
 
@@ -509,10 +526,15 @@ class TritonAttention:
         return max(1, min(self.max_splits, by_occupancy, by_length))
 
     def prepare(
-        self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None
+        self,
+        fb: ForwardBatch,
+        num_q_heads: int,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
-        return TritonMeta(fb, sliding_window or 0, splits)
+        return TritonMeta(fb, sliding_window or 0, splits, softcap or 0.0)
 
     def forward(
         self,
@@ -544,6 +566,7 @@ class TritonAttention:
                 meta.window,
                 self.block_n,
                 meta.mid,
+                meta.softcap,
             )
         else:
             o = extend_attention(
@@ -561,5 +584,6 @@ class TritonAttention:
                 meta.window,
                 self.block_m,
                 self.block_n,
+                meta.softcap,
             )
         return o.view(o.shape[0], -1)
