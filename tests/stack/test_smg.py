@@ -98,6 +98,7 @@ class Gateway:
         )  # fmt: skip
         log.close()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_dir.name
 
     def workers(self) -> list[dict]:
         try:
@@ -115,6 +116,17 @@ class Gateway:
         assert wait_until(ready, timeout, 0.2), (
             f"smg did not register {n} workers:\n{self.log_path.read_text()}"
         )
+
+        def answers() -> bool:  # the tokenizer is registered a little after the workers
+            try:
+                self.client().chat.completions.create(
+                    model=self.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
+                return True
+            except Exception:  # noqa: BLE001 - 503 until then
+                return False
+
+        assert wait_until(answers, timeout, 0.2), self.log_path.read_text()
 
     def client(self):
         import openai
