@@ -26,7 +26,7 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from smg_grpc_proto.generated import common_pb2
@@ -68,11 +68,6 @@ def blocks_of(event: CacheEvent, block_size: int = BLOCK_SIZE) -> list[Block]:
     return out
 
 
-def tree_blocks(paths: Iterator[tuple[int, ...]], block_size: int = BLOCK_SIZE) -> set[tuple[int, ...]]:
-    """The full-block prefixes the given root-to-leaf paths hold: what the gateway should know (tests)."""
-    return {path[:end] for path in paths for end in range(block_size, len(path) + 1, block_size)}
-
-
 class Unavailable(Exception):
     """A subscription that cannot be served: (gRPC status code name, message)."""
 
@@ -103,7 +98,10 @@ class KvEventPublisher:
             first = not self._pending
             self._pending.append(event)
         if first:
-            self.loop.call_soon_threadsafe(self._flush)
+            try:
+                self.loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the loop is closed (shutting down): nobody is listening any more
+                pass
 
     # ---- event loop ----------------------------------------------------------------
     def _flush(self) -> None:

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import time
+import uuid
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -225,7 +226,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         for name in features:
             if not self.engine.features.enabled.get(name, False):
                 raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is disabled on this server")
-        rid = request.request_id or f"smg-{time.monotonic_ns()}"
+        rid = request.request_id or f"smg-{uuid.uuid4().hex}"
         req = self.engine.build_request(rid, ids, sampling_from_vllm(sp), features)
         log_shape = OutputLog(
             sp.logprobs if sp.HasField("logprobs") else None,

@@ -14,7 +14,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from service.config import ServerArgs
 from service.engine.prefix_cache import CacheEvent
-from service.kv_events import BLOCK_SIZE, block_hash, blocks_of, tree_blocks
+from service.kv_events import BLOCK_SIZE, block_hash, blocks_of
 from service.server import BackgroundServer
 
 
@@ -28,6 +28,11 @@ def test_blocks_of_a_node_are_those_ending_inside_it():
     assert blocks_of(CacheEvent("removed", path, 32)) == []  # a partial block is never published
     other = blocks_of(CacheEvent("stored", (7, *path[1:]), 0))
     assert other[1].tokens == second.tokens and other[1].hash != second.hash  # hashes name the whole prefix
+
+
+def tree_blocks(paths: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """The full-block prefixes the tree's root-to-leaf paths hold: what the gateway should know."""
+    return {path[:end] for path in paths for end in range(BLOCK_SIZE, len(path) + 1, BLOCK_SIZE)}
 
 
 class Replay:
