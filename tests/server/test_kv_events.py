@@ -30,15 +30,61 @@ def test_blocks_of_a_node_are_those_ending_inside_it():
     assert other[1].tokens == second.tokens and other[1].hash != second.hash  # hashes name the whole prefix
 
 
-def tree_blocks(paths: list[tuple[int, ...]]) -> set[tuple[int, ...]]:
+def tree_blocks(paths: list[tuple[int, ...]], block_size: int = BLOCK_SIZE) -> set[tuple[int, ...]]:
     """The full-block prefixes the tree's root-to-leaf paths hold: what the gateway should know."""
-    return {path[:end] for path in paths for end in range(BLOCK_SIZE, len(path) + 1, BLOCK_SIZE)}
+    return {path[:end] for path in paths for end in range(block_size, len(path) + 1, block_size)}
+
+
+def test_the_tree_told_to_a_publisher_is_the_tree_in_block_terms():
+    """Random inserts (with splits by matches), evictions and a flush on a bare tree, its observer a
+    publisher on an event loop: the published live blocks are always the tree's full-block prefixes."""
+    import asyncio
+
+    import torch
+
+    from service.engine.kv_cache import TokenToKVPool
+    from service.engine.prefix_cache import RadixCache
+    from service.kv_events import KvEventPublisher
+
+    async def run() -> None:
+        rng = random.Random(7)
+        tree = RadixCache(TokenToKVPool(2048, 1, 1, 2, torch.float32))
+        publisher = KvEventPublisher(asyncio.get_running_loop(), block_size=4)
+        tree.observers.append(publisher.observe)
+        replay = Replay(block_size=4)
+        stems = [[rng.randrange(100) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+        for step in range(300):
+            op = rng.random()
+            if op < 0.6:
+                tokens = rng.choice(stems) + [rng.randrange(100) for _ in range(rng.randrange(0, 20))]
+                if tree.kv_pool.free_count < len(tokens):
+                    tree.evict(len(tokens))
+                rows = tree.kv_pool.alloc(len(tokens))
+                tree.kv_pool.free(rows[: tree.insert(tokens, rows)])
+            elif op < 0.8:
+                tree.match(rng.choice(stems) + [rng.randrange(100)])  # may split an edge: no event
+            elif op < 0.98:
+                tree.evict(rng.randrange(1, 30))
+            else:
+                tree.flush()
+            await asyncio.sleep(0)  # the publisher's batch for this step
+            if step % 10 == 0:
+                for batch in publisher.history:
+                    if batch.sequence_number > replay.last_seq:
+                        replay.apply(batch)
+                expected = tree_blocks([tree.path(n) for n in tree._leaves()], 4)
+                assert replay.orphans == 0 and replay.prefixes() == expected
+                assert len(publisher.live) == len(expected)
+        tree.check()
+
+    asyncio.run(run())
 
 
 class Replay:
     """What SMG's positional indexer keeps from a stream: block hash -> the prefix it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
         self.blocks: dict[int, tuple[int, ...]] = {}
         self.last_seq = 0
         self.orphans = 0  # stored events whose parent was unknown (the indexer would misplace them)
@@ -62,7 +108,7 @@ class Replay:
                         continue
                     prefix = self.blocks[s.parent_block_hash]
                 for b in s.blocks:
-                    assert b.block_size == BLOCK_SIZE and len(b.token_ids) == BLOCK_SIZE
+                    assert b.block_size == self.block_size == len(b.token_ids)
                     prefix = prefix + tuple(b.token_ids)
                     self.blocks[b.block_hash] = prefix
 
@@ -170,6 +216,6 @@ def test_replayed_stream_equals_the_tree_under_evictions_retractions_and_flushes
 
 
 def _copy(replay: Replay) -> Replay:
-    out = Replay()
+    out = Replay(replay.block_size)
     out.blocks, out.last_seq = dict(replay.blocks), replay.last_seq
     return out
