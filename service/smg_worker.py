@@ -223,9 +223,6 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         logprobs = logprobs_from_vllm(sp)
         if logprobs is not None:
             features["logprobs"] = logprobs
-        for name in features:
-            if not self.engine.features.enabled.get(name, False):
-                raise RequestError("FAILED_PRECONDITION", f"feature {name!r} is disabled on this server")
         rid = request.request_id or f"smg-{uuid.uuid4().hex}"
         req = self.engine.build_request(rid, ids, sampling_from_vllm(sp), features)
         log_shape = OutputLog(
