@@ -199,7 +199,6 @@ def test_replayed_stream_equals_the_tree_under_evictions_retractions_and_flushes
         resumed = Subscriber(stub, start=early.replay.last_seq, replay=_copy(early.replay))  # a cursor
         assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5)).success
         run_round(stub, rng, prefixes)
-        run_round(stub, rng, prefixes)
         subs = [early, late, resumed]
         wait_caught_up(subs, publisher)
         expected = tree_blocks(leaves(tree))
