@@ -11,7 +11,8 @@ Arms, each on the same two replicas with their prefix caches flushed in between:
 
 Figures per arm: TTFT p50/p99 (to the first streamed token), requests/s over the arm's wall time,
 prefix hit rate (cached prompt tokens / prompt tokens, from each response's usage) and the share
-of turns 2+ with cached tokens past the shared system prompt.
+of turns 2+ that found their previous turn's whole prompt cached (only the replica that served that
+turn holds all of it: about half under round robin with two replicas).
 
 Usage (heavy: run under the shared lock):
     flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_smg_routing.py [--model DIR]
@@ -110,16 +111,16 @@ def model_name(port: int) -> str:
 class Stats:
     def __init__(self) -> None:
         self.ttft: list[float] = []
-        self.prompt = self.cached = self.later = self.deep = 0
+        self.prompt = self.cached = self.later = self.whole = 0
         self.errors = 0
 
-    def add(self, ttft: float, prompt: int, cached: int, turn: int, shared: int) -> None:
+    def add(self, ttft: float, prompt: int, cached: int, previous_prompt: int) -> None:
         self.ttft.append(ttft)
         self.prompt += prompt
         self.cached += cached
-        if turn:
+        if previous_prompt:
             self.later += 1
-            self.deep += cached > shared
+            self.whole += cached >= previous_prompt
 
     def row(self, arm: str, wall: float) -> dict:
         t = sorted(self.ttft) or [float("nan")]
@@ -131,17 +132,17 @@ class Stats:
             "ttft_p99_ms": 1000 * t[min(len(t) - 1, int(0.99 * len(t)))],
             "req_per_s": len(t) / wall,
             "prefix_hit_rate": self.cached / self.prompt if self.prompt else 0.0,
-            "turns_with_own_history_cached": self.deep / self.later if self.later else 0.0,
+            "turns_with_previous_prompt_cached": self.whole / self.later if self.later else 0.0,
         }
 
 
-async def run_workload(make_ask, args, shared: int) -> tuple[Stats, float]:
+async def run_workload(make_ask, args) -> tuple[Stats, float]:
     """`make_ask()(messages) -> (ttft, text, prompt_tokens, cached_tokens)`; conversations in parallel."""
     stats, sem, ask = Stats(), asyncio.Semaphore(args.concurrency), make_ask()
 
     async def conversation(c: int) -> None:
         async with sem:
-            messages = [{"role": "system", "content": SYSTEM}]
+            messages, previous = [{"role": "system", "content": SYSTEM}], 0
             for turn in range(args.turns):
                 messages.append({"role": "user", "content": f"Reader {c}, question {turn}: what next?"})
                 try:
@@ -150,7 +151,8 @@ async def run_workload(make_ask, args, shared: int) -> tuple[Stats, float]:
                     print(f"  conversation {c} turn {turn}: {type(e).__name__}: {e}", file=sys.stderr)
                     stats.errors += 1
                     return
-                stats.add(ttft, prompt, cached, turn, shared)
+                stats.add(ttft, prompt, cached, previous)
+                previous = prompt
                 messages.append({"role": "assistant", "content": text})
 
     t0 = time.perf_counter()
@@ -323,7 +325,7 @@ def main() -> None:
                     "nginx",
                 )
                 make_ask = lambda port=port: grpc_asker(f"127.0.0.1:{port}", args.max_tokens)  # noqa: E731
-            stats, wall = asyncio.run(run_workload(make_ask, args, shared))
+            stats, wall = asyncio.run(run_workload(make_ask, args))
             rows.append(stats.row(arm, wall))
             print(json.dumps(rows[-1]), flush=True)
             procs.pop().kill()
@@ -337,12 +339,12 @@ def main() -> None:
     print(f"\n{args.conversations} conversations x {args.turns} turns, concurrency {args.concurrency}, "
           f"max_tokens {args.max_tokens}, shared prefix {shared} tokens, model {model}")  # fmt: skip
     print(
-        f"{'arm':18} {'TTFT p50 ms':>12} {'p99 ms':>9} {'req/s':>7} {'hit rate':>9} {'own hist':>9} {'errors':>7}"
+        f"{'arm':18} {'TTFT p50 ms':>12} {'p99 ms':>9} {'req/s':>7} {'hit rate':>9} {'prev hit':>9} {'errors':>7}"
     )
     for r in rows:
         print(
             f"{r['arm']:18} {r['ttft_p50_ms']:12.0f} {r['ttft_p99_ms']:9.0f} {r['req_per_s']:7.2f} "
-            f"{r['prefix_hit_rate']:9.2f} {r['turns_with_own_history_cached']:9.2f} {r['errors']:7d}"
+            f"{r['prefix_hit_rate']:9.2f} {r['turns_with_previous_prompt_cached']:9.2f} {r['errors']:7d}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
