@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from features.constrained import ConstraintSpec
 from features.logprobs import LogprobParams
 from service import __version__
-from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from service.core.request import FinishReason, Req, RequestError, RequestOutput, SamplingParams
 from service.engine.engine import Engine
 from service.kv_events import BLOCK_SIZE, KvEventPublisher, Unavailable
 from service.tokenizer import InputTooLong
@@ -200,7 +200,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
     # ---- Generate ------------------------------------------------------------------
-    def _build(self, request: Any):
+    def _build(self, request: Any) -> tuple[Req, OutputLog]:
         """Worker thread: the validated Req and its logprob shape."""
         check_supported(request)
         which = request.WhichOneof("input")
@@ -232,7 +232,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
         return req, log_shape
 
-    async def _start(self, request: Any, context: Any):
+    async def _start(self, request: Any, context: Any) -> tuple[Req, asyncio.Queue[RequestOutput], OutputLog]:
         self.last_receive = time.time()
         if self.draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -284,7 +284,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if not done:  # the gateway went away or sent a deadline: free the request's KV now
                 self.engine.abort(req.rid)
 
-    def _complete(self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, stream: bool):
+    def _complete(
+        self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, stream: bool
+    ) -> vllm_engine_pb2.GenerateResponse:
         """The final message: all tokens (streamed: the last delta, as vLLM sends it)."""
         last = outs[-1]
         complete = vllm_engine_pb2.GenerateComplete(
