@@ -171,6 +171,10 @@ def chat(client, model: str, messages: list[dict], **kw):
 
 def test_openai_sdk_through_smg(stack):
     gateway, replicas, model = stack
+    workers = gateway.workers()
+    assert {(w["runtime_type"], w["connection_mode"], w["labels"]["page_size"]) for w in workers} == {
+        ("vllm", "grpc", "16")
+    }  # the contract SMG detected, and the KV event block size it took from GetServerInfo
     client = gateway.client()
     messages = [{"role": "user", "content": "Name a colour."}]
     reply = chat(client, model, messages)
