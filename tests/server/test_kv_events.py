@@ -16,6 +16,7 @@ from service.config import ServerArgs
 from service.engine.prefix_cache import CacheEvent
 from service.kv_events import BLOCK_SIZE, block_hash, blocks_of
 from service.server import BackgroundServer
+from tests.helpers import wait_until
 
 
 def test_blocks_of_a_node_are_those_ending_inside_it():
@@ -201,6 +202,8 @@ def test_replayed_stream_equals_the_tree_under_evictions_retractions_and_flushes
         run_round(stub, rng, prefixes)
         subs = [early, late, resumed]
         wait_caught_up(subs, publisher)
+        # the last finishes' inserts may still be on their way: wait until the tree and the streams agree
+        wait_until(lambda: all(s.replay.prefixes() == tree_blocks(leaves(tree)) for s in subs), 10)
         expected = tree_blocks(leaves(tree))
         for s in subs:
             s.stop()
