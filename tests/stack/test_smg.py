@@ -273,7 +273,7 @@ def test_round_robin_finds_the_history_about_half_the_time(stack, tmp_path):
     print(
         f"round_robin: of {total} turns 2-4, {hit} cached > 0 (the system prompt), {whole} the whole previous prompt"
     )
-    assert reached == 2 and whole / total <= 0.75, (whole, total)
+    assert reached == 2 and whole / total < 0.85, (whole, total)  # about half; cache_aware: >= 0.9
 
 
 def test_a_killed_replica_is_routed_around_and_used_again_once_restarted(stack):
