@@ -32,6 +32,8 @@ from service.limits import InputLimits
 from service.metrics import start_metrics_server
 from service.model_prep import resolve_model_path
 from service.models.families import UnsupportedArchitecture
+from service.smg_worker import SERVICE_NAME as SMG_WORKER_SERVICE
+from service.smg_worker import SmgWorkerServicer, add_smg_worker
 from service.tokenizer import InputTooLong
 
 pb2, pb2_grpc = protos.load()
@@ -377,6 +379,7 @@ class RunningServer:
     router: OutputRouter
     port: int
     metrics_http: object | None = None  # (HTTP server, thread) from prometheus_client
+    smg_worker: SmgWorkerServicer | None = None  # vLLM's worker contract for SMG (service/smg_worker.py)
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Stop admitting, let in-flight requests finish within grace_s, then stop."""
@@ -495,10 +498,12 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     )
     servicer = GenerationServicer(engine, router, str(model_dir))
     pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    smg_worker = add_smg_worker(server, engine, router, str(model_dir), lambda: servicer.draining)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+        SMG_WORKER_SERVICE,
         health.SERVICE_NAME,
         reflection.SERVICE_NAME,
     )
@@ -509,7 +514,7 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
         engine.shutdown()
         raise
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE_NAME, SMG_WORKER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics_http = None
     if args.metrics_port is not None:
@@ -523,7 +528,9 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
         "mutual TLS" if args.tls_client_ca else "TLS" if creds else "plaintext",
         ", token auth" if len(intercept) > 1 else "",
     )
-    return RunningServer(args, engine, server, servicer, health_servicer, router, port, metrics_http)
+    return RunningServer(
+        args, engine, server, servicer, health_servicer, router, port, metrics_http, smg_worker
+    )
 
 
 def serve(args: ServerArgs) -> int:

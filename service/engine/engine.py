@@ -38,6 +38,7 @@ from service.engine.cuda_graph import build_decode_graphs
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.modules import builtin_features
+from service.engine.prefix_cache import CacheObserver
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig
@@ -366,6 +367,15 @@ class Engine:
     def flush_prefix_cache(self, timeout: float = 30.0) -> int:
         """Evict every cached prefix no running request uses (everything when idle); the rows freed."""
         return self.scheduler.flush_prefix_cache().result(timeout)
+
+    def observe_prefix_cache(self, observer: CacheObserver) -> bool:
+        """Tell `observer` every change of what the prefix cache holds (on the scheduler thread, from
+        now on); False when the cache is off. Register before serving: the tree is not read here."""
+        tree = getattr(self.scheduler.prefix_cache, "tree", None)
+        if tree is None:
+            return False
+        tree.observers.append(observer)
+        return True
 
     def kv_all_free(self) -> bool:
         """Leak check: every KV row is on the free list once the prefix cache is flushed."""

@@ -13,11 +13,18 @@ Overlap safety is the caller's contract (docs/architecture.md, "Prefix cache"):
 only rows whose KV was written by batches whose results were processed are
 inserted, and evicted rows are reused only by batches launched later, which the
 forward thread runs after every batch that could still read them.
+
+Observers (`RadixCache.observers`, plain callables) hear every change of what the
+tree holds: a node added by `insert` and a leaf removed by `evict` (`flush` too),
+each as a `CacheEvent` with the node's whole path from the root. Splits and
+locks change no content and are not told. The SMG worker's KV event stream is
+built on it (service/kv_events.py).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +72,18 @@ class CacheStats:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class CacheEvent:
+    """The tree now holds (`stored`) or no longer holds (`removed`) tokens[start:] after tokens[:start]."""
+
+    kind: str  # "stored" | "removed"
+    tokens: tuple[int, ...]  # the node's path from the root, its own tokens last
+    start: int  # where the node's own tokens begin
+
+
+CacheObserver = Callable[[CacheEvent], None]
+
+
 def _common_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -84,6 +103,22 @@ class RadixCache:
         self.locked_tokens = 0  # of those, on some running request's path
         self.stats = CacheStats()
         self._clock = 0
+        self.observers: list[CacheObserver] = []  # called on the scheduler thread, in order
+
+    def path(self, node: Node) -> tuple[int, ...]:
+        """The token ids from the root to the end of `node`."""
+        parts: list[list[int]] = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return tuple(t for key in reversed(parts) for t in key)
+
+    def _tell(self, kind: str, node: Node) -> None:
+        if self.observers:
+            tokens = self.path(node)
+            event = CacheEvent(kind, tokens, len(tokens) - len(node.key))
+            for observer in self.observers:
+                observer(event)
 
     @property
     def evictable_tokens(self) -> int:
@@ -153,6 +188,7 @@ class RadixCache:
                 node.children[tokens[pos]] = new
                 self.total_tokens += len(new.key)
                 self.stats.inserted_tokens += len(new.key)
+                self._tell("stored", new)
                 return pos
             n = _common_len(child.key, tokens[pos:])
             if n < len(child.key):
@@ -188,6 +224,7 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
+            self._tell("removed", leaf)
             self.kv_pool.free(leaf.rows)
             freed += len(leaf.key)
             parent = leaf.parent

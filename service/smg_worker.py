@@ -1,0 +1,442 @@
+"""zerogap as an SMG worker: vLLM's worker contract (`vllm.grpc.engine.VllmEngine`) on the same engine.
+
+SMG (Shepherd Model Gateway) serves the OpenAI API, tokenizes and applies the chat template itself,
+and drives gRPC workers through one of its runtime contracts, published in `smg-grpc-proto`. This
+module serves vLLM's next to `zerogap.v1` on the same server and engine (docs/deployment.md says
+why this contract): token ids in and out (`Generate`, streamed as deltas then a `complete`),
+sampling and stop fields, seed, constraints, logprobs, `Abort`, health, model and server info,
+`GetLoads`, `GetTokenizer`, `FlushCache` and `SubscribeKvEvents` (service/kv_events.py).
+
+What zerogap cannot honour is refused with FAILED_PRECONDITION naming the field (the gateway answers
+400): n > 1, images (mm_inputs, media_refs), PD disaggregation (kv_transfer_params), logit_bias,
+data-parallel ranks other than 0, all-vocabulary logprobs (-1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import logging
+import math
+import time
+import uuid
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from features.constrained import ConstraintSpec
+from features.logprobs import LogprobParams
+from service import __version__
+from service.core.request import FinishReason, Req, RequestError, RequestOutput, SamplingParams
+from service.engine.engine import Engine
+from service.kv_events import BLOCK_SIZE, KvEventPublisher, Unavailable
+from service.tokenizer import InputTooLong
+
+log = logging.getLogger("zerogap.smg_worker")
+
+SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+MAX_TOP_LOGPROBS = 20
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+TOKENIZER_CHUNK = 64 * 1024
+
+
+def _unsupported(field: str, why: str = "not supported by zerogap") -> RequestError:
+    return RequestError("FAILED_PRECONDITION", f"{field}: {why}")
+
+
+def _f32(v: float) -> float:
+    """A float32 wire value as the decimal the client wrote (0.9, not 0.899999976)."""
+    return float(f"{v:.7g}") if math.isfinite(v) else v
+
+
+def sampling_from_vllm(sp: Any) -> SamplingParams:
+    """vLLM's SamplingParams -> ours. proto3 zeros that mean "unset" keep vLLM's defaults."""
+    p = SamplingParams()
+    if sp.HasField("temperature"):
+        p.temperature = _f32(sp.temperature)
+    p.top_p = _f32(sp.top_p) if sp.top_p else 1.0
+    p.top_k = sp.top_k if sp.top_k > 0 else -1  # 0: off
+    p.min_p = _f32(sp.min_p)
+    p.frequency_penalty = _f32(sp.frequency_penalty)
+    p.presence_penalty = _f32(sp.presence_penalty)
+    p.repetition_penalty = _f32(sp.repetition_penalty) if sp.repetition_penalty else 1.0
+    if sp.HasField("max_tokens"):
+        p.max_new_tokens = sp.max_tokens
+    p.min_new_tokens = sp.min_tokens
+    p.stop = list(sp.stop)
+    p.stop_token_ids = list(sp.stop_token_ids)
+    p.ignore_eos = sp.ignore_eos
+    p.skip_special_tokens = sp.skip_special_tokens
+    if sp.HasField("seed"):
+        p.seed = sp.seed % 2**64  # int32 on the wire: its bit pattern, as the engine takes uint64 seeds
+    return p
+
+
+def constraint_from_vllm(sp: Any) -> ConstraintSpec | None:
+    """The constraint as features/constrained.py's ConstraintSpec, or None."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object") if sp.json_object else None
+    if kind == "grammar":
+        return ConstraintSpec("ebnf", sp.grammar)
+    if kind == "choice":
+        if not sp.choice.choices:
+            raise RequestError("INVALID_ARGUMENT", "sampling_params.choice: empty")
+        return ConstraintSpec("ebnf", "root ::= " + " | ".join(json.dumps(c) for c in sp.choice.choices))
+    return ConstraintSpec(kind, getattr(sp, kind))
+
+
+def logprobs_from_vllm(sp: Any) -> LogprobParams | None:
+    """`logprobs` (top-N per output token) and `prompt_logprobs` as features/logprobs.py's LogprobParams."""
+    out = sp.logprobs if sp.HasField("logprobs") else None
+    prompt = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
+    for name, n in (("logprobs", out), ("prompt_logprobs", prompt)):
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise RequestError("INVALID_ARGUMENT", f"sampling_params.{name}: must be in [0, 20], got {n}")
+    if out is None and prompt is None:
+        return None
+    top = max(out or 0, prompt or 0)
+    return LogprobParams(
+        return_logprob=True, top_logprobs_num=top, logprob_start_len=0 if prompt is not None else -1
+    )
+
+
+def check_supported(request: Any) -> None:
+    """FAILED_PRECONDITION for what the request asks that zerogap does not do."""
+    sp = request.sampling_params
+    if sp.n > 1:
+        raise _unsupported("sampling_params.n", f"one sample per request (got {sp.n}); send n requests")
+    if sp.logit_bias:
+        raise _unsupported("sampling_params.logit_bias")
+    if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
+        raise _unsupported(
+            "mm_inputs", "images are served by zerogap.v1's Generate, not this worker contract"
+        )
+    if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
+        raise _unsupported("kv_transfer_params", "no prefill/decode disaggregation")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise _unsupported("data_parallel_rank", "one rank (0)")
+
+
+class OutputLog:
+    """A request's logprob entries in vLLM's shape: output rows, and the prompt's once."""
+
+    def __init__(self, top_out: int | None, top_prompt: int | None, prompt_ids: list[int]):
+        self.top_out = top_out
+        self.top_prompt = top_prompt
+        self.prompt_ids = prompt_ids
+
+    @staticmethod
+    def _top(entry: Any, n: int) -> vllm_engine_pb2.TopLogProbs:
+        top = entry[2][:n]
+        return vllm_engine_pb2.TopLogProbs(values=[t[1] for t in top], token_ids=[t[0] for t in top])
+
+    def output(self, outs: list[RequestOutput]) -> vllm_engine_pb2.OutputLogProbs | None:
+        if self.top_out is None:
+            return None
+        lp = vllm_engine_pb2.OutputLogProbs()
+        for o in outs:
+            for e in o.extras.get("logprobs", {}).get("output", ()):
+                lp.token_ids.append(e[0])
+                lp.token_logprobs.append(e[1])
+                lp.top_logprobs.append(self._top(e, self.top_out))
+        return lp
+
+    def prompt(self, outs: list[RequestOutput]) -> vllm_engine_pb2.InputLogProbs | None:
+        if self.top_prompt is None:
+            return None
+        found = next((o.extras["logprobs"] for o in outs if "input" in o.extras.get("logprobs", {})), None)
+        if found is None:
+            return None
+        lp = vllm_engine_pb2.InputLogProbs(token_ids=self.prompt_ids)
+        by_pos = {found["input_start"] + i: e for i, e in enumerate(found["input"])}
+        for pos in range(len(self.prompt_ids)):
+            e = by_pos.get(pos)
+            lp.token_logprobs.append(
+                vllm_engine_pb2.InputTokenLogProb(value=e[1]) if e else vllm_engine_pb2.InputTokenLogProb()
+            )
+            lp.top_logprobs.append(self._top(e, self.top_prompt) if e else vllm_engine_pb2.TopLogProbs())
+        return lp
+
+
+class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """vllm.grpc.engine.VllmEngine over the engine that zerogap.v1 serves."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        router: Any,  # service.server.OutputRouter: open(rid) -> the request's output queue
+        model_path: str,
+        draining: Callable[[], bool],
+        kv_events: KvEventPublisher | None,
+    ):
+        self.engine = engine
+        self.router = router
+        self.model_path = model_path
+        self.draining = draining
+        self.kv_events = kv_events
+        self.started = time.time()
+        self.last_receive = 0.0
+        self._tokenizer_zip: tuple[bytes, str] | None = None
+
+    # ---- Generate ------------------------------------------------------------------
+    def _build(self, request: Any) -> tuple[Req, OutputLog]:
+        """Worker thread: the validated Req and its logprob shape."""
+        check_supported(request)
+        which = request.WhichOneof("input")
+        if which == "tokenized":
+            ids = list(request.tokenized.input_ids)
+        elif which == "text":
+            try:
+                ids = self.engine.tokenizer.encode_bounded(request.text, self.engine.context_length - 1)
+            except InputTooLong as e:
+                raise RequestError("OUT_OF_RANGE", f"text: does not fit the context length: {e}") from None
+        else:
+            raise RequestError("INVALID_ARGUMENT", "input: set tokenized or text")
+        sp = request.sampling_params
+        if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens > 0:
+            ids = ids[-sp.truncate_prompt_tokens :]
+        features: dict[str, Any] = {}
+        constraint = constraint_from_vllm(sp)
+        if constraint is not None:
+            features["constrained"] = constraint
+        logprobs = logprobs_from_vllm(sp)
+        if logprobs is not None:
+            features["logprobs"] = logprobs
+        rid = request.request_id or f"smg-{uuid.uuid4().hex}"
+        req = self.engine.build_request(rid, ids, sampling_from_vllm(sp), features)
+        log_shape = OutputLog(
+            sp.logprobs if sp.HasField("logprobs") else None,
+            sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
+            req.prompt_ids,
+        )
+        return req, log_shape
+
+    async def _start(self, request: Any, context: Any) -> tuple[Req, asyncio.Queue[RequestOutput], OutputLog]:
+        self.last_receive = time.time()
+        if self.draining():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        try:
+            req, log_shape = await asyncio.get_running_loop().run_in_executor(None, self._build, request)
+            for fut in self.engine.features.pending(req):  # a grammar's errors before admission
+                await asyncio.wrap_future(fut)
+            self.engine.submit(req)
+            queue = self.router.open(req.rid)
+        except RequestError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        return req, queue, log_shape
+
+    async def Generate(self, request, context):
+        req, queue, lp = await self._start(request, context)
+        done, first, outs = False, True, []
+        try:
+            while not done:
+                batch = [await queue.get()]
+                while not queue.empty():  # a slow reader gets merged deltas
+                    batch.append(queue.get_nowait())
+                last = batch[-1]
+                done = last.finish_reason is not None
+                if done and last.finish_reason is FinishReason.ERROR:
+                    await context.abort(
+                        getattr(grpc.StatusCode, last.error_code), last.error or "internal error"
+                    )
+                if not request.stream:
+                    outs += batch
+                    continue
+                tokens = [t for o in batch for t in o.token_ids]
+                if tokens or first:
+                    yield vllm_engine_pb2.GenerateResponse(
+                        chunk=vllm_engine_pb2.GenerateStreamChunk(
+                            token_ids=tokens,
+                            prompt_tokens=last.prompt_tokens,
+                            completion_tokens=len(tokens),  # a delta: the gateway adds them up
+                            cached_tokens=last.cached_tokens,
+                            output_logprobs=lp.output(batch),
+                            input_logprobs=lp.prompt(batch) if first else None,
+                        )
+                    )
+                    first = False
+                if done:
+                    yield self._complete(tokens, batch, lp, stream=True)
+            if not request.stream:
+                yield self._complete([t for o in outs for t in o.token_ids], outs, lp, stream=False)
+        finally:
+            if not done:  # the gateway went away or sent a deadline: free the request's KV now
+                self.engine.abort(req.rid)
+
+    def _complete(
+        self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, stream: bool
+    ) -> vllm_engine_pb2.GenerateResponse:
+        """The final message: all tokens (streamed: the last delta, as vLLM sends it)."""
+        last = outs[-1]
+        complete = vllm_engine_pb2.GenerateComplete(
+            output_ids=tokens,
+            finish_reason=FINISH[last.finish_reason],
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=len(tokens) if stream else last.completion_tokens,
+            cached_tokens=last.cached_tokens,
+            output_logprobs=None if stream else lp.output(outs),
+            input_logprobs=None if stream else lp.prompt(outs),
+        )
+        if isinstance(last.matched_stop, str):
+            complete.matched_stop_str = last.matched_stop
+        elif isinstance(last.matched_stop, int):
+            complete.matched_token_id = last.matched_stop
+        return vllm_engine_pb2.GenerateResponse(complete=complete)
+
+    async def Abort(self, request, context):
+        for rid in request.request_ids:
+            self.engine.abort(rid)
+        return vllm_engine_pb2.AbortResponse()
+
+    # ---- health, info, loads -------------------------------------------------------
+    async def HealthCheck(self, request, context):
+        if self.draining():
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="shutting down")
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(self, request, context):
+        e = self.engine
+        cfg, tok = e.config, e.tokenizer
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=self.model_path,
+            tokenizer_path=self.model_path,
+            served_model_name=Path(self.model_path).name,
+            is_generation=True,
+            max_context_length=e.context_length,
+            vocab_size=e.vocab_size,
+            supports_vision=False,
+            model_type=getattr(e.hf_config, "model_type", "") or "",
+            architectures=list(getattr(e.hf_config, "architectures", None) or [e.model.shape.architecture]),
+            eos_token_ids=sorted(e.eos_ids),
+            pad_token_id=_int(getattr(cfg, "pad_token_id", None), getattr(tok, "pad_token_id", None)),
+            bos_token_id=_int(getattr(cfg, "bos_token_id", None)),
+            max_req_input_len=e.context_length - 1,
+        )
+
+    async def GetServerInfo(self, request, context):
+        s = self.engine.stats()
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=s.running_requests + s.queued_requests,
+            is_paused=self.draining(),
+            last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.started,
+            server_type=f"zerogap-grpc {__version__}",
+            data_parallel_size=1,
+            kv_cache_dtype="auto",
+            block_size=self.kv_events.block_size if self.kv_events else BLOCK_SIZE,
+            model_dtype=str(self.engine.dtype).removeprefix("torch."),
+            max_num_seqs=self.engine.args.max_running_requests,
+        )
+
+    async def GetLoads(self, request, context):
+        loads = []
+        if not request.HasField("dp_rank") or request.dp_rank == 0:
+            s = self.engine.stats()
+            total = s.kv_pool_total_tokens
+            used = total - s.kv_pool_free_tokens - s.prefix_cache.evictable_tokens  # cached, unused: free
+            loads.append(
+                vllm_engine_pb2.SchedulerLoad(
+                    dp_rank=0,
+                    num_running_reqs=s.running_requests,
+                    num_waiting_reqs=s.queued_requests,
+                    num_total_reqs=s.running_requests + s.queued_requests,
+                    num_used_tokens=used,
+                    max_total_num_tokens=total,
+                    token_usage=used / total if total else 0.0,
+                    cache_hit_rate=s.prefix_cache.hit_rate,
+                    utilization=s.forward_busy_fraction,
+                    max_running_requests=self.engine.args.max_running_requests,
+                )
+            )
+        return vllm_engine_pb2.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            version=f"zerogap {__version__}",
+            dp_rank_count=1,
+            loads=loads,
+        )
+
+    # ---- tokenizer, cache ----------------------------------------------------------
+    def _zip_tokenizer(self) -> tuple[bytes, str]:
+        if self._tokenizer_zip is None:
+            buf, root = io.BytesIO(), Path(self.model_path)
+            with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+                for name in TOKENIZER_FILES:
+                    if (root / name).is_file():
+                        zf.write(root / name, name)
+            data = buf.getvalue()
+            self._tokenizer_zip = data, hashlib.sha256(data).hexdigest()
+        return self._tokenizer_zip
+
+    async def GetTokenizer(self, request, context):
+        data, digest = await asyncio.get_running_loop().run_in_executor(None, self._zip_tokenizer)
+        for i in range(0, len(data), TOKENIZER_CHUNK):
+            last = i + TOKENIZER_CHUNK >= len(data)
+            yield common_pb2.GetTokenizerChunk(
+                data=data[i : i + TOKENIZER_CHUNK], sha256=digest if last else ""
+            )
+
+    async def FlushCache(self, request, context):
+        """Wait up to timeout_s for the engine to go idle, then empty the prefix cache."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(request.timeout_s, 0.0)
+        while self.engine.num_live() and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.engine.num_live():
+            return common_pb2.FlushCacheResponse(
+                success=False, message=f"{self.engine.num_live()} requests in flight; nothing flushed"
+            )
+        freed = await loop.run_in_executor(None, self.engine.flush_prefix_cache)
+        return common_pb2.FlushCacheResponse(success=True, message=f"flushed {freed} cached tokens")
+
+    async def SubscribeKvEvents(self, request, context):
+        if self.kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the prefix cache is off: no KV events")
+        await context.send_initial_metadata(())  # the gateway's subscribe call returns at once
+        try:
+            async for batch in self.kv_events.subscribe(request.start_sequence_number):
+                yield batch
+        except Unavailable as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+
+def _int(*values: Any) -> int:
+    """The first value that is an int (a token id), else 0."""
+    for v in values:
+        if isinstance(v, int):
+            return v
+        if isinstance(v, list) and v and isinstance(v[0], int):
+            return v[0]
+    return 0
+
+
+def add_smg_worker(
+    server: grpc.aio.Server, engine: Engine, router: Any, model_path: str, draining: Callable[[], bool]
+) -> SmgWorkerServicer:
+    """Serve the vLLM worker contract on `server`, its KV events fed by the engine's prefix cache."""
+    publisher = KvEventPublisher(asyncio.get_running_loop())
+    if not engine.observe_prefix_cache(publisher.observe):
+        publisher = None
+    servicer = SmgWorkerServicer(engine, router, model_path, draining, publisher)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    return servicer

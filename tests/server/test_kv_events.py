@@ -1,0 +1,223 @@
+"""The KV event stream (service/kv_events.py) replayed as SMG's indexer does equals the replica's tree,
+in the gateway's block terms, after a random workload with evictions, retractions and flushes."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from service.config import ServerArgs
+from service.engine.prefix_cache import CacheEvent
+from service.kv_events import BLOCK_SIZE, block_hash, blocks_of
+from service.server import BackgroundServer
+from tests.helpers import wait_until
+
+
+def test_blocks_of_a_node_are_those_ending_inside_it():
+    path = tuple(range(100, 140))  # 40 tokens: blocks end at 16 and 32
+    first, second = blocks_of(CacheEvent("stored", path, 0))
+    assert first.parent is None and first.tokens == path[:16] and first.hash == block_hash(None, path[:16])
+    assert second.parent == first.hash and second.tokens == path[16:32]
+    assert blocks_of(CacheEvent("stored", path, 16)) == [second]  # the parent block ends where it starts
+    assert blocks_of(CacheEvent("stored", path, 15)) == [first, second]
+    assert blocks_of(CacheEvent("removed", path, 32)) == []  # a partial block is never published
+    other = blocks_of(CacheEvent("stored", (7, *path[1:]), 0))
+    assert other[1].tokens == second.tokens and other[1].hash != second.hash  # hashes name the whole prefix
+
+
+def tree_blocks(paths: list[tuple[int, ...]], block_size: int = BLOCK_SIZE) -> set[tuple[int, ...]]:
+    """The full-block prefixes the tree's root-to-leaf paths hold: what the gateway should know."""
+    return {path[:end] for path in paths for end in range(block_size, len(path) + 1, block_size)}
+
+
+def test_the_tree_told_to_a_publisher_is_the_tree_in_block_terms():
+    """Random inserts (with splits by matches), evictions and a flush on a bare tree, its observer a
+    publisher on an event loop: the published live blocks are always the tree's full-block prefixes."""
+    import asyncio
+
+    import torch
+
+    from service.engine.kv_cache import TokenToKVPool
+    from service.engine.prefix_cache import RadixCache
+    from service.kv_events import KvEventPublisher
+
+    async def run() -> None:
+        rng = random.Random(7)
+        tree = RadixCache(TokenToKVPool(2048, 1, 1, 2, torch.float32))
+        publisher = KvEventPublisher(asyncio.get_running_loop(), block_size=4)
+        tree.observers.append(publisher.observe)
+        replay = Replay(block_size=4)
+        stems = [[rng.randrange(100) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+        for step in range(300):
+            op = rng.random()
+            if op < 0.6:
+                tokens = rng.choice(stems) + [rng.randrange(100) for _ in range(rng.randrange(0, 20))]
+                if tree.kv_pool.free_count < len(tokens):
+                    tree.evict(len(tokens))
+                rows = tree.kv_pool.alloc(len(tokens))
+                tree.kv_pool.free(rows[: tree.insert(tokens, rows)])
+            elif op < 0.8:
+                tree.match(rng.choice(stems) + [rng.randrange(100)])  # may split an edge: no event
+            elif op < 0.98:
+                tree.evict(rng.randrange(1, 30))
+            else:
+                tree.flush()
+            await asyncio.sleep(0)  # the publisher's batch for this step
+            if step % 10 == 0:
+                for batch in publisher.history:
+                    if batch.sequence_number > replay.last_seq:
+                        replay.apply(batch)
+                expected = tree_blocks([tree.path(n) for n in tree._leaves()], 4)
+                assert replay.orphans == 0 and replay.prefixes() == expected
+                assert len(publisher.live) == len(expected)
+        tree.check()
+
+    asyncio.run(run())
+
+
+class Replay:
+    """What SMG's positional indexer keeps from a stream: block hash -> the prefix it ends."""
+
+    def __init__(self, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.blocks: dict[int, tuple[int, ...]] = {}
+        self.last_seq = 0
+        self.orphans = 0  # stored events whose parent was unknown (the indexer would misplace them)
+
+    def apply(self, batch: common_pb2.KvEventBatch) -> None:
+        assert self.last_seq == 0 or batch.sequence_number == self.last_seq + 1, "a gap in the stream"
+        self.last_seq = batch.sequence_number
+        for e in batch.events:
+            kind = e.WhichOneof("data")
+            if kind == "cleared":
+                self.blocks.clear()
+            elif kind == "removed":
+                for h in e.removed.block_hashes:
+                    assert self.blocks.pop(h, None) is not None, "removed a block never stored"
+            else:
+                s = e.stored
+                prefix: tuple[int, ...] = ()
+                if s.HasField("parent_block_hash"):
+                    if s.parent_block_hash not in self.blocks:
+                        self.orphans += 1
+                        continue
+                    prefix = self.blocks[s.parent_block_hash]
+                for b in s.blocks:
+                    assert b.block_size == self.block_size == len(b.token_ids)
+                    prefix = prefix + tuple(b.token_ids)
+                    self.blocks[b.block_hash] = prefix
+
+    def prefixes(self) -> set[tuple[int, ...]]:
+        return set(self.blocks.values())
+
+
+class Subscriber:
+    """SubscribeKvEvents on a thread, replayed as it arrives."""
+
+    def __init__(self, stub, start: int = 0, replay: Replay | None = None):
+        self.replay = replay or Replay()
+        self.call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=start))
+        self.error: grpc.RpcError | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for batch in self.call:
+                self.replay.apply(batch)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                self.error = e
+
+    def stop(self) -> None:
+        self.call.cancel()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    # A pool of 640 rows for 12 requests of up to 160 tokens: the cache evicts and requests are retracted.
+    srv = BackgroundServer(
+        ServerArgs(
+            model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=640, max_running_requests=12
+        )
+    )
+    yield srv
+    srv.stop()
+
+
+def leaves(tree) -> list[tuple[int, ...]]:
+    return [tree.path(n) for n in tree._leaves()]
+
+
+def run_round(stub, rng: random.Random, prefixes: list[list[int]], n: int = 12) -> None:
+    def one(i: int) -> None:
+        ids = rng.choice(prefixes) + [rng.randrange(3, 49000) for _ in range(rng.randrange(3, 30))]
+        req = vpb.GenerateRequest(
+            request_id=f"r{time.monotonic_ns()}-{i}",
+            tokenized=vpb.TokenizedInput(input_ids=ids),
+            sampling_params=vpb.SamplingParams(
+                temperature=0.0, max_tokens=rng.randrange(40, 80), ignore_eos=True
+            ),
+            stream=bool(i % 2),
+        )
+        list(stub.Generate(req, timeout=120))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
+def wait_caught_up(subs: list[Subscriber], publisher, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(s.replay.last_seq == publisher.sequence for s in subs):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{[s.replay.last_seq for s in subs]} != {publisher.sequence}")
+
+
+def test_replayed_stream_equals_the_tree_under_evictions_retractions_and_flushes(server):
+    rng = random.Random(25)
+    prefixes = [[rng.randrange(3, 49000) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
+    publisher = server.running.smg_worker.kv_events
+    tree = server.engine.scheduler.prefix_cache.tree
+    with grpc.insecure_channel(server.address) as ch:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        early = Subscriber(stub)  # from the start: every batch
+        run_round(stub, rng, prefixes)
+        run_round(stub, rng, prefixes)
+        late = Subscriber(stub)  # from 0 mid-way: the live blocks first
+        wait_caught_up([early, late], publisher)
+        resumed = Subscriber(stub, start=early.replay.last_seq, replay=_copy(early.replay))  # a cursor
+        assert stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5)).success
+        run_round(stub, rng, prefixes)
+        subs = [early, late, resumed]
+        wait_caught_up(subs, publisher)
+        # the last finishes' inserts may still be on their way: wait until the tree and the streams agree
+        wait_until(lambda: all(s.replay.prefixes() == tree_blocks(leaves(tree)) for s in subs), 10)
+        expected = tree_blocks(leaves(tree))
+        for s in subs:
+            s.stop()
+            assert s.error is None and s.replay.orphans == 0
+            assert s.replay.prefixes() == expected
+        with pytest.raises(grpc.RpcError) as e:  # a cursor from before a restart: the gateway resyncs from 0
+            next(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=10**9)))
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    stats = server.engine.stats()
+    assert stats.retractions > 0 and stats.prefix_cache.evicted_tokens > 0 and expected
+    assert len(expected) == len(publisher.live)
+
+
+def _copy(replay: Replay) -> Replay:
+    out = Replay(replay.block_size)
+    out.blocks, out.last_seq = dict(replay.blocks), replay.last_seq
+    return out

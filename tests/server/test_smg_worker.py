@@ -1,0 +1,237 @@
+"""The SMG worker contract (vLLM's `vllm.grpc.engine.VllmEngine`, service/smg_worker.py) over gRPC,
+next to zerogap.v1 on the same server: what the gateway calls, field by field, without the gateway."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import threading
+import time
+import zipfile
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from service import protos
+from service.config import ServerArgs
+from service.server import BackgroundServer
+from tests.helpers import wait_until
+
+pb2, pb2_grpc = protos.load()
+PROMPT = [1, 450, 4996, 338, 263, 1243, 310, 278, 3186, 29889, 739, 338]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    srv = BackgroundServer(
+        ServerArgs(
+            model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=4096, max_running_requests=8
+        )
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stubs(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield vllm_engine_pb2_grpc.VllmEngineStub(ch), pb2_grpc.GenerationStub(ch)
+
+
+def sampling(**kw) -> vpb.SamplingParams:
+    kw.setdefault("temperature", 0.0)
+    kw.setdefault("max_tokens", 8)
+    return vpb.SamplingParams(**kw)
+
+
+def generate(stub, ids=PROMPT, stream=False, rid="", **kw) -> list[vpb.GenerateResponse]:
+    req = vpb.GenerateRequest(
+        request_id=rid,
+        tokenized=vpb.TokenizedInput(input_ids=ids),
+        sampling_params=sampling(**kw),
+        stream=stream,
+    )
+    return list(stub.Generate(req, timeout=60))
+
+
+def test_health_model_and_server_info(server, stubs, tiny_llama_dir):
+    vllm, _ = stubs
+    assert vllm.HealthCheck(vpb.HealthCheckRequest()).healthy
+    info = vllm.GetModelInfo(vpb.GetModelInfoRequest())
+    assert info.model_path == info.tokenizer_path == str(tiny_llama_dir)
+    assert info.served_model_name == tiny_llama_dir.name and info.is_generation
+    assert info.max_context_length == 512 and info.vocab_size == 49152
+    assert 2 in info.eos_token_ids and info.architectures == ["LlamaForCausalLM"]
+    s = vllm.GetServerInfo(vpb.GetServerInfoRequest())
+    assert s.block_size == 16 and s.max_num_seqs == 8 and s.data_parallel_size == 1
+    assert s.server_type.startswith("zerogap")
+
+
+def test_generate_equals_zerogap_v1_streamed_or_not(stubs):
+    """Greedy token ids equal zerogap.v1's; the stream's deltas add up to the unary complete."""
+    vllm, zg = stubs
+    ref = zg.Generate(
+        pb2.GenerateRequest(
+            token_ids=pb2.TokenIds(ids=PROMPT), sampling=pb2.SamplingParams(temperature=0, max_new_tokens=8)
+        )
+    )
+    (one,) = generate(vllm)
+    assert one.WhichOneof("response") == "complete"
+    c = one.complete
+    assert list(c.output_ids) == list(ref.token_ids) and c.finish_reason == "length"
+    assert (c.prompt_tokens, c.completion_tokens) == (len(PROMPT), 8)
+    streamed = generate(vllm, stream=True)
+    assert [r.WhichOneof("response") for r in streamed][-1] == "complete"
+    chunks = [r.chunk for r in streamed[:-1]]
+    assert [t for ch in chunks for t in ch.token_ids] == list(ref.token_ids)
+    assert sum(ch.completion_tokens for ch in chunks) == 8  # deltas
+    assert chunks[0].cached_tokens > 0  # the same prompt again: the prefix cache served it
+
+
+def test_seed_stop_and_sampling_fields(stubs):
+    vllm, _ = stubs
+    a = generate(vllm, temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=12)[0].complete
+    b = generate(vllm, temperature=1.0, top_k=50, top_p=0.9, seed=7, max_tokens=12)[0].complete
+    c = generate(vllm, temperature=1.0, top_k=50, top_p=0.9, seed=-8, max_tokens=12)[0].complete
+    assert list(a.output_ids) == list(b.output_ids) != list(c.output_ids)
+    greedy = list(generate(vllm, max_tokens=8)[0].complete.output_ids)
+    stopped = generate(vllm, max_tokens=8, stop_token_ids=[greedy[3]])[0].complete
+    assert list(stopped.output_ids) == greedy[:4] and stopped.finish_reason == "stop"
+    assert stopped.matched_token_id == greedy[3]
+    assert len(generate(vllm, max_tokens=12, min_tokens=12, ignore_eos=True)[0].complete.output_ids) == 12
+
+
+@pytest.mark.parametrize(
+    "constraint, check",
+    [
+        (
+            {
+                "json_schema": json.dumps(
+                    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+                )
+            },
+            lambda t: isinstance(json.loads(t)["a"], int),
+        ),
+        ({"regex": "[0-9]{3}-[a-c]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-c]{2}", t)),
+        ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+        ({"choice": vpb.ChoiceConstraint(choices=["red", "green"])}, lambda t: t in ("red", "green")),
+        ({"json_object": True}, lambda t: t.startswith("{")),  # random weights: an object without end
+    ],
+    ids=["json_schema", "regex", "grammar", "choice", "json_object"],
+)
+def test_constraints(stubs, server, constraint, check):
+    vllm, _ = stubs
+    c = generate(vllm, max_tokens=40, **constraint)[0].complete
+    text = server.engine.tokenizer.decode(list(c.output_ids), True)
+    assert (c.finish_reason == "stop" or "json_object" in constraint) and check(text), text
+
+
+def test_logprobs_output_and_prompt(stubs):
+    vllm, _ = stubs
+    c = generate(vllm, max_tokens=5, logprobs=3, prompt_logprobs=1)[0].complete
+    lp = c.output_logprobs
+    assert list(lp.token_ids) == list(c.output_ids) and len(lp.token_logprobs) == 5
+    assert all(
+        len(t.token_ids) == 3 and t.token_ids[0] == tok for t, tok in zip(lp.top_logprobs, c.output_ids)
+    )
+    ilp = c.input_logprobs
+    assert list(ilp.token_ids) == PROMPT and len(ilp.token_logprobs) == len(PROMPT)
+    assert not ilp.token_logprobs[0].HasField("value") and all(
+        v.HasField("value") for v in ilp.token_logprobs[1:]
+    )
+    assert all(len(t.values) == 1 for t in ilp.top_logprobs[1:])
+    streamed = generate(vllm, stream=True, max_tokens=5, logprobs=0)
+    rows = [v for r in streamed[:-1] for v in r.chunk.output_logprobs.token_logprobs]
+    assert rows == pytest.approx(list(lp.token_logprobs), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fields, code",
+    [
+        ({"sampling_params": sampling(n=2)}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"sampling_params": sampling(logit_bias={5: 1.0})}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"kv_transfer_params_json": "{}"}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"data_parallel_rank": 1}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"mm_inputs": vpb.MultimodalInputs(mm_hashes=["x"])}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"sampling_params": sampling(logprobs=-1)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"sampling_params": sampling(max_tokens=600)}, grpc.StatusCode.OUT_OF_RANGE),
+        ({"tokenized": vpb.TokenizedInput(input_ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"sampling_params": sampling(regex="(")}, grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+    ids=["n", "logit_bias", "pd", "dp_rank", "images", "all_logprobs", "too_long", "bad_token", "bad_regex"],
+)
+def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
+    vllm, _ = stubs
+    fields.setdefault("tokenized", vpb.TokenizedInput(input_ids=PROMPT))
+    fields.setdefault("sampling_params", sampling())
+    with pytest.raises(grpc.RpcError) as e:
+        list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=30))
+    assert e.value.code() == code, e.value.details()
+
+
+def test_abort_ends_the_stream_and_frees_its_kv(server, stubs):
+    vllm, _ = stubs
+    got: list = []
+    req = vpb.GenerateRequest(
+        request_id="to-abort",
+        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=sampling(max_tokens=400, ignore_eos=True),
+        stream=True,
+    )
+    t = threading.Thread(target=lambda: got.extend(vllm.Generate(req, timeout=60)))
+    t.start()
+    while server.engine.num_live() == 0:
+        time.sleep(0.01)
+    vllm.Abort(vpb.AbortRequest(request_ids=["to-abort", "unknown"]))
+    t.join(30)
+    assert got[-1].complete.finish_reason == "abort"
+    assert sum(len(r.chunk.token_ids) for r in got[:-1]) < 400
+    assert wait_until(server.engine.kv_all_free, 10)
+
+
+def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
+    vllm, zg = stubs
+    generate(vllm, max_tokens=4)
+
+    def load():  # a finished request leaves the running set a step after its last output
+        (one,) = vllm.GetLoads(vpb.GetLoadsRequest(include=["core"])).loads
+        return one
+
+    assert wait_until(lambda: load().num_running_reqs == 0, 10)
+    one = load()
+    assert one.max_total_num_tokens == 4096 and one.max_running_requests == 8
+    assert one.num_waiting_reqs == 0 and 0 <= one.token_usage < 1
+    assert not vllm.GetLoads(vpb.GetLoadsRequest(dp_rank=1)).loads
+    assert zg.GetServerInfo(pb2.GetServerInfoRequest()).prefix_cache_tokens > 0
+    flushed = vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=1.0))
+    assert flushed.success and zg.GetServerInfo(pb2.GetServerInfoRequest()).prefix_cache_tokens == 0
+    chunks = list(vllm.GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(names)
+    assert (tiny_llama_dir / "tokenizer.json").read_bytes() == zipfile.ZipFile(io.BytesIO(data)).read(
+        "tokenizer.json"
+    )
+
+
+def test_flush_refused_while_requests_run(server, stubs):
+    vllm, _ = stubs
+    req = vpb.GenerateRequest(
+        request_id="long",
+        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=sampling(max_tokens=300, ignore_eos=True),
+        stream=True,
+    )
+    t = threading.Thread(target=lambda: list(vllm.Generate(req, timeout=60)))
+    t.start()
+    while server.engine.num_live() == 0:
+        time.sleep(0.01)
+    refused = vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0))
+    vllm.Abort(vpb.AbortRequest(request_ids=["long"]))
+    t.join(30)
+    assert not refused.success and "in flight" in refused.message

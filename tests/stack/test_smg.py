@@ -1,0 +1,325 @@
+"""The real SMG gateway (`smg launch`, PyPI `smg`) in front of two zerogap replicas on loopback, driven
+with the official OpenAI SDK: the API's fields, cache-aware routing of multi-turn conversations
+(KV events from each replica's prefix cache), and a replica killed under load and restarted."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+
+from service import protos
+from tests.helpers import NEEDS, free_port, wait_until
+
+pb2, pb2_grpc = protos.load()
+ROOT = Path(__file__).resolve().parents[2]
+LONG = {"ignore_eos": True}  # SMG's extension: the burst's requests stay in flight together
+SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise for anything at all."
+
+
+def smg_binary() -> str:
+    local = Path(sys.executable).parent / "smg"  # the venv's, when its bin/ is not on PATH
+    found = str(local) if local.exists() else shutil.which("smg")
+    if found is None:
+        pytest.skip(f"{NEEDS}smg: pip install -e '.[test]' (the smg gateway is in the test extra)")
+    return found
+
+
+class Replica:
+    """`python -m service serve` on a fixed port, logging to a file; restartable after a kill."""
+
+    def __init__(self, model_dir: Path, tmp: Path, name: str):
+        self.model_dir, self.port, self.name = model_dir, free_port(), name
+        self.log_path = tmp / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--model", str(self.model_dir), "--host", "127.0.0.1",
+             "--port", str(self.port), "--dtype", "float32", "--kv-cache-tokens", "8192",
+             "--max-running-requests", "8"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        log.close()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        assert wait_until(self._ready, timeout, 0.2), (
+            f"{self.name} did not start:\n{self.log_path.read_text()}"
+        )
+
+    def _ready(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, self.log_path.read_text()
+        try:
+            self.info()
+            return True
+        except grpc.RpcError:
+            return False
+
+    def info(self):
+        return pb2_grpc.GenerationStub(self.channel).GetServerInfo(pb2.GetServerInfoRequest(), timeout=5)
+
+    def prompt_tokens(self) -> int:
+        return self.info().prefix_cache_prompt_tokens
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        if self.channel is not None:
+            self.channel.close()
+
+
+class Gateway:
+    def __init__(self, replicas: list[Replica], model_dir: Path, tmp: Path, policy: str = "cache_aware"):
+        self.port = free_port()
+        self.log_path = tmp / f"smg-{policy}.log"
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+             "--worker-urls", *[f"grpc://127.0.0.1:{r.port}" for r in replicas],
+             "--model-path", str(model_dir), "--policy", policy,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+             "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
+             "--balance-abs-threshold", "1", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        log.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_dir.name
+
+    def workers(self) -> list[dict]:
+        try:
+            with urllib.request.urlopen(f"{self.url}/workers", timeout=2) as r:
+                body = json.loads(r.read())
+        except OSError:
+            return []
+        return body.get("workers", body) if isinstance(body, dict) else body
+
+    def wait_ready(self, n: int, timeout: float = 60.0) -> None:
+        def ready() -> bool:
+            assert self.proc.poll() is None, self.log_path.read_text()
+            return sum(1 for w in self.workers() if w.get("is_healthy", True)) >= n
+
+        assert wait_until(ready, timeout, 0.2), (
+            f"smg did not register {n} workers:\n{self.log_path.read_text()}"
+        )
+
+        def answers() -> bool:  # the tokenizer is registered a little after the workers
+            try:
+                self.client().chat.completions.create(
+                    model=self.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+                )
+                return True
+            except Exception:  # noqa: BLE001 - 503 until then
+                return False
+
+        assert wait_until(answers, timeout, 0.2), self.log_path.read_text()
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("smg")
+    replicas = [Replica(tiny_llama_dir, tmp, name) for name in ("a", "b")]
+    gateway = None
+    try:
+        t0 = time.monotonic()
+        for r in replicas:
+            r.start()
+        for r in replicas:
+            r.wait_ready()
+        t1 = time.monotonic()
+        gateway = Gateway(replicas, tiny_llama_dir, tmp)
+        gateway.wait_ready(2)
+        print(f"replicas up in {t1 - t0:.1f}s, smg with both workers in {time.monotonic() - t1:.1f}s")
+        yield gateway, replicas, tiny_llama_dir.name
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for r in replicas:
+            r.kill()
+
+
+def chat(client, model: str, messages: list[dict], **kw):
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model=model, messages=messages, **kw)
+
+
+def test_openai_sdk_through_smg(stack):
+    gateway, replicas, model = stack
+    workers = gateway.workers()
+    assert {(w["runtime_type"], w["connection_mode"], w["labels"]["page_size"]) for w in workers} == {
+        ("vllm", "grpc", "16")
+    }  # the contract SMG detected, and the KV event block size it took from GetServerInfo
+    client = gateway.client()
+    messages = [{"role": "user", "content": "Name a colour."}]
+    reply = chat(client, model, messages)
+    direct = pb2_grpc.GenerationStub(replicas[0].channel).Generate(
+        pb2.GenerateRequest(
+            chat=pb2.ChatInput(messages=[pb2.ChatMessage(role="user", content="Name a colour.")]),
+            sampling=pb2.SamplingParams(temperature=0, max_new_tokens=8),
+        )
+    )
+    assert reply.choices[0].message.content == direct.text  # smg's template and tokens = zerogap's
+    assert reply.usage.completion_tokens == 8 and reply.choices[0].finish_reason == "length"
+    deltas = [
+        c.choices[0].delta.content or "" for c in chat(client, model, messages, stream=True) if c.choices
+    ]
+    assert "".join(deltas) == direct.text
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}}, "required": ["colour"]}
+    structured = chat(
+        client, model, messages, max_tokens=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )  # fmt: skip
+    assert json.loads(structured.choices[0].message.content)["colour"] in ("red", "green")
+    lp = chat(client, model, messages, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(lp) == 8 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
+    word = direct.text.split()[1] if len(direct.text.split()) > 1 else direct.text[2:5]
+    stopped = chat(client, model, messages, stop=[word]).choices[0]
+    assert stopped.finish_reason == "stop" and word not in stopped.message.content
+    assert direct.text.startswith(stopped.message.content)
+    seeded = [
+        chat(client, model, messages, temperature=1.0, seed=s).choices[0].message.content for s in (5, 5, 6)
+    ]
+    assert seeded[0] == seeded[1] != seeded[2]
+
+
+def conversations(gateway: Gateway, replicas: list[Replica], model: str, n: int = 8, turns: int = 4):
+    """n conversations x `turns` behind a shared system prompt. The first turns come as one burst;
+    later turns one at a time, in a shuffled order each turn, each placed by whose admitted prompt
+    tokens grew. Returns (replicas the burst reached, turns 2+ with cached tokens > 0, turns 2+ whose
+    whole previous prompt was cached, turns 2+ on their conversation's replica, turns 2+)."""
+    client, rng = gateway.client(), random.Random(25)
+    history = {c: [{"role": "system", "content": SYSTEM}] for c in range(n)}
+    for c, messages in history.items():
+        messages.append({"role": "user", "content": f"Conversation {c}: what should I read next?"})
+    before = [r.prompt_tokens() for r in replicas]
+    with ThreadPoolExecutor(n) as pool:
+        burst = list(
+            pool.map(lambda m: chat(client, model, m, max_tokens=64, extra_body=LONG), history.values())
+        )
+    reached = sum(r.prompt_tokens() > b for r, b in zip(replicas, before))
+    hit = whole = sticky = total = 0
+    home: dict[int, int] = {}
+    last_prompt = {c: reply.usage.prompt_tokens for c, reply in zip(history, burst)}
+    for c, reply in zip(history, burst):
+        history[c].append({"role": "assistant", "content": reply.choices[0].message.content})
+    for turn in range(1, turns):
+        for c in rng.sample(list(history), n):
+            messages = history[c]
+            messages.append({"role": "user", "content": f"Conversation {c}, question {turn}: tell me more."})
+            before = [r.prompt_tokens() for r in replicas]
+            reply = chat(client, model, messages, max_tokens=6)
+            (where,) = [i for i, (r, b) in enumerate(zip(replicas, before)) if r.prompt_tokens() > b]
+            cached = reply.usage.prompt_tokens_details.cached_tokens
+            total += 1
+            hit += cached > 0
+            whole += cached >= last_prompt[c]  # the previous turn's prompt: only its replica has it all
+            sticky += home.setdefault(c, where) == where
+            last_prompt[c] = reply.usage.prompt_tokens
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return reached, hit, whole, sticky, total
+
+
+def test_multi_turn_conversations_stay_with_their_prefix(stack):
+    gateway, replicas, model = stack
+    reached, hit, whole, sticky, total = conversations(gateway, replicas, model)
+    print(
+        f"cache_aware: of {total} turns 2-4, {hit} cached > 0, {whole} the whole previous prompt, {sticky} home"
+    )
+    assert reached == 2, "a burst of new conversations all went to one replica"
+    assert min(hit, whole, sticky) / total >= 0.9, (hit, whole, sticky, total)
+
+
+def test_round_robin_finds_the_history_about_half_the_time(stack, tmp_path):
+    """The same workload through the same gateway with --policy round_robin, caches flushed first."""
+    _, replicas, model = stack
+    for r in replicas:
+        flushed = vllm_engine_pb2_grpc.VllmEngineStub(r.channel).FlushCache(
+            common_pb2.FlushCacheRequest(timeout_s=10), timeout=30
+        )
+        assert flushed.success, flushed.message
+    rr = Gateway(replicas, Path(replicas[0].model_dir), tmp_path, policy="round_robin")
+    try:
+        rr.wait_ready(2)
+        reached, hit, whole, _, total = conversations(rr, replicas, model)
+    finally:
+        rr.stop()
+    print(
+        f"round_robin: of {total} turns 2-4, {hit} cached > 0 (the system prompt), {whole} the whole previous prompt"
+    )
+    assert reached == 2 and whole / total < 0.85, (whole, total)  # about half; cache_aware: >= 0.9
+
+
+def test_a_killed_replica_is_routed_around_and_used_again_once_restarted(stack):
+    gateway, replicas, model = stack
+    client = gateway.client()
+    victim, survivor = replicas
+    results: list[tuple[float, str]] = []  # (start time, "ok" | error class)
+    stop = threading.Event()
+
+    def load(i: int) -> None:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                stream = chat(client, model, [{"role": "user", "content": f"load {i} {t0}"}], max_tokens=48,
+                              stream=True)  # fmt: skip
+                for _ in stream:
+                    pass
+                results.append((t0, "ok"))
+            except Exception as e:  # noqa: BLE001 - the kind of failure is what is checked
+                results.append((t0, type(e).__name__))
+                time.sleep(0.2)
+
+    with ThreadPoolExecutor(4) as pool:
+        for i in range(4):
+            pool.submit(load, i)
+        assert wait_until(lambda: len(results) >= 4, 60, 0.05)
+        killed_at = time.monotonic()
+        victim.kill()
+        assert wait_until(lambda: sum(1 for t, _ in results if t > killed_at + 3) >= 8, 60, 0.05)
+        stop.set()
+    after = [r for t, r in results if t > killed_at + 3]
+    print(f"{len(results)} requests under load, failed: {[r for _, r in results if r != 'ok']}")
+    failed = [r for _, r in results if r != "ok"]
+    assert all(r == "ok" for r in after), after
+    assert len(failed) <= 4, failed  # at most the requests in flight on the dead replica
+    assert all(
+        r in ("APIError", "InternalServerError", "APIStatusError", "ServiceUnavailableError") for r in failed
+    )
+
+    victim.start()
+    victim.wait_ready()
+    before = victim.prompt_tokens()
+
+    def reached() -> bool:
+        chat(client, model, [{"role": "user", "content": f"back {time.monotonic()}"}], max_tokens=2)
+        return victim.prompt_tokens() > before
+
+    assert wait_until(reached, 60, 0.1), "the restarted replica gets no requests"
+    assert survivor.prompt_tokens() > 0
