@@ -17,6 +17,7 @@ graphs capture it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,16 @@ class MoEShape:
     intermediate_size: int  # per expert
     renormalize: bool  # the top-k weights divided by their sum
     shared_intermediate_size: int = 0  # a shared expert beside the routed ones (0: none)
+
+
+def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
+    """Which layers are MoE, as transformers reads `decoder_sparse_step` and `mlp_only_layers`
+    (a config without them: every layer)."""
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers)
+    )
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,3 +151,26 @@ def run_experts(
 
         return fused_experts(x, w_gate_up, w_down, weights, ids)
     return experts_torch(x, w_gate_up, w_down, weights, ids)
+
+
+def load_moe_block(block: MoEBlock, take: Any, prefix: str, names: tuple[str, str, str]) -> None:
+    """A checkpoint's router and experts into `block` (no grad). `take(name)` gives a tensor and
+    `take.has(name)` says whether there is one. Experts as transformers' `save_pretrained` and
+    the published checkpoints lay them out, one module per expert (`{prefix}experts.{e}.{gate,
+    up, down}.weight` under the family's `names`), or fused 3-D (`{prefix}experts.gate_up_proj`
+    [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout)."""
+    block.router.weight.copy_(take(prefix + "gate.weight"))
+    if take.has(prefix + "experts.gate_up_proj"):
+        block.w_gate_up.copy_(take(prefix + "experts.gate_up_proj"))
+        block.w_down.copy_(take(prefix + "experts.down_proj"))
+    else:
+        gate, up, down = names
+        for e in range(block.s.num_experts):
+            q = f"{prefix}experts.{e}."
+            block.w_gate_up[e].copy_(torch.cat([take(q + gate + ".weight"), take(q + up + ".weight")]))
+            block.w_down[e].copy_(take(q + down + ".weight"))
+    if block.shared is not None:
+        sh, q = block.shared, prefix + "shared_expert."
+        sh["gate_up"].weight.copy_(torch.cat([take(q + "gate_proj.weight"), take(q + "up_proj.weight")]))
+        sh["down"].weight.copy_(take(q + "down_proj.weight"))
+        sh["gate"].weight.copy_(take(prefix + "shared_expert_gate.weight"))
