@@ -173,3 +173,16 @@ def test_alignment_pads_each_expert_to_whole_blocks(triton_moe):
         assert (ids.t().flatten()[pairs.long()] == e).all()
     assert sorted(al.sorted_pairs[al.sorted_pairs < n].tolist()) == list(range(n))
     assert (blocks[~used] == n).all()
+
+
+def test_cuda_path_routing_and_alignment_make_no_host_sync(triton_moe):
+    """What runs around the kernels on CUDA (router, alignment) never reads a device value on the
+    host, so the overlap loop never waits and CUDA graphs capture the MoE layers."""
+    from tests.engine.test_device_path import HostSyncDetector
+
+    found: list[str] = []
+    logits = _logits("unused", 9, 8, seed=0)
+    with HostSyncDetector(found):
+        _, ids = route(logits, 2, True)
+        al = triton_moe.align(ids, 8, triton_moe.pick_block_m(ids.numel(), 8))
+    assert found == [] and al.sorted_pairs.numel() == al.block_expert.numel() * al.block_m
