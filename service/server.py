@@ -31,6 +31,7 @@ from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_token
 from service.limits import InputLimits
 from service.metrics import start_metrics_server
 from service.model_prep import resolve_model_path
+from service.models.families import UnsupportedArchitecture
 from service.tokenizer import InputTooLong
 
 pb2, pb2_grpc = protos.load()
@@ -477,7 +478,10 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     model_dir = resolve_model_path(args.model)
     loop = asyncio.get_running_loop()
     router = OutputRouter(loop)
-    engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
+    try:
+        engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
+    except UnsupportedArchitecture as e:
+        raise StartupError(str(e)) from None
     router.engine = engine
     server = grpc.aio.server(
         interceptors=intercept,
@@ -539,8 +543,7 @@ def serve(args: ServerArgs) -> int:
 
     try:
         asyncio.run(main())
-    except StartupError as e:  # a taken port, bad TLS / auth settings
-        log.error("%s", e)
+    except StartupError as e:  # a taken port, bad TLS / auth settings, an unsupported architecture
         print(f"zerogap: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

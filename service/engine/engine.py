@@ -45,6 +45,7 @@ from service.engine.scheduler.prefill import PrefillLimits
 from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.cpu_features import cpu_features
+from service.models.families import model_shape
 from service.models.llava import text_config
 from service.models.loader import load_config, load_model
 from service.tokenizer import Tokenizer
@@ -95,6 +96,7 @@ class Engine:
             self.model_dir
         )  # the whole model's (a LLaVA's: vision tower, image token)
         self.config = text_config(self.hf_config)  # the language model's
+        model_shape(self.config)  # an unsupported architecture is refused before anything loads
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)

@@ -22,7 +22,7 @@ from service.engine.cpu_threads import AdaptiveTeam
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.sampler import Sampler
 from service.engine.timeline import FORWARD_TID, Timeline
-from service.models.llama import LlamaModel
+from service.models.layers import CausalLM
 
 if TYPE_CHECKING:
     from service.engine.future_map import FutureMap
@@ -33,7 +33,7 @@ class ModelWorker:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_pool: TokenToKVPool,
         sampler: Sampler,
         attention: Any,

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.models import cpu_kernels
+from service.models.capped_attention import allowed, capped_attention, extend_rows
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
 # with tokens x context; SDPA's blocked matmuls win for long chunks).
@@ -41,6 +42,7 @@ class AttentionMeta:
     group: int
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
+    softcap: float | None = None  # scores soft-capped (Gemma-2): capped_attention, no kernel
     kernel: cpu_kernels.PagedAttention | None = None  # the batch's kernel calls, arguments converted once
     # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
     # short rows' queries (packed indices; `short_kernel` knows their requests and positions), SDPA the long rows.
@@ -53,10 +55,7 @@ class AttentionMeta:
         """[bs, 1, g, L]: decode without the kernel."""
         fb = self.fb
         kv_pos = torch.arange(fb.kv_indices.shape[1], device=fb.kv_indices.device).view(1, -1)
-        q_pos = fb.positions.view(-1, 1)
-        mask = kv_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= kv_pos > q_pos - self.sliding_window
+        mask = allowed(fb.positions.view(-1, 1), kv_pos, self.sliding_window)
         return mask.view(mask.shape[0], 1, 1, -1).expand(-1, 1, self.group, -1)
 
     def extend_mask(self, r: int, device: torch.device) -> torch.Tensor:
@@ -66,27 +65,14 @@ class AttentionMeta:
             length, n, _ = self.extend_rows[r]
             q_pos = torch.arange(length - n, length, device=device).view(-1, 1)
             kv_pos = torch.arange(length, device=device).view(1, -1)
-            allowed = kv_pos <= q_pos
-            if self.sliding_window is not None:
-                allowed &= kv_pos > q_pos - self.sliding_window
-            self._masks[r] = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+            ok = allowed(q_pos, kv_pos, self.sliding_window)
+            self._masks[r] = torch.zeros(ok.shape, device=device).masked_fill_(~ok, float("-inf"))
         return self._masks[r]
 
     @cached_property
     def extend_rows(self) -> list[tuple[int, int, int]]:
         """(kv length, new tokens, first packed row) per request: per-request SDPA, from host copies."""
-        lens = list(self.fb.extend_lens or [])
-        prefixes = self.fb.extend_prefix_lens_cpu  # host copies: no device read
-        if prefixes is None:
-            prefixes = (
-                self.fb.extend_prefix_lens.tolist()
-                if self.fb.extend_prefix_lens is not None
-                else [0] * len(lens)
-            )
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        return [(p + n, n, s) for p, n, s in zip(prefixes, lens, starts)]
+        return extend_rows(self.fb)
 
 
 class TorchAttention:
@@ -99,9 +85,16 @@ class TorchAttention:
         self.team = team  # the engine's full CPU team: the kernels split work by it, whatever size it runs at
 
     def prepare(
-        self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None
+        self,
+        fb: ForwardBatch,
+        num_q_heads: int,
+        num_kv_heads: int,
+        sliding_window: int | None,
+        softcap: float | None = None,
     ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
+        if softcap is not None:
+            return AttentionMeta(fb, group, sliding_window, use_kernel=False, softcap=softcap)
         decode = fb.mode is ForwardMode.DECODE
         short = decode or max(fb.extend_lens or [0]) <= KERNEL_MAX_EXTEND
         on_cpu = fb.kv_indices.device.type == "cpu"
@@ -160,6 +153,8 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
+        if meta.softcap is not None:
+            return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window)
         if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             assert meta.kernel is not None
             out = meta.kernel(q, k_cache, v_cache, scale, k, v)

@@ -1,6 +1,6 @@
 """The LLaVA family (Hugging Face format): vision tower + projector + our Llama-family language model.
 
-The language model is `service.models.llama.LlamaModel`, filled from the checkpoint's
+The language model is a Llama-family `service.models.layers.CausalLM`, filled from the checkpoint's
 language-model weights (`model.language_model.*` and `lm_head.*` in transformers 5.x; the
 older `language_model.model.*` / `language_model.lm_head.*` layout too). The vision side runs
 off the scheduler loop, on the image worker (features/multimodal.py): the CLIP-style tower is
@@ -63,7 +63,7 @@ def language_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def language_config_for(config: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The text config our LlamaModel is built from: for LLaVA, tied embeddings exactly when
+    """The text config our CausalLM is built from: for LLaVA, tied embeddings exactly when
     the checkpoint has no LM head of its own (the flag sits at either level in the wild)."""
     if not is_llava(config):
         return config

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from service.models.checkpoint import checkpoint_files
-from service.models.llama import LlamaModel
+from service.models.families import family_of, model_shape
+from service.models.layers import CausalLM, Checkpoint
 from service.models.llava import language_config_for, language_tensors, text_config
 
 
@@ -26,7 +27,7 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     pack: bool = True,
-) -> LlamaModel:
+) -> CausalLM:
     """Build the model on the meta device, then fill it from safetensors (or with
     seeded random weights: load_format="dummy") and move it to `device`; on CPU, lay bf16 linears out for oneDNN (`pack`)."""
     model_dir = Path(model_dir)
@@ -39,27 +40,28 @@ def load_model(
         config = language_config_for(config, tensors)
     else:
         config = text_config(config)
+    shape = model_shape(config)  # an unsupported architecture is refused here, naming those served
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
+        model = CausalLM(shape, config, max_positions)
     if load_format == "dummy":
         model = model.to_empty(device=device)
         init_dummy_weights(model, getattr(config, "initializer_range", 0.02))
         model = model.to(dtype)
     elif load_format == "auto":
         model = model.to_empty(device="cpu")
-        model.load_hf_state_dict(tensors)
+        with torch.no_grad():
+            family_of(shape.architecture).load(model, Checkpoint(tensors))
         model = model.to(dtype).to(device)
     else:
         raise ValueError(f"unknown load format {load_format!r} (auto or dummy)")
-    model.init_rope()
-    model.cos, model.sin = model.cos.to(device), model.sin.to(device)
+    model.init_rope(device)
     if pack and torch.device(device).type == "cpu":
         model.pack_weights()
     return model.eval()
 
 
 @torch.no_grad()
-def init_dummy_weights(model: LlamaModel, std: float, seed: int = 0) -> None:
+def init_dummy_weights(model: CausalLM, std: float, seed: int = 0) -> None:
     """Random weights, the same for a given seed and device: matrices ~ N(0, std),
     norms 1, biases 0 (what a benchmark needs, without weight files)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)

@@ -32,7 +32,11 @@ def add_rms_norm(
 
 
 def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D] (HF rotate_half convention)."""
+    """x [T, H, D]; cos/sin [T, R] (HF rotate_half convention), R < D: partial rotary, the last
+    D - R dims pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return torch.cat([rope_eager(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -51,7 +55,7 @@ def split_qkv_rope(
     """q [T, hq, d] and k [T, hkv, d] rotated to their positions, v [T, hkv, d], from the fused projection."""
     t = qkv.shape[0]
     if (
-        cpu_kernels.fused_ok(qkv) and cos_table.dtype == torch.float32
+        cpu_kernels.fused_ok(qkv) and cos_table.dtype == torch.float32 and cos_table.shape[-1] == d
     ):  # q and k heads are adjacent: rotate both in place, in one pass
         qkv = qkv.contiguous()
         cpu_kernels.rope_(qkv, hq + hkv, d, positions, cos_table, sin_table)
@@ -64,6 +68,28 @@ def split_qkv_rope(
         rope_eager(k.reshape(t, hkv, d), cos, sin),
         v.reshape(t, hkv, d),
     )
+
+
+def norm_qk_heads(
+    qkv: torch.Tensor, hq: int, hkv: int, d: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The fused projection with each q and k head RMS-normalised over its d dims (Qwen3, Gemma-3)."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q = rms_norm_eager(q.reshape(t, hq, d), q_weight, eps).reshape(t, hq * d)
+    k = rms_norm_eager(k.reshape(t, hkv, d), k_weight, eps).reshape(t, hkv * d)
+    return torch.cat([q, k, v], dim=-1)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU: gelu(gate, tanh approximation) * up for rows [gate | up] (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma-2's logit soft-capping), in transformers' op order; None: x."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

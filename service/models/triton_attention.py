@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.models.capped_attention import capped_attention
 
 
 @triton.jit
@@ -478,6 +479,7 @@ class TritonMeta:
     fb: ForwardBatch
     window: int  # 0: no sliding window
     num_splits: int  # decode only
+    softcap: float | None = None  # scores soft-capped (Gemma-2): capped_attention (torch ops)
     mid: tuple[torch.Tensor, torch.Tensor] | None = None  # decode scratch, allocated by the first layer
 
 
@@ -509,10 +511,15 @@ class TritonAttention:
         return max(1, min(self.max_splits, by_occupancy, by_length))
 
     def prepare(
-        self, fb: ForwardBatch, num_q_heads: int, num_kv_heads: int, sliding_window: int | None = None
+        self,
+        fb: ForwardBatch,
+        num_q_heads: int,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
-        return TritonMeta(fb, sliding_window or 0, splits)
+        return TritonMeta(fb, sliding_window or 0, splits, softcap)
 
     def forward(
         self,
@@ -525,6 +532,9 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
+        if meta.softcap is not None:
+            window = meta.window or None
+            return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, window)
         store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:
             if meta.mid is None:

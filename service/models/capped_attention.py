@@ -1,0 +1,80 @@
+"""Attention with soft-capped scores (Gemma-2) over the paged KV pool, in plain torch ops.
+
+scores = cap * tanh(q.k * scale / cap), masked (causal, sliding window), softmax, times V — the
+op order of transformers' eager Gemma-2 attention, accumulated in float32. Neither the native CPU
+kernel nor SDPA nor the Triton kernels cap scores, so both backends route a capped layer here
+(any device). Decode is one batched computation over each request's pool rows with no host read
+(CUDA-graph safe); an extend runs one request at a time, like the torch backend's SDPA path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.core.forward_batch import ForwardBatch, ForwardMode
+
+
+def extend_rows(fb: ForwardBatch) -> list[tuple[int, int, int]]:
+    """(kv length, new tokens, first packed row) per request of an extend, from host copies."""
+    lens = list(fb.extend_lens or [])
+    prefixes = fb.extend_prefix_lens_cpu  # host copies: no device read
+    if prefixes is None:
+        prefixes = fb.extend_prefix_lens.tolist() if fb.extend_prefix_lens is not None else [0] * len(lens)
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    return [(p + n, n, s) for p, n, s in zip(prefixes, lens, starts)]
+
+
+def allowed(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Causal (and within the last `window` positions) mask, broadcast over q_pos x kv_pos."""
+    mask = kv_pos <= q_pos
+    if window is not None:
+        mask &= kv_pos > q_pos - window
+    return mask
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q [..., Hkv, g, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., Hkv, g, n, L]."""
+    s = torch.matmul(q.float(), k.float().unsqueeze(-3).transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float().unsqueeze(-3))
+
+
+def capped_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [pool, Hkv, D]
+    v_cache: torch.Tensor,
+    fb: ForwardBatch,
+    scale: float,
+    softcap: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Stores this step's K/V at fb.out_cache_loc, then attends: [T, Hq * D]."""
+    k_cache[fb.out_cache_loc] = k
+    v_cache[fb.out_cache_loc] = v
+    hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    if fb.mode is ForwardMode.DECODE:
+        bs, length = fb.kv_indices.shape
+        rows = fb.kv_indices.reshape(-1)
+        kp = k_cache.index_select(0, rows).view(bs, length, hkv, d).transpose(1, 2)  # [bs, Hkv, L, D]
+        vp = v_cache.index_select(0, rows).view(bs, length, hkv, d).transpose(1, 2)
+        kv_pos = torch.arange(length, device=q.device).view(1, -1)
+        mask = allowed(fb.positions.view(-1, 1), kv_pos, window).view(bs, 1, 1, 1, length)
+        o = _attend(q.view(bs, hkv, g, 1, d), kp, vp, mask, scale, softcap)
+        return o.to(q.dtype).reshape(bs, hq * d)
+    out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
+    for r, (length, n, start) in enumerate(extend_rows(fb)):
+        rows = fb.kv_indices[r, :length]
+        kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]
+        vr = v_cache.index_select(0, rows).transpose(0, 1)
+        qr = q[start : start + n].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+        q_pos = torch.arange(length - n, length, device=q.device).view(-1, 1)
+        mask = allowed(q_pos, torch.arange(length, device=q.device).view(1, -1), window)
+        o = _attend(qr, kr, vr, mask, scale, softcap)  # [Hkv, g, n, D]
+        out[start : start + n] = o.permute(2, 0, 1, 3).reshape(n, hq * d).to(q.dtype)
+    return out

@@ -1,0 +1,41 @@
+"""Which model file serves which architecture (config.json's `architectures[0]`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from service.models import gemma, llama, phi3, qwen3
+from service.models.layers import CausalLM, Checkpoint, ModelShape, architecture
+
+
+@dataclass(frozen=True)
+class Family:
+    shape: Callable[[object], ModelShape]  # config -> shape
+    load: Callable[[CausalLM, Checkpoint], None]  # checkpoint tensors into the model (no grad)
+
+
+FAMILIES: dict[str, Family] = {
+    arch: Family(module.shape, module.load)
+    for module in (llama, qwen3, gemma, phi3)
+    for arch in module.ARCHITECTURES
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    """config.json names an architecture no model file serves."""
+
+    def __init__(self, arch: str):
+        super().__init__(f"unsupported architecture {arch!r}; supported: {', '.join(FAMILIES)}")
+        self.architecture = arch
+
+
+def family_of(arch: str) -> Family:
+    if arch not in FAMILIES:
+        raise UnsupportedArchitecture(arch)
+    return FAMILIES[arch]
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of a (text) config's model; UnsupportedArchitecture names the ones served."""
+    return family_of(architecture(config)).shape(config)

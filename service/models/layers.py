@@ -1,0 +1,295 @@
+"""The parts every decoder family is built from, for packed batches.
+
+Hidden states are packed [T, hidden] across the batch's requests; attention reads and writes the
+paged KV pool through an attention backend (`backends.py`). A family file (`llama.py`, `qwen3.py`,
+`gemma.py`, `phi3.py`) says how its config maps to a `ModelShape` and its checkpoint to these
+modules; `families.py` picks the family from config.json's `architectures`.
+
+- norms: RMSNorm weights; Gemma's (1 + w) form is stored as 1 + w at load time, so one kernel
+  serves both (`ops.add_rms_norm`);
+- `SelfAttention`: the fused qkv projection, optional per-head q/k RMSNorm, rotary (full or
+  partial, per-layer tables), the backend call (sliding window, soft-capping, scale per layer);
+- `GatedMLP`: fused gate+up, SiLU or GELU-tanh, down;
+- `CausalLM`: embedding (optionally scaled), the layers, final norm, LM head (tied or not),
+  final-logit soft-capping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.core.forward_batch import ForwardBatch
+from service.models.linear import PackedLinear, pack_linear, packed_if_exact
+from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
+from service.models.rope import DEFAULT_LAYER, rope_table
+
+ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What differs between a model's attention layers: its sliding window and soft-capping."""
+
+    window: int | None = None  # attend to at most this many most recent positions
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers the engine needs about a model (KV pool sizing, limits) and what its layers do."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    layer_attention: tuple[LayerAttention, ...]  # per layer
+    layer_rope: tuple[str, ...]  # per layer: its rope table (a layer type, or DEFAULT_LAYER)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma-3)
+    activation: str = "silu"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
+    sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+
+# A config without `architectures` (a LLaVA's text config): the causal LM of its model type.
+ARCHITECTURE_OF_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
+def architecture(config) -> str:
+    names = getattr(config, "architectures", None)
+    if names:
+        return names[0]
+    return ARCHITECTURE_OF_TYPE.get(getattr(config, "model_type", ""), "LlamaForCausalLM")
+
+
+def base_shape(config, **overrides) -> ModelShape:
+    """The fields every family reads the same way (transformers' names), then the family's own.
+    Per-layer windows follow `layer_types` where the config has them (Qwen2/3's max_window_layers,
+    Gemma's alternation), else `sliding_window` applies to every layer (Mistral, Phi-3)."""
+    heads = config.num_attention_heads
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if types is not None:
+        windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    else:
+        windows = (int(window) if window else None,) * n
+    fields = dict(
+        architecture=architecture(config),
+        num_layers=n,
+        hidden_size=config.hidden_size,
+        num_q_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
+        layer_attention=tuple(LayerAttention(w) for w in windows),
+        layer_rope=(DEFAULT_LAYER,) * n,
+    )
+    fields.update(overrides)
+    return ModelShape(**fields)
+
+
+class SelfAttention(nn.Module):
+    """qkv -> (q/k norm) -> rotary -> paged attention -> o."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.qkv = nn.Linear(s.hidden_size, q + 2 * kv, bias=s.qkv_bias)
+        self.o = nn.Linear(q, s.hidden_size, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(s.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(s.head_dim))
+
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta, attn) -> torch.Tensor:
+        s = self.s
+        hq, hkv, d = s.num_q_heads, s.num_kv_heads, s.head_dim
+        qkv = self.qkv(x)
+        if s.qk_norm:
+            qkv = norm_qk_heads(qkv, hq, hkv, d, self.q_norm, self.k_norm, s.rms_norm_eps)
+        q, k, v = split_qkv_rope(qkv, hq, hkv, d, positions, cos, sin)
+        return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_up = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
+        self.down = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.act = ACTIVATIONS[s.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate_up(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks (Llama, Qwen, Phi-3); with `sandwich_norms` also a norm
+    on each block's output before its residual add and a separate pre-MLP norm (Gemma-2/3).
+
+    (h, delta) -> the next layer's (h, delta): each residual add is deferred into the next norm
+    (h + delta, then RMSNorm, in one pass)."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        self.attn = SelfAttention(s)
+        self.mlp = GatedMLP(s)
+        self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(s.hidden_size))  # after attention (pre-MLP without sandwich)
+        if s.sandwich_norms:
+            self.pre_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
+            self.post_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
+
+    def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
+        eps = self.s.rms_norm_eps
+        h, x = add_rms_norm(h, delta, self.input_norm, eps)
+        a = self.attn(x, positions, cos, sin, k_cache, v_cache, meta, attn)
+        if not self.s.sandwich_norms:
+            h, x = add_rms_norm(h, a, self.post_norm, eps)
+            return h, self.mlp(x)
+        _, a = add_rms_norm(a, None, self.post_norm, eps)
+        h, x = add_rms_norm(h, a, self.pre_mlp_norm, eps)
+        return h, add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
+
+
+def pack_linears(module: nn.Module) -> None:
+    """Replace each nn.Linear below `module` by its packed twin where that is exact."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, pack_linear(child))
+        else:
+            pack_linears(child)
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head over packed tokens."""
+
+    def __init__(self, shape: ModelShape, config, max_positions: int):
+        super().__init__()
+        self.shape = s = shape
+        self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.norm = nn.Parameter(torch.ones(s.hidden_size))
+        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.config = config
+        self.max_positions = max_positions
+        self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # init_rope(): per table key
+        self.packed_head: PackedLinear | None = None  # pack_weights(): the LM head laid out for oneDNN
+
+    def init_rope(self, device: torch.device | str = "cpu") -> None:
+        """cos/sin tables (float32) per rope key, computed outside any meta-device context."""
+        for key in set(self.shape.layer_rope):
+            layer_type = None if key == DEFAULT_LAYER else key
+            cos, sin = rope_table(self.config, self.shape.head_dim, self.max_positions, layer_type)
+            self.rope[key] = (cos.to(device), sin.to(device))
+
+    def pack_weights(self) -> None:
+        """Lay the linear weights out once for oneDNN where that is exact (bf16 on CPU)."""
+        pack_linears(self.layers)
+        # A packed copy of the head (tied: the embedding keeps its own table for lookups).
+        self.packed_head = packed_if_exact(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn) -> torch.Tensor:
+        """Logits (in the model's dtype) at each request's last token [bs, vocab],
+        followed by those of fb.extra_logit_rows when set."""
+        s = self.shape
+        h = self.embed(input_ids)
+        if s.embed_scale is not None:
+            h = h * torch.tensor(s.embed_scale, dtype=h.dtype)
+        for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
+            h = feature.modify_embeddings(fb, h)
+        metas = {
+            la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap)
+            for la in dict.fromkeys(s.layer_attention)
+        }
+        delta = None
+        for i, layer in enumerate(self.layers):
+            cos, sin = self.rope[s.layer_rope[i]]
+            meta = metas[s.layer_attention[i]]
+            h, delta = layer(h, delta, fb.positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
+        rows = (
+            fb.logits_index
+            if fb.extra_logit_rows is None
+            else torch.cat([fb.logits_index, fb.extra_logit_rows])
+        )
+        _, h = add_rms_norm(h[rows], delta[rows], self.norm, s.rms_norm_eps)
+        if self.packed_head is not None:
+            logits = self.packed_head(h)
+        else:
+            logits = F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return soft_cap(logits, s.final_softcap)
+
+
+class Checkpoint:
+    """A checkpoint's tensors by name; a missing one is named in the error."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"checkpoint lacks {name}")
+        return self.tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def cat(self, *names: str) -> torch.Tensor:
+        return torch.cat([self(n) for n in names])
+
+
+def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> None:
+    """Embedding, final norm and (untied) LM head under transformers' names. norm_offset 1:
+    Gemma's (1 + w) norms, stored as 1 + w."""
+    model.embed.weight.copy_(take("model.embed_tokens.weight"))
+    model.norm.copy_(take("model.norm.weight") + norm_offset)
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+
+
+def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> None:
+    """q/k/v and gate/up published as separate projections (Llama's layout), fused here."""
+    a = p + "self_attn."
+    attn = layer.attn
+    attn.qkv.weight.copy_(take.cat(*(a + f"{n}_proj.weight" for n in "qkv")))
+    if attn.qkv.bias is not None:
+        attn.qkv.bias.copy_(take.cat(*(a + f"{n}_proj.bias" for n in "qkv")))
+    attn.o.weight.copy_(take(a + "o_proj.weight"))
+    if attn.o.bias is not None:
+        attn.o.bias.copy_(take(a + "o_proj.bias"))
+    layer.mlp.gate_up.weight.copy_(take.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+    layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))

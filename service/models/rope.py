@@ -1,0 +1,85 @@
+"""Rotary position tables, as transformers computes them for each family.
+
+A table is (cos, sin) [max_positions, rotary_dim] in float32, indexed by position. `rotary_dim`
+is below head_dim where the config asks for partial rotary (Phi-4-mini); the rest of each head
+passes through unrotated. Families with per-layer rope bases (Gemma-3: local and global layers)
+get one table per layer type.
+
+LongRoPE (Phi-3 `longrope`, also spelt `su`): transformers switches between the short and the
+long factors by the sequence's length, for all of its positions at once. A served token keeps the
+rotation its K was cached with, so here the choice is per position: short factors below
+`original_max_position_embeddings`, long ones from it on. That is what transformers' generate
+computes for a prompt below that length (its cached keys keep the short rotation as the sequence
+grows past it); a longer prompt is rotated with long factors there from its first token on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_LAYER = "default"  # the table key of families with one rope for every layer
+
+
+def rope_params(config, layer_type: str | None = None) -> dict:
+    """The rope parameters of a layer type (or of the model), with the old top-level spellings."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if getattr(config, "partial_rotary_factor", None) is not None:
+        params.setdefault("partial_rotary_factor", config.partial_rotary_factor)
+    rope_scaling = getattr(config, "rope_scaling", None)
+    if isinstance(rope_scaling, dict) and "rope_type" not in params and "type" not in params:
+        params.update(rope_scaling)
+    return params
+
+
+def rotary_dim(config, head_dim: int, layer_type: str | None = None) -> int:
+    return int(head_dim * rope_params(config, layer_type).get("partial_rotary_factor", 1.0))
+
+
+def _inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def _table(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float):
+    freqs = torch.outer(positions.to(torch.float64), inv_freq.to(torch.float64)).float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def _longrope(config, params: dict, dim: int, max_positions: int):
+    import math
+
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = _inv_freq(params["rope_theta"], dim)
+    short, long = (
+        base / torch.tensor(params[k], dtype=torch.float64) for k in ("short_factor", "long_factor")
+    )
+    pos = torch.arange(max_positions)
+    cs, ss = _table(short, pos, attention)
+    cl, sl = _table(long, pos, attention)
+    far = (pos >= original).view(-1, 1)
+    return torch.where(far, cl, cs), torch.where(far, sl, ss)
+
+
+def rope_table(
+    config, head_dim: int, max_positions: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_positions, rotary_dim] for one layer type (None: the model's one rope)."""
+    params = rope_params(config, layer_type)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    dim = rotary_dim(config, head_dim, layer_type)
+    if rope_type == "default":
+        return _table(_inv_freq(params["rope_theta"], dim), torch.arange(max_positions), 1.0)
+    if rope_type in ("longrope", "su"):
+        return _longrope(config, params, dim, max_positions)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    return _table(inv_freq, torch.arange(max_positions), scaling)

@@ -1,0 +1,245 @@
+"""The dense families (Qwen3, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, Qwen2's sliding layers) against
+transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
+generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
+1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
+prompts again from the prefix cache, give what the normal loop gives on whole prompts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from service.config import ServerArgs
+from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
+from tests.conftest import TOKENIZER_FILES
+from tests.features.test_features import assert_close
+from tests.scheduler.test_overlap import assert_pools_initial, forbid_placeholders
+
+VOCAB = 2048
+N_NEW = 32
+PROMPT_LENS = (5, 19, 27)  # below Phi-3 LongRoPE's original length: transformers then rotates as we do
+TOL = 1e-4
+LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}}
+OUTPUT_LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 2}}  # reuses cached prefixes
+ROOT = Path(__file__).resolve().parents[2]
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+
+
+def _longrope(rot_dim: int) -> dict:
+    half = rot_dim // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [1.0 + 0.7 * i for i in range(half)],
+        "original_max_position_embeddings": 32,
+        "partial_rotary_factor": 0.5,
+    }
+
+
+CONFIGS = {  # name: (transformers config class, its arguments)
+    "qwen3-gqa-tied": (
+        "Qwen3Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    ),
+    "qwen3-window-wide-heads": (
+        "Qwen3Config",
+        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=32, tie_word_embeddings=False, use_sliding_window=True,
+             sliding_window=8, max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    ),
+    # The defect: Qwen2 windowed every layer, ignoring max_window_layers.
+    "qwen2-window-above-max-layers": (
+        "Qwen2Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "gemma2-capped": (
+        "Gemma2Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+             attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    ),
+    "gemma2-untied-mqa": (
+        "Gemma2Config",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=32, sliding_window=6, query_pre_attn_scalar=32,
+             attn_logit_softcapping=1.5, final_logit_softcapping=3.0, tie_word_embeddings=False),
+    ),
+    "gemma3-local-global": (
+        "Gemma3TextConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+             rope_parameters={
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                 "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+             }),
+    ),
+    "gemma3-untied": (
+        "Gemma3TextConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=24, sliding_window=5, query_pre_attn_scalar=24,
+             layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False),
+    ),
+    "phi3-window": (
+        "Phi3Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, sliding_window=10, tie_word_embeddings=False),
+    ),
+    "phi4mini-partial-longrope": (
+        "Phi3Config",
+        dict(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=128,
+             rope_parameters=_longrope(16)),
+    ),
+}  # fmt: skip
+
+
+def make_family_model(smol: Path, out: Path, name: str) -> Path:
+    """A random-init checkpoint of config `name`, norms and biases perturbed so they matter."""
+    import transformers
+
+    cls_name, kwargs = CONFIGS[name]
+    cfg = getattr(transformers, cls_name)(**COMMON, **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms (Gemma's are 1 + w: zeros at init) and biases
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy(smol / f, out / f)
+    return out
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def hf_reference(model_dir: Path, prompt: list[int]):
+    """transformers' greedy tokens, their log_softmax rows and the prompt's rows."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=N_NEW,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out_rows = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+        in_rows = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    return out.sequences[0, len(prompt) :].tolist(), out_rows, in_rows
+
+
+def output_entries(extras: list) -> list:
+    return [e for x in extras if x for e in x.get("output", [])]
+
+
+def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], int]:
+    """Per run (its features): (token ids, logprob extras of every delta) per prompt, and the
+    prefix-cache hit tokens; the pools end as they began."""
+    base = dict(dtype="float32", kv_cache_tokens=1024, max_running_requests=4)
+    c = SyncClient(ServerArgs(**{**base, **args}), model_dir)
+    forbid_placeholders(c)
+    try:
+        results = []
+        for feats in runs:
+            params = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
+            outs = c.generate(prompts(), params, [feats] * len(PROMPT_LENS))
+            results.append([(collect(o)[0], [d.extras.get("logprobs") for d in o]) for o in outs])
+        hits = c.engine.stats().prefix_cache.hit_tokens
+        assert_pools_initial(c)
+    finally:
+        c.close()
+    return results, hits
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family(request, smol_dir, tmp_path_factory):
+    """(model dir, the normal loop's whole-prompt results) of one config."""
+    model_dir = make_family_model(smol_dir, tmp_path_factory.mktemp(request.param), request.param)
+    (whole,), _ = serve(
+        model_dir, [LOGPROBS], loop="normal", chunked_prefill_size=0, disable_prefix_cache=True
+    )
+    return model_dir, whole
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(family):
+    model_dir, whole = family
+    for prompt, (ids, extras) in zip(prompts(), whole):
+        ref_ids, out_rows, in_rows = hf_reference(model_dir, prompt)
+        assert ids == ref_ids
+        out_entries = output_entries(extras)
+        assert [e[0] for e in out_entries] == ids
+        for k, (tok, lp, top, _) in enumerate(out_entries):
+            assert abs(lp - float(out_rows[k, tok])) < TOL
+            assert all(abs(v - float(out_rows[k, t])) < TOL for t, v, _ in top)
+        inputs = extras[0]["input"]
+        assert [e[0] for e in inputs] == prompt[1:]
+        for k, (tok, lp, _, _) in enumerate(inputs):
+            assert abs(lp - float(in_rows[k, tok])) < TOL
+
+
+def test_overlap_chunked_and_prefix_hits_equal_whole_prompts(family):
+    """The overlap loop, prompts in chunks of 7 riding with decodes: the first run (cache misses,
+    input logprobs too) and the second (the same prompts, output logprobs: prefix hits) give the
+    normal loop's whole-prompt results."""
+    model_dir, whole = family
+    (miss, hit), hits = serve(
+        model_dir,
+        [LOGPROBS, OUTPUT_LOGPROBS],
+        loop="overlap",
+        chunked_prefill_size=7,
+        enable_mixed_chunk=True,
+    )
+    assert hits > 0
+    for i, (a, b) in enumerate(zip(miss, whole)):
+        assert a[0] == b[0], f"miss: request {i}'s tokens differ"
+        assert_close(a[1], b[1], f"miss: request {i}'s logprobs")
+    for i, (a, b) in enumerate(zip(hit, whole)):
+        assert a[0] == b[0], f"hit: request {i}'s tokens differ"
+        assert_close(output_entries(a[1]), output_entries(b[1]), f"hit: request {i}'s logprobs")
+
+
+def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path, smol_dir):
+    model_dir = make_family_model(smol_dir, tmp_path / "m", "qwen3-gqa-tied")
+    cfg = (model_dir / "config.json").read_text()
+    (model_dir / "config.json").write_text(cfg.replace('"Qwen3ForCausalLM"', '"Qwen9ForCausalLM"'))
+    out = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if "Qwen9ForCausalLM" in line]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "unsupported architecture" in lines[0]
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"):
+        assert arch in lines[0]
