@@ -120,6 +120,40 @@ def test_router_and_experts_equal_transformers(family, kind):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)  # our native silu_mul rounds differently
 
 
+def test_block_with_shared_expert_equals_transformers_qwen2_moe_block():
+    """MoEBlock loaded from transformers' Qwen2-MoE block (fused in-memory expert layout, a shared
+    expert behind its sigmoid gate) computes what that block computes (fp32)."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    from service.models.moe import MoEBlock, MoEShape, load_moe_block
+
+    cfg = Qwen2MoeConfig(
+        hidden_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=40,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    torch.manual_seed(0)
+    hf = Qwen2MoeSparseMoeBlock(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    state = hf.state_dict()
+
+    class Take:
+        __call__ = state.__getitem__
+        has = state.__contains__
+
+    ours = MoEBlock(MoEShape(32, 8, 2, 16, renormalize=True, shared_intermediate_size=40))
+    with torch.no_grad():
+        load_moe_block(ours, Take(), "", ("gate_proj", "up_proj", "down_proj"))
+        x = torch.randn(11, 32)
+        torch.testing.assert_close(ours(x), hf(x[None])[0], atol=2e-6, rtol=2e-6)
+
+
 # ---- the Triton kernels (interpreted on CPU) ---------------------------------------------------------
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
