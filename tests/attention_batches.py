@@ -87,11 +87,17 @@ def make_batch(
 
 
 def run_backend(
-    backend, fb: ForwardBatch, data: dict[str, torch.Tensor], hq: int, hkv: int, window: int | None
+    backend,
+    fb: ForwardBatch,
+    data: dict[str, torch.Tensor],
+    hq: int,
+    hkv: int,
+    window: int | None,
+    softcap: float | None = None,
 ):
     """(output [T, Hq*D], k_cache, v_cache) of one attention call on copies of the caches."""
     k_cache, v_cache = data["k_cache"].clone(), data["v_cache"].clone()
-    meta = backend.prepare(fb, hq, hkv, window)
+    meta = backend.prepare(fb, hq, hkv, window, softcap)
     d = data["q"].shape[-1]
     out = backend.forward(data["q"], data["k"], data["v"], k_cache, v_cache, meta, d**-0.5)
     return out, k_cache, v_cache

@@ -61,8 +61,14 @@ def split_qkv_rope(
         cpu_kernels.rope_(qkv, hq + hkv, d, positions, cos_table, sin_table)
         heads = qkv.view(t, hq + 2 * hkv, d)  # views: no copies, one call each
         return heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
-    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     cos, sin = cos_table[positions], sin_table[positions]
+    if cos_table.shape[-1] < d:  # partial rotary: rotate q's and k's leading dims in place, as views
+        qkv = qkv.contiguous()
+        heads = qkv.view(t, hq + 2 * hkv, d)
+        r = cos_table.shape[-1]
+        heads[:, : hq + hkv, :r] = rope_eager(heads[:, : hq + hkv, :r], cos, sin)
+        return heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     return (
         rope_eager(q.reshape(t, hq, d), cos, sin),
         rope_eager(k.reshape(t, hkv, d), cos, sin),

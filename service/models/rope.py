@@ -51,7 +51,7 @@ def _table(inv_freq: torch.Tensor, positions: torch.Tensor, scaling: float):
 def _longrope(config, params: dict, dim: int, max_positions: int):
     import math
 
-    original = params["original_max_position_embeddings"]
+    original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
     factor = params.get("factor") or config.max_position_embeddings / original
     attention = params.get("attention_factor")
     if attention is None:

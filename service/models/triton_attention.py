@@ -12,7 +12,8 @@ request-to-token row per request) and never leave the device:
 - extend: new tokens of each request attend to the cached prefix (read from
   the pool) and causally to each other (read from this step's packed K/V).
 
-Sliding windows (Mistral) restrict both to the last `window` positions.
+Sliding windows (Mistral, Gemma's local layers) restrict both to the last `window` positions;
+`softcap` > 0 caps the scores, softcap * tanh(scores / softcap) (Gemma-2), before the softmax.
 Accumulation is float32; fp32 inputs use IEEE dot products (no TF32).
 
 Tests run these on CPU with `TRITON_INTERPRET=1`, which must be set before
@@ -28,7 +29,6 @@ import triton
 import triton.language as tl
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
-from service.models.capped_attention import capped_attention
 
 
 @triton.jit
@@ -59,6 +59,15 @@ def _dot(a, b, IEEE: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, k, sm_scale, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """q.k * scale; SOFTCAP > 0: SOFTCAP * tanh(. / SOFTCAP), tanh as 1 - 2 / (exp(2x) + 1)."""
+    qk = _dot(q, k, IEEE) * sm_scale
+    if SOFTCAP > 0:
+        qk = SOFTCAP * (1.0 - 2.0 / (tl.exp(2.0 * qk / SOFTCAP) + 1.0))
+    return qk
 
 
 @triton.jit
@@ -102,6 +111,7 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -138,7 +148,7 @@ def _decode_stage1_kernel(
             mask=mask_n[None, :] & mask_d[:, None],
             other=0.0,
         )
-        qk = _dot(q, k, IEEE) * sm_scale
+        qk = _scores(q, k, sm_scale, SOFTCAP, IEEE)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         v = tl.load(
             V_cache + rows[:, None] * stride_vc_t + kvh * stride_vc_h + offs_d[None, :],
@@ -225,6 +235,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -263,7 +274,7 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = _dot(q, k, IEEE) * sm_scale
+            qk = _scores(q, k, sm_scale, SOFTCAP, IEEE)
             visible = mask_n[None, :]
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
@@ -288,7 +299,7 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = _dot(q, k, IEEE) * sm_scale
+            qk = _scores(q, k, sm_scale, SOFTCAP, IEEE)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if WINDOW > 0:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - WINDOW)
@@ -354,6 +365,7 @@ def decode_attention(
     window: int = 0,
     block_n: int = 64,
     mid: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     bs, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -395,6 +407,7 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         WINDOW=window,
+        SOFTCAP=softcap,
         IEEE=ieee,
     )
     _decode_stage2_kernel[(bs, hq)](
@@ -431,6 +444,7 @@ def extend_attention(
     window: int = 0,
     block_m: int = 64,
     block_n: int = 64,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     bs = seq_lens.shape[0]
     hq, d = q.shape[1], q.shape[2]
@@ -467,6 +481,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         WINDOW=window,
+        SOFTCAP=softcap,
         IEEE=q.dtype == torch.float32,
     )
     return o
@@ -479,7 +494,7 @@ class TritonMeta:
     fb: ForwardBatch
     window: int  # 0: no sliding window
     num_splits: int  # decode only
-    softcap: float | None = None  # scores soft-capped (Gemma-2): capped_attention (torch ops)
+    softcap: float  # 0: scores not capped; else softcap * tanh(scores / softcap) (Gemma-2)
     mid: tuple[torch.Tensor, torch.Tensor] | None = None  # decode scratch, allocated by the first layer
 
 
@@ -519,7 +534,7 @@ class TritonAttention:
         softcap: float | None = None,
     ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
-        return TritonMeta(fb, sliding_window or 0, splits, softcap)
+        return TritonMeta(fb, sliding_window or 0, splits, softcap or 0.0)
 
     def forward(
         self,
@@ -532,9 +547,6 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
-        if meta.softcap is not None:
-            window = meta.window or None
-            return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, window)
         store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:
             if meta.mid is None:
@@ -554,6 +566,7 @@ class TritonAttention:
                 meta.window,
                 self.block_n,
                 meta.mid,
+                meta.softcap,
             )
         else:
             o = extend_attention(
@@ -571,5 +584,6 @@ class TritonAttention:
                 meta.window,
                 self.block_m,
                 self.block_n,
+                meta.softcap,
             )
         return o.view(o.shape[0], -1)

@@ -116,7 +116,7 @@ def make_family_model(smol: Path, out: Path, name: str) -> Path:
     import transformers
 
     cls_name, kwargs = CONFIGS[name]
-    cfg = getattr(transformers, cls_name)(**COMMON, **kwargs)
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -135,11 +135,8 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def hf_reference(model_dir: Path, prompt: list[int]):
+def hf_reference(hf, prompt: list[int]):
     """transformers' greedy tokens, their log_softmax rows and the prompt's rows."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         out = hf.generate(
             torch.tensor([prompt]),
@@ -171,6 +168,8 @@ def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], int]:
         for feats in runs:
             params = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
             outs = c.generate(prompts(), params, [feats] * len(PROMPT_LENS))
+            for o in outs:
+                assert o[-1].error is None, o[-1].error
             results.append([(collect(o)[0], [d.extras.get("logprobs") for d in o]) for o in outs])
         hits = c.engine.stats().prefix_cache.hit_tokens
         assert_pools_initial(c)
@@ -190,9 +189,12 @@ def family(request, smol_dir, tmp_path_factory):
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(family):
+    from transformers import AutoModelForCausalLM
+
     model_dir, whole = family
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, (ids, extras) in zip(prompts(), whole):
-        ref_ids, out_rows, in_rows = hf_reference(model_dir, prompt)
+        ref_ids, out_rows, in_rows = hf_reference(hf, prompt)
         assert ids == ref_ids
         out_entries = output_entries(extras)
         assert [e[0] for e in out_entries] == ids
@@ -226,10 +228,14 @@ def test_overlap_chunked_and_prefix_hits_equal_whole_prompts(family):
         assert_close(output_entries(a[1]), output_entries(b[1]), f"hit: request {i}'s logprobs")
 
 
-def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path, smol_dir):
-    model_dir = make_family_model(smol_dir, tmp_path / "m", "qwen3-gqa-tied")
-    cfg = (model_dir / "config.json").read_text()
-    (model_dir / "config.json").write_text(cfg.replace('"Qwen3ForCausalLM"', '"Qwen9ForCausalLM"'))
+def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path):
+    """Refused from config.json alone, before the tokenizer or any weight is read."""
+    import transformers
+
+    cls_name, kwargs = CONFIGS["qwen3-gqa-tied"]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs}, architectures=["Qwen9ForCausalLM"])
+    model_dir = tmp_path / "m"
+    cfg.save_pretrained(model_dir)
     out = subprocess.run(
         [sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", "0"],
         cwd=ROOT,

@@ -29,10 +29,10 @@ if DEVICE == "cpu" and not INTERPRETED:
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def check(prefix_lens, ext_lens, hq, hkv, d, dtype, window=None, seed=0, **triton_kw):
+def check(prefix_lens, ext_lens, hq, hkv, d, dtype, window=None, seed=0, softcap=None, **triton_kw):
     fb, data = make_batch(prefix_lens, ext_lens, hq, hkv, d, dtype, seed, DEVICE)
-    ref, ref_k, ref_v = run_backend(TorchAttention(), fb, data, hq, hkv, window)
-    out, k_cache, v_cache = run_backend(TritonAttention(**triton_kw), fb, data, hq, hkv, window)
+    ref, ref_k, ref_v = run_backend(TorchAttention(), fb, data, hq, hkv, window, softcap)
+    out, k_cache, v_cache = run_backend(TritonAttention(**triton_kw), fb, data, hq, hkv, window, softcap)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "KV store differs"
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = TOL[dtype]
@@ -85,3 +85,11 @@ def test_default_split_choice_is_sane():
     fb, _ = make_batch([40, 3], [1, 1], 4, 2, 16, torch.float32, device=DEVICE)
     meta = TritonAttention(block_n=16).prepare(fb, 4, 2, None)
     assert 1 <= meta.num_splits <= 3  # never more splits than blocks of the longest sequence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_soft_capped_scores_match_torch(dtype, window):
+    """Gemma-2's capped scores (the torch backend takes them through capped_attention)."""
+    check([3, 20, 37], [1, 1, 1], 4, 2, 16, dtype, window, softcap=0.5, block_n=16, num_splits=2)
+    check([10, 0], [23, 17], 4, 2, 16, dtype, window, seed=2, softcap=0.5, block_m=16, block_n=16)

@@ -1,0 +1,81 @@
+"""A random-init checkpoint of a dense family at a real model's layer shapes (fewer layers), with
+SmolLM2's tokenizer and vocabulary, for benchmarks (`bench_serving.py --model DIR`).
+
+    .venv/bin/python bench/random_checkpoint.py qwen3-0.6b --layers 8 --out /tmp/qwen3-8l
+    flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_serving.py --model /tmp/qwen3-8l \\
+        --concurrency 32 --num-prompts 32 --max-new-tokens 64 --configs normal
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+COMMON = dict(vocab_size=49152, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+SHAPES = {  # name: (transformers config class, the real model's layer shapes)
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+             head_dim=128, tie_word_embeddings=True),
+    ),
+    "gemma2-2b": (
+        "Gemma2Config",
+        dict(hidden_size=2304, intermediate_size=9216, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=256, query_pre_attn_scalar=256, sliding_window=4096),
+    ),
+    "gemma3-1b": (
+        "Gemma3TextConfig",
+        dict(hidden_size=1152, intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1,
+             head_dim=256, query_pre_attn_scalar=256, sliding_window=512),
+    ),
+    "phi4-mini": (
+        "Phi3Config",
+        dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
+             partial_rotary_factor=0.75, tie_word_embeddings=True),
+    ),
+}  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
+
+
+def make(name: str, layers: int, out: Path) -> Path:
+    import torch
+    import transformers
+
+    from service.model_prep import prepare_default_model
+
+    cls, shape = SHAPES[name]
+    cfg = getattr(transformers, cls)(**COMMON, **shape, num_hidden_layers=layers)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    smol = prepare_default_model()
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy(smol / f, out / f)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"{name}, {layers} layers: {total / 1e9:.2f}B parameters in {out}", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    print(make(args.shape, args.layers, Path(args.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
