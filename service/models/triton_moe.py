@@ -63,6 +63,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _block_pairs(SortedPairs, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """A block's sorted rows, the pairs they hold and which are real (not padding), as int64 (offsets)."""
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(SortedPairs + rows).to(tl.int64)
+    return rows, pair, pair < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     X,
     W,
@@ -85,9 +93,7 @@ def _gate_up_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + pid_m)
     if e >= 0:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(SortedPairs + rows)
-        valid = pair < num_pairs
+        rows, pair, valid = _block_pairs(SortedPairs, pid_m, num_pairs, BLOCK_M)
         token = tl.where(valid, pair % num_tokens, 0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
@@ -136,9 +142,7 @@ def _down_kernel(
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(BlockExpert + pid_m)
     if e >= 0:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(SortedPairs + rows)
-        valid = pair < num_pairs
+        rows, pair, valid = _block_pairs(SortedPairs, pid_m, num_pairs, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
         w = W + e.to(tl.int64) * stride_we
