@@ -6,12 +6,15 @@ One command on a machine with one GPU (< 5 minutes on an H200):
 
 It needs no network and no weights: models are random-init (--load-format dummy)
 from configs of SmolLM2-135M's shape and a ~1B Llama shape (Llama-3.2-1B's
-layers, SmolLM2's 49152-token vocabulary so they share its tokenizer). The
-tokenizer comes from --tokenizer (default: the prepared SmolLM2 directory).
+layers, SmolLM2's 49152-token vocabulary so they share its tokenizer); with
+`--models qwen3-moe` also a Qwen3-MoE of Qwen3-30B-A3B's layer shapes (128
+experts, top-8, fewer layers). The tokenizer comes from --tokenizer (default:
+the prepared SmolLM2 directory).
 
 1. kernels: the Triton decode / extend kernels against SDPA (float32 math on the
    same inputs) in bf16 and fp16 at realistic shapes, next to the torch backend's
-   own error, with timings (triton.testing.do_bench);
+   own error, with timings (triton.testing.do_bench); the fused-MoE kernel against
+   the grouped torch experts (float32 math) at 30B-A3B's expert shapes;
 2. loops: N greedy requests x M tokens in the normal and the overlap loop (tokens
    must be identical), CUDA events on the forward stream around every step: the
    median gap between consecutive decode forwards, busy fraction, and throughput
@@ -78,7 +81,36 @@ SHAPES = {
         head_dim=64,
         rope_theta=500000.0,
     ),
+    # Qwen3-30B-A3B's layers (128 experts of 768, top-8), 8 of its 48 layers
+    "qwen3-moe": dict(
+        family="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+    ),
     # --quick on CPU
+    "tiny-moe": dict(
+        family="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -102,7 +134,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU run of the script itself)")
     p.add_argument(
-        "--models", default=None, help="comma-separated shapes (default: smollm2-135m,llama-1b; quick: tiny)"
+        "--models",
+        default=None,
+        help="comma-separated shapes (default: smollm2-135m,llama-1b,qwen3-moe; quick: tiny,tiny-moe)",
     )
     p.add_argument(
         "--requests", type=int, default=None, help="concurrent greedy requests (default 64; quick 8)"
@@ -287,16 +321,91 @@ def check_kernels(device, quick: bool) -> list[dict]:
                 + ("" if row["ok"] else "  FAIL"),
                 flush=True,
             )
+    return rows + check_moe_kernels(device, quick)
+
+
+def moe_cases(quick: bool) -> list[dict]:
+    if quick:
+        return [
+            dict(name="moe tiny decode", tokens=5, hidden=64, inter=32, experts=8, top_k=2),
+            dict(name="moe tiny prefill", tokens=37, hidden=64, inter=32, experts=8, top_k=2),
+        ]
+    a3b = dict(hidden=2048, inter=768, experts=128, top_k=8)  # Qwen3-30B-A3B's experts
+    return [
+        dict(name="moe 30B-A3B decode bs1", tokens=1, **a3b),
+        dict(name="moe 30B-A3B decode bs64", tokens=64, **a3b),
+        dict(name="moe 30B-A3B prefill 2048", tokens=2048, **a3b),
+    ]
+
+
+def check_moe_kernels(device, quick: bool) -> list[dict]:
+    """The Triton fused-MoE kernel against the grouped torch experts in float32 (same inputs)."""
+    import torch
+
+    from service.models.moe import experts_torch, route
+    from service.models.triton_moe import fused_experts
+
+    tol = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+    dtypes = [torch.float32, torch.float16] if device.type == "cpu" else [torch.bfloat16, torch.float16]
+    rows = []
+    for case in moe_cases(quick):
+        g = torch.Generator(device=device).manual_seed(0)
+        e, h, i, t = case["experts"], case["hidden"], case["inter"], case["tokens"]
+        w_gate_up = torch.randn(e, 2 * i, h, device=device, generator=g) * h**-0.5
+        w_down = torch.randn(e, h, i, device=device, generator=g) * i**-0.5
+        x = torch.randn(t, h, device=device, generator=g)
+        weights, ids = route(torch.randn(t, e, device=device, generator=g), case["top_k"], True)
+        ref = experts_torch(x, w_gate_up, w_down, weights, ids)
+        scale = float(ref.abs().max())
+        for dtype in dtypes:
+            args = (x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights, ids)
+            out = fused_experts(*args)
+            err = float((out.float() - ref).abs().max()) / scale
+            terr = float((experts_torch(*args).float() - ref).abs().max()) / scale
+            row = dict(
+                case=case["name"],
+                dtype=str(dtype).replace("torch.", ""),
+                tokens=t,
+                max_err=err,
+                torch_backend_max_err=terr,
+                store_ok=True,
+            )
+            row["ok"] = err <= max(tol[dtype], 2 * terr)
+            if device.type == "cuda":
+                from triton.testing import do_bench
+
+                row["triton_ms"] = do_bench(lambda: fused_experts(*args))
+                row["torch_ms"] = do_bench(lambda: experts_torch(*args))
+            rows.append(row)
+            print(
+                f"  {row['case']:<40} {row['dtype']:<9} max|err|/max|ref| {err:.2e} (torch experts {terr:.2e})"
+                + (
+                    f"  triton {row['triton_ms']:.3f} ms  torch {row['torch_ms']:.3f} ms"
+                    if "triton_ms" in row
+                    else ""
+                )
+                + ("" if row["ok"] else "  FAIL"),
+                flush=True,
+            )
     return rows
 
 
 # ---- 2. loops ---------------------------------------------------------------------------------
+CONFIG_CLASSES = {  # a shape's family: (transformers config class, architecture)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+
 def make_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
-    from transformers import LlamaConfig
+    import transformers
 
     out = root / shape
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(
+    fields = dict(SHAPES[shape])
+    config_class, arch = CONFIG_CLASSES[fields.pop("family", "llama")]
+    rope = dict(rope_type="default", rope_theta=fields.pop("rope_theta"))
+    cfg = getattr(transformers, config_class)(
         vocab_size=49152,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
@@ -304,9 +413,10 @@ def make_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         initializer_range=0.02,
-        **SHAPES[shape],
+        rope_parameters=rope,
+        **fields,
     )
-    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.architectures = [arch]
     cfg.save_pretrained(out)
     for f in TOKENIZER_FILES:
         if (tokenizer_dir / f).exists():
@@ -553,7 +663,7 @@ def main() -> int:
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
     quick = a.quick or device.type == "cpu"
-    models = (a.models or ("tiny" if quick else "smollm2-135m,llama-1b")).split(",")
+    models = (a.models or ("tiny,tiny-moe" if quick else "smollm2-135m,llama-1b,qwen3-moe")).split(",")
     n = a.requests or (8 if quick else 64)
     tokens = a.tokens or (8 if quick else 128)
     dtype = a.dtype if device.type == "cuda" else "float32"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.models import gemma, llama, phi3, qwen3
+from service.models import gemma, llama, mixtral, phi3, qwen3, qwen3_moe
 from service.models.layers import CausalLM, Checkpoint, ModelShape, architecture
 
 
@@ -17,7 +17,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     arch: Family(module.shape, module.load)
-    for module in (llama, qwen3, gemma, phi3)
+    for module in (llama, qwen3, gemma, phi3, mixtral, qwen3_moe)
     for arch in module.ARCHITECTURES
 }
 

@@ -10,6 +10,7 @@ modules; `families.py` picks the family from config.json's `architectures`.
 - `SelfAttention`: the fused qkv projection, optional per-head q/k RMSNorm, rotary (full or
   partial, per-layer tables), the backend call (sliding window, soft-capping, scale per layer);
 - `GatedMLP`: fused gate+up, SiLU or GELU-tanh, down;
+  a mixture-of-experts family's sparse layers take `moe.MoEBlock` instead (`ModelShape.moe`);
 - `CausalLM`: embedding (optionally scaled), the layers, final norm, LM head (tied or not),
   final-logit soft-capping.
 """
@@ -24,6 +25,7 @@ from torch import nn
 
 from service.core.forward_batch import ForwardBatch
 from service.models.linear import PackedLinear, pack_linear, packed_if_exact
+from service.models.moe import MoEBlock, MoEShape
 from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
 from service.models.rope import DEFAULT_LAYER, rope_table
 
@@ -63,6 +65,8 @@ class ModelShape:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
+    moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
+    moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
 
     @property
     def scale(self) -> float:
@@ -162,11 +166,11 @@ class DecoderLayer(nn.Module):
     (h, delta) -> the next layer's (h, delta): each residual add is deferred into the next norm
     (h + delta, then RMSNorm, in one pass)."""
 
-    def __init__(self, s: ModelShape):
+    def __init__(self, s: ModelShape, index: int = 0):
         super().__init__()
         self.s = s
         self.attn = SelfAttention(s)
-        self.mlp = GatedMLP(s)
+        self.mlp: nn.Module = MoEBlock(s.moe) if s.moe is not None and s.moe_layers[index] else GatedMLP(s)
         self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
         self.post_norm = nn.Parameter(torch.ones(s.hidden_size))  # after attention (pre-MLP without sandwich)
         if s.sandwich_norms:
@@ -201,7 +205,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.shape = s = shape
         self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
         self.norm = nn.Parameter(torch.ones(s.hidden_size))
         self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.config = config
@@ -283,6 +287,13 @@ def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> 
 
 def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> None:
     """q/k/v and gate/up published as separate projections (Llama's layout), fused here."""
+    load_split_attention(layer, take, p)
+    layer.mlp.gate_up.weight.copy_(take.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+    layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+
+
+def load_split_attention(layer: DecoderLayer, take: Checkpoint, p: str) -> None:
+    """q/k/v (and o) published as separate projections, fused here."""
     a = p + "self_attn."
     attn = layer.attn
     attn.qkv.weight.copy_(take.cat(*(a + f"{n}_proj.weight" for n in "qkv")))
@@ -291,5 +302,3 @@ def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> Non
     attn.o.weight.copy_(take(a + "o_proj.weight"))
     if attn.o.bias is not None:
         attn.o.bias.copy_(take(a + "o_proj.bias"))
-    layer.mlp.gate_up.weight.copy_(take.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-    layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))

@@ -1,5 +1,6 @@
-"""bench/gpu_check.py runs end to end on CPU (tiny shapes, kernels in the Triton interpreter), and
-the matrix renders what its feature part measured (`python -m service matrix --measured`)."""
+"""bench/gpu_check.py runs end to end on CPU (tiny shapes, kernels in the Triton interpreter): a
+tiny Llama and a tiny Qwen3-MoE through both loops, the attention and fused-MoE kernels; and the
+matrix renders what its feature part measured (`python -m service matrix --measured`)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,12 @@ def test_gpu_check_runs_on_cpu(smol_dir, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["ok"] and res["info"]["interpret"]
     assert res["kernels"] and all(r["ok"] and r["store_ok"] for r in res["kernels"])
-    (loop,) = res["loops"]
-    assert loop["identical_tokens"]
-    for r in (loop["normal"], loop["overlap"]):
-        assert r["decode_pairs"] > 0 and r["median_decode_forward_ms"] > 0
+    assert any(r["case"].startswith("moe ") for r in res["kernels"])
+    assert [loop["model"] for loop in res["loops"]] == ["tiny", "tiny-moe"]
+    for loop in res["loops"]:
+        assert loop["identical_tokens"]
+        for r in (loop["normal"], loop["overlap"]):
+            assert r["decode_pairs"] > 0 and r["median_decode_forward_ms"] > 0
 
     # 4. every feature alone and all together, both loops, measured from the matrix counters
     feats = res["features"]

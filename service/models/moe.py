@@ -1,0 +1,176 @@
+"""Mixture-of-experts feed-forward for packed tokens: the router, expert grouping, the experts.
+
+The router is transformers': softmax over the experts in float32, top-k, the k weights
+renormalised to sum to one where the config says so (Mixtral always; Qwen3-MoE per
+`norm_topk_prob`). The experts' weights are stacked, gate and up fused: `w_gate_up`
+[E, 2I, H] and `w_down` [E, H, I].
+
+The experts run over tokens grouped by expert: the T x k (token, slot) pairs are sorted by
+expert, stably in transformers' order (by slot, then token, within an expert; a token's
+experts summed in increasing expert order), so fp32 results equal transformers' bit for bit;
+each expert that got a pair runs its two matmuls once over its rows. An expert
+no token chose costs nothing; no Python loop runs per token. On CUDA the same computation
+is a Triton grouped GEMM over the sorted pairs (`triton_moe.py`), with no host sync (CUDA
+graphs capture it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.models.ops import silu_mul
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    renormalize: bool  # the top-k weights divided by their sum
+    shared_intermediate_size: int = 0  # a shared expert beside the routed ones (0: none)
+
+
+def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
+    """Which layers are MoE, as transformers reads `decoder_sparse_step` and `mlp_only_layers`
+    (a config without them: every layer)."""
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return tuple(
+        i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(config.num_hidden_layers)
+    )
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64): softmax in float32, then top-k
+    (ties go as torch.topk breaks them, as in transformers), renormalised or not."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The T x k (token, slot) pairs sorted by expert; pair p = slot * T + token."""
+
+    order: torch.Tensor  # [T*k] pair ids, grouped by expert (stable: by slot, then token, within one)
+    counts: list[int]  # pairs per expert [E] (host)
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, num_experts: int) -> "ExpertGroups":
+        flat = ids.t().reshape(-1)  # slot-major
+        order = torch.argsort(flat, stable=True)
+        return cls(order, torch.bincount(flat, minlength=num_experts).tolist())
+
+    def active(self) -> list[tuple[int, int, int]]:
+        """(expert, first sorted row, rows) for each expert that got at least one pair."""
+        out, start = [], 0
+        for e, n in enumerate(self.counts):
+            if n:
+                out.append((e, start, n))
+                start += n
+        return out
+
+
+def experts_torch(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H], in x's dtype.
+    One gate_up and one down matmul per expert that got a token."""
+    groups = ExpertGroups.of(ids, w_gate_up.shape[0])
+    token = groups.order % ids.shape[0]
+    xs = x.index_select(0, token)
+    out = torch.empty_like(xs)
+    for e, start, n in groups.active():
+        rows = slice(start, start + n)
+        out[rows] = F.linear(silu_mul(F.linear(xs[rows], w_gate_up[e])), w_down[e])
+    out.mul_(weights.t().reshape(-1)[groups.order].unsqueeze(1).to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, token, out)
+
+
+def experts_dense_reference(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Every expert on every token, weighted by the routing (zero where not chosen): what the
+    grouped forms must equal. For tests and checks only: it computes all experts."""
+    gate_up = torch.einsum("th,eih->eti", x.float(), w_gate_up.float())
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, w_down.float())  # [E, T, H]
+    dense = torch.zeros(x.shape[0], w_gate_up.shape[0], dtype=torch.float32, device=x.device)
+    dense.scatter_add_(1, ids, weights.float())
+    return torch.einsum("te,eth->th", dense, y).to(x.dtype)
+
+
+class MoEBlock(nn.Module):
+    """Router + stacked experts (+ a shared expert with its sigmoid gate, where the config has one)."""
+
+    def __init__(self, s: MoEShape):
+        super().__init__()
+        self.s = s
+        e, i, h = s.num_experts, s.intermediate_size, s.hidden_size
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w_down = nn.Parameter(torch.empty(e, h, i))
+        self.shared: nn.ModuleDict | None = None
+        if s.shared_intermediate_size:
+            si = s.shared_intermediate_size
+            self.shared = nn.ModuleDict(
+                dict(
+                    gate_up=nn.Linear(h, 2 * si, bias=False),
+                    down=nn.Linear(si, h, bias=False),
+                    gate=nn.Linear(h, 1, bias=False),
+                )
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.router(x), self.s.top_k, self.s.renormalize)
+        y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
+        if self.shared is not None:
+            sh = self.shared
+            y = y + torch.sigmoid(sh["gate"](x)) * sh["down"](silu_mul(sh["gate_up"](x)))
+        return y
+
+
+def run_experts(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The Triton grouped GEMM on CUDA, the grouped torch form elsewhere."""
+    if x.is_cuda:
+        from service.models.triton_moe import fused_experts
+
+        return fused_experts(x, w_gate_up, w_down, weights, ids)
+    return experts_torch(x, w_gate_up, w_down, weights, ids)
+
+
+def load_moe_block(block: MoEBlock, take: Any, prefix: str, names: tuple[str, str, str]) -> None:
+    """A checkpoint's router and experts into `block` (no grad). `take(name)` gives a tensor and
+    `take.has(name)` says whether there is one. Experts as transformers' `save_pretrained` and
+    the published checkpoints lay them out, one module per expert (`{prefix}experts.{e}.{gate,
+    up, down}.weight` under the family's `names`), or fused 3-D (`{prefix}experts.gate_up_proj`
+    [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout)."""
+    block.router.weight.copy_(take(prefix + "gate.weight"))
+    if take.has(prefix + "experts.gate_up_proj"):
+        block.w_gate_up.copy_(take(prefix + "experts.gate_up_proj"))
+        block.w_down.copy_(take(prefix + "experts.down_proj"))
+    else:
+        gate, up, down = names
+        for e in range(block.s.num_experts):
+            q = f"{prefix}experts.{e}."
+            block.w_gate_up[e].copy_(torch.cat([take(q + gate + ".weight"), take(q + up + ".weight")]))
+            block.w_down[e].copy_(take(q + down + ".weight"))
+    if block.shared is not None:
+        sh, q = block.shared, prefix + "shared_expert."
+        sh["gate_up"].weight.copy_(torch.cat([take(q + "gate_proj.weight"), take(q + "up_proj.weight")]))
+        sh["down"].weight.copy_(take(q + "down_proj.weight"))
+        sh["gate"].weight.copy_(take(prefix + "shared_expert_gate.weight"))

@@ -1,0 +1,53 @@
+"""Qwen3-MoE: Qwen3's attention (an RMSNorm over each q and k head, no qkv bias) with routed
+experts in the layers `decoder_sparse_step` and `mlp_only_layers` make sparse (a dense
+GatedMLP of `intermediate_size` in the others): softmax, top-k of `num_experts`, renormalised
+where `norm_topk_prob` says so. A sliding window (`use_sliding_window`) applies to every layer,
+as transformers' Qwen3-MoE does. No shared expert (the config has none).
+
+Checkpoint: `mlp.gate` (the router) and `mlp.experts.{e}.gate_proj/up_proj/down_proj`, as
+published and as `save_pretrained` writes them; the fused 3-D layout too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from service.models import qwen3
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    load_common,
+    load_split_attention,
+    load_split_projections,
+)
+from service.models.moe import MoEShape, load_moe_block, sparse_layers
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def shape(config) -> ModelShape:
+    moe = MoEShape(
+        hidden_size=config.hidden_size,
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+    )
+    return dataclasses.replace(
+        qwen3.shape(config), moe=moe, moe_layers=sparse_layers(config, moe.num_experts)
+    )
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    load_common(model, take)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        if model.shape.moe_layers[i]:
+            load_split_attention(layer, take, p)
+            load_moe_block(layer.mlp, take, p + "mlp.", EXPERT_NAMES)
+        else:
+            load_split_projections(layer, take, p)
+        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+    qwen3.load_qk_norms(model, take)
