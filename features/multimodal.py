@@ -30,14 +30,18 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from features.images import ImageError, ImageLimits, Preprocessor, check_size, decode
-from service.core.feature import Feature, OverlapSupport
-from service.core.forward_batch import ForwardMode
-from service.core.request import RequestError
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.core.request import Req, RequestError
+
+if TYPE_CHECKING:
+    from service.core.device import Device
+    from service.models.llava import VisionEncoder
 
 log = logging.getLogger("zerogap.multimodal")
 
@@ -205,12 +209,23 @@ def _all_of(futures: list[Future]) -> Future:
     return out
 
 
+@dataclass(frozen=True)
+class ImageSplice:
+    """One run of image rows in a batch: the packed row it starts at, the image's embeddings
+    [tokens_per_image, hidden], the first of them it takes and how many."""
+
+    dst: int
+    embeddings: torch.Tensor
+    src: int
+    n: int
+
+
 @dataclass
 class ImageSplices:
-    """A batch's image embeddings to splice (`fb.feature_data["multimodal"]`): per run, the packed row
-    it starts at, the image's embeddings [n_tokens, hidden], the first of them and how many."""
+    """A batch's image embeddings to splice (`fb.feature_data[ImageSplices]`), built on the scheduler
+    thread; the batch keeps the embeddings referenced until its result is processed."""
 
-    splices: list[tuple[int, torch.Tensor, int, int]]
+    splices: list[ImageSplice]
 
 
 class MultimodalFeature(Feature):
@@ -224,7 +239,7 @@ class MultimodalFeature(Feature):
     )
 
     def __init__(self) -> None:
-        self.encoder: Any = None  # service.models.llava.VisionEncoder, on a LLaVA model
+        self.encoder: VisionEncoder | None = None  # on a LLaVA model
         self.image_token = -1
         self.tokens_per_image = 0
         self.limits = ImageLimits()
@@ -234,8 +249,8 @@ class MultimodalFeature(Feature):
         self._encode_pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future, Future]] = {}  # hash -> (prepared, encoded) of a running job
         self._lock = threading.Lock()
-        self._device: Any = None
-        self._stream: Any = None
+        self._device: Device | None = None
+        self._stream: Any = None  # the encoder's device stream
         self._dtype = torch.float32
         self.encoder_runs = 0  # images run through the vision tower
         self.worker_s: deque[float] = deque(
@@ -244,35 +259,36 @@ class MultimodalFeature(Feature):
         self.scheduler_s = 0.0  # time the scheduler thread spent in this feature's hooks
 
     # ---- declaration -----------------------------------------------------------------
-    def unavailable_reason(self, model: Any) -> str | None:
+    def unavailable_reason(self, model: FeatureContext | None) -> str | None:
         from service.models.llava import is_llava
 
-        if is_llava(getattr(model, "hf_config", None)):
+        hf_config = model.hf_config if model is not None else None
+        if is_llava(hf_config):
             return None
-        arch = (getattr(getattr(model, "hf_config", None), "architectures", None) or ["?"])[0]
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         return f"{arch} is a text-only model (no vision tower); image input needs a LLaVA-family model"
 
-    def bind(self, engine: Any) -> None:
+    def bind(self, ctx: FeatureContext) -> None:
         from service.models.llava import is_llava, load_vision_encoder
 
-        a = engine.args
+        a = ctx.args
         self.limits = ImageLimits.from_args(a)
         self.cache = EncoderCache(a.image_encoder_cache_mb << 20)
-        if not is_llava(engine.hf_config):
+        if not is_llava(ctx.hf_config):
             return
-        cfg = engine.hf_config
-        self._dtype = engine.dtype
-        self._device = engine.device
-        self.encoder = load_vision_encoder(engine.model_dir, cfg, engine.dtype, engine.device.device)
+        cfg = ctx.hf_config
+        self._dtype = ctx.dtype
+        self._device = ctx.device
+        self.encoder = load_vision_encoder(ctx.model_dir, cfg, ctx.dtype, ctx.device.device)
         self.image_token = int(cfg.image_token_id)
         self.tokens_per_image = self.encoder.tokens_per_image
-        engine.tokenizer.image_token = engine.tokenizer.hf.convert_ids_to_tokens(self.image_token)
-        self._preprocess = Preprocessor(engine.model_dir, self.encoder.image_size)
+        ctx.tokenizer.image_token = ctx.tokenizer.hf.convert_ids_to_tokens(self.image_token)
+        self._preprocess = Preprocessor(ctx.model_dir, self.encoder.image_size)
         self._prep_pool = ThreadPoolExecutor(
             max_workers=max(1, a.image_workers), thread_name_prefix="zerogap-image"
         )
         self._encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogap-vision")
-        self._stream = engine.device.new_stream()
+        self._stream = ctx.device.new_stream()
 
     def shutdown(self) -> None:
         for pool in (self._prep_pool, self._encode_pool):
@@ -309,7 +325,7 @@ class MultimodalFeature(Feature):
             return prompt_ids
         return expand_image_tokens(prompt_ids, n, self.image_token, self.tokens_per_image)
 
-    def validate(self, payload: ImageInputs, engine: Any, prompt_ids: list[int]) -> ImageRequest:
+    def validate(self, payload: ImageInputs, ctx: FeatureContext, prompt_ids: list[int]) -> ImageRequest:
         for i, data in enumerate(payload.images):
             try:
                 check_size(data, self.limits)
@@ -372,9 +388,10 @@ class MultimodalFeature(Feature):
     def _encode(self, key: str, pixels: torch.Tensor, encoded: Future) -> None:
         t0 = time.perf_counter()
         try:
-            dev = self._device
+            dev, encoder = self._device, self.encoder
+            assert dev is not None and encoder is not None
             with dev.use_stream(self._stream), torch.inference_mode():
-                out = self.encoder(pixels.unsqueeze(0).to(device=dev.device, dtype=self._dtype))[0]
+                out = encoder(pixels.unsqueeze(0).to(device=dev.device, dtype=self._dtype))[0]
             dev.record_event(self._stream).synchronize()  # ready before any forward reads it (any stream)
             self.encoder_runs += 1
             self.cache.put(key, out)
@@ -391,11 +408,11 @@ class MultimodalFeature(Feature):
         encoded.set_result(out)
 
     # ---- scheduler thread ------------------------------------------------------------------
-    def on_admit(self, req: Any) -> None:
+    def on_admit(self, req: Req) -> None:
         """A prefix cache matches image spans by their image's hash, never by the placeholder ids."""
         req.prompt_key = image_cache_key(req.prompt_ids, req.features[self.name])
 
-    def admission_ready(self, req: Any) -> bool:
+    def admission_ready(self, req: Req) -> bool:
         t0 = time.perf_counter()
         try:
             payload: ImageRequest = req.features[self.name]
@@ -409,41 +426,47 @@ class MultimodalFeature(Feature):
         finally:
             self.scheduler_s += time.perf_counter() - t0
 
-    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         """Which packed rows of this extend get which image rows: from each row's positions."""
         fb = batch.fb
-        if fb.mode is not ForwardMode.EXTEND or fb.extend_prefix_lens_cpu is None:
+        if (
+            fb.mode is not ForwardMode.EXTEND
+            or fb.extend_prefix_lens_cpu is None
+            or fb.extend_start_loc_cpu is None
+            or fb.extend_lens is None
+        ):
             return
         t0 = time.perf_counter()
         splices = []
         for i in rows:
             req = batch.reqs[i]
-            embeds = req.feature_state.get(self.name)
+            embeds: list[torch.Tensor] | None = req.feature_state.get(self.name)
             if embeds is None:
                 continue
             lo, start = fb.extend_prefix_lens_cpu[i], fb.extend_start_loc_cpu[i]
             hi = lo + fb.extend_lens[i]
-            for (s, n), emb in zip(req.features[self.name].spans, embeds):
+            payload: ImageRequest = req.features[self.name]
+            for (s, n), emb in zip(payload.spans, embeds):
                 a, b = max(s, lo), min(s + n, hi)
                 if a < b:
-                    splices.append((start + a - lo, emb, a - s, b - a))
+                    splices.append(ImageSplice(start + a - lo, emb, a - s, b - a))
         if splices:
-            fb.feature_data[self.name] = ImageSplices(splices)
+            fb.feature_data.put(ImageSplices(splices))
         self.scheduler_s += time.perf_counter() - t0
 
-    def on_finish(self, req: Any) -> None:
+    def on_finish(self, req: Req) -> None:
         req.feature_state.pop(self.name, None)
         return None
 
     # ---- forward thread ------------------------------------------------------------------
-    def changes_embeddings(self, fb: Any) -> bool:
+    def changes_embeddings(self, fb: ForwardBatch) -> bool:
         """Only batches with image rows to splice (prefill chunks): its decode batches can replay a graph."""
-        return fb.feature_data.get(self.name) is not None
+        return fb.feature_data.get(ImageSplices) is not None
 
-    def modify_embeddings(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
-        data: ImageSplices | None = fb.feature_data.get(self.name)
-        for dst, emb, src, n in data.splices if data is not None else ():
-            hidden[dst : dst + n] = emb[src : src + n]
+    def modify_embeddings(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data.get(ImageSplices)
+        for sp in data.splices if data is not None else ():
+            hidden[sp.dst : sp.dst + sp.n] = sp.embeddings[sp.src : sp.src + sp.n]
         return hidden
 
     def stats(self) -> dict[str, float]:

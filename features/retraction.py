@@ -1,8 +1,8 @@
 """Retraction under memory pressure, with optimistic admission — fully overlapped.
 
 This module is the request-level side (the `Retracted` payload, usage counters, the penalty-state
-restore); the admission policy and the retraction itself are the scheduler's admission manager
-(service/engine/scheduler/admission.py).
+restore); the admission policy and the retraction itself are the scheduler's managers
+(service/engine/scheduler/admission.py, retraction.py).
 
 Admission. `reserve` sets aside a request's whole budget (prompt + max_new_tokens)
 when it is admitted: nothing ever runs out, and the pool mostly idles because
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from service.core.feature import Feature, FeatureContext, OverlapSupport
-from service.core.forward_batch import ForwardMode
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.core.request import Req, RequestError
 
 
@@ -60,11 +60,18 @@ class Retracted:
 
 @dataclass
 class PenaltyRecount:
-    """A re-prefill batch's data (`fb.feature_data["retraction"]`): the kept output tokens to count
+    """A re-prefill batch's data (`fb.feature_data[PenaltyRecount]`): the kept output tokens to count
     again into the sampler's penalty state, as (slot, token) pairs on the device."""
 
     slots: torch.Tensor
     tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RetractionFields:
+    """Result fields: the times the request was retracted so far (`usage.retractions`)."""
+
+    retractions: int
 
 
 def retractions_of(req: Req) -> int:
@@ -95,14 +102,14 @@ class RetractionFeature(Feature):
         self._ctx = ctx
 
     # ---- caller thread -------------------------------------------------------------------
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> Any:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> Any:
         raise RequestError("INVALID_ARGUMENT", "retraction: set by the scheduler, not by a request")
 
-    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
-        response.usage.retractions = max(f["retractions"] for f in fields)
+    def to_proto(self, response: Any, fields: list[RetractionFields]) -> None:
+        response.usage.retractions = max(f.retractions for f in fields)
 
     # ---- scheduler thread ----------------------------------------------------------------
-    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         """A re-prefill of a penalised request: its kept output tokens count again (forward thread)."""
         if batch.mode is not ForwardMode.EXTEND:
             return
@@ -116,18 +123,18 @@ class RetractionFeature(Feature):
         tokens = torch.tensor([t for r in reqs for t in r.output_ids], dtype=torch.int64)
         if self._ctx is not None:
             slots, tokens = self._ctx.device.to_device(slots, tokens)
-        batch.fb.feature_data[self.name] = PenaltyRecount(slots, tokens)
+        batch.fb.feature_data.put(PenaltyRecount(slots, tokens))
 
-    def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
-        return {"retractions": retractions_of(req)}
+    def on_result(self, batch: BatchView, row: int, req: Req, extras: Any) -> RetractionFields:
+        return RetractionFields(retractions_of(req))
 
-    def on_finish(self, req: Any) -> dict[str, Any] | None:
-        return {"retractions": retractions_of(req)}
+    def on_finish(self, req: Req) -> RetractionFields:
+        return RetractionFields(retractions_of(req))
 
     # ---- forward thread ------------------------------------------------------------------
-    def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         """Runs after the new slots' sampler state was reset and before sampling."""
-        restore: PenaltyRecount | None = fb.feature_data.get(self.name)
+        restore = fb.feature_data.get(PenaltyRecount)
         if restore is not None:
             assert self._ctx is not None
             self._ctx.count_tokens(restore.slots, restore.tokens)

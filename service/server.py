@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import __version__, protos
+from service import __version__
 from service.config import ServerArgs
 from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from service.engine.engine import Engine
@@ -35,8 +35,9 @@ from service.models.families import UnsupportedArchitecture
 from service.smg_worker import SERVICE_NAME as SMG_WORKER_SERVICE
 from service.smg_worker import SmgWorkerServicer, add_smg_worker
 from service.tokenizer import InputTooLong
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 log = logging.getLogger("zerogap.server")
 
 SERVICE_NAME = "zerogap.v1.Generation"
