@@ -156,7 +156,8 @@ class OutputLog:
             return None
         lp = vllm_engine_pb2.OutputLogProbs()
         for o in outs:
-            for e in o.extras.get("logprobs", {}).get("output", ()):
+            fields = o.extras.get("logprobs")
+            for e in fields.output if fields is not None else ():
                 lp.token_ids.append(e[0])
                 lp.token_logprobs.append(e[1])
                 lp.top_logprobs.append(self._top(e, self.top_out))
@@ -165,11 +166,14 @@ class OutputLog:
     def prompt(self, outs: list[RequestOutput]) -> vllm_engine_pb2.InputLogProbs | None:
         if self.top_prompt is None:
             return None
-        found = next((o.extras["logprobs"] for o in outs if "input" in o.extras.get("logprobs", {})), None)
+        found = next(
+            (f for f in (o.extras.get("logprobs") for o in outs) if f is not None and f.input is not None),
+            None,
+        )
         if found is None:
             return None
         lp = vllm_engine_pb2.InputLogProbs(token_ids=self.prompt_ids)
-        by_pos = {found["input_start"] + i: e for i, e in enumerate(found["input"])}
+        by_pos = {found.input_start + i: e for i, e in enumerate(found.input)}
         for pos in range(len(self.prompt_ids)):
             e = by_pos.get(pos)
             lp.token_logprobs.append(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from features.multimodal import ImageSplices, MultimodalFeature
+from features.multimodal import ImageSplice, ImageSplices, MultimodalFeature
 from service.core.feature import Feature
+from service.core.forward_batch import FeatureData
 from service.engine.cuda_graph import DecodeGraphs
 
 
@@ -24,9 +25,9 @@ def test_decode_graph_runs_image_requests_once_their_images_are_spliced():
     mm = MultimodalFeature()
     fb.features = [(mm, [0, 2])]  # decode rows of image requests: their images went in at prefill
     assert graphs.can_run(fb)
-    fb.feature_data[mm.name] = ImageSplices([(0, torch.zeros(16, 8), 0, 16)])  # rows to splice: eager
+    fb.feature_data.put(ImageSplices([ImageSplice(0, torch.zeros(16, 8), 0, 16)]))  # rows to splice: eager
     assert not graphs.can_run(fb)
-    fb.feature_data.clear()
+    fb.feature_data = FeatureData()
     fb.features = [(mm, [0]), (EmbeddingNoise(), [1])]
     assert not graphs.can_run(fb)  # a hook without its own changes_embeddings: never replayed
 

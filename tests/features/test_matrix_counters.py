@@ -4,14 +4,29 @@ counted per feature (`batches_synced`), from what happened, not from what was de
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from service.config import ServerArgs
-from service.core.feature import Feature, OverlapSupport
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient
+
+
+@dataclass
+class LateMask:
+    """The test features' batch data (`fb.feature_data`, keyed by type)."""
+
+    at_sampling: threading.Event = field(default_factory=threading.Event)
+    ready: threading.Event = field(default_factory=threading.Event)
+    waited: bool = False
+
+
+class OnTimeMask(LateMask):
+    pass
 
 
 class LateMaskFeature(Feature):
@@ -22,40 +37,41 @@ class LateMaskFeature(Feature):
     support = OverlapSupport.FULL
     reason = "test-only: claims full, waits at sampling"
     reads_raw_logits = False
+    data_type: type[LateMask] = LateMask
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> bool:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> bool:
         return True
 
-    def on_batch_formed(self, batch, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = dict(
-            at_sampling=threading.Event(), ready=threading.Event(), waited=False
-        )
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
+        batch.fb.feature_data.put(self.data_type())
 
-    def after_launch(self, batch, rows: list[int]) -> None:
-        data = batch.fb.feature_data[self.name]
-        data["at_sampling"].wait(30)
-        data["ready"].set()
+    def after_launch(self, batch: BatchView, rows: list[int]) -> None:
+        data = batch.fb.feature_data[self.data_type]
+        data.at_sampling.wait(30)
+        data.ready.set()
 
-    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
-        data = fb.feature_data[self.name]
-        data["waited"] = not data["ready"].is_set()
-        data["at_sampling"].set()
-        data["ready"].wait(30)
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data[self.data_type]
+        data.waited = not data.ready.is_set()
+        data.at_sampling.set()
+        data.ready.wait(30)
         return logits
 
-    def waited_on_host(self, batch) -> bool:
-        return batch.fb.feature_data[self.name]["waited"]
+    def waited_on_host(self, batch: BatchView) -> bool:
+        return batch.fb.feature_data[self.data_type].waited
 
 
 class OnTimeFeature(LateMaskFeature):
     """The same hooks, but the scheduler's work is done before the forward starts: never waits."""
 
     name = "test_on_time"
+    data_type = OnTimeMask
 
-    def on_batch_formed(self, batch, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         super().on_batch_formed(batch, rows)
-        batch.fb.feature_data[self.name]["at_sampling"].set()
-        batch.fb.feature_data[self.name]["ready"].set()
+        data = batch.fb.feature_data[self.data_type]
+        data.at_sampling.set()
+        data.ready.set()
 
 
 def test_full_feature_that_waits_is_counted_synced(tiny_llama_dir):
