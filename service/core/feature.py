@@ -23,6 +23,7 @@ points. Hooks run on the thread named in their docstring — never both.
                                                placeholders expanded into per-image token runs
     forward thread    before_forward           right before the model runs
                       modify_embeddings        input embeddings, before the first layer (e.g. images)
+                      rope_positions           (M-RoPE models) the [3, T] positions the rotary embeddings see
                       process_logits           at sampling: mask / bias the logits
                       after_sampling           tokens sampled: compute extra outputs
 """
@@ -172,6 +173,11 @@ class Feature:
     def modify_embeddings(self, fb: "ForwardBatch", hidden: "torch.Tensor") -> "torch.Tensor":
         """Packed input embeddings [T, hidden] -> the ones the first layer sees."""
         return hidden
+
+    def rope_positions(self, fb: "ForwardBatch", positions: "torch.Tensor") -> "torch.Tensor":
+        """M-RoPE models only: the (time, height, width) positions [3, T] of the packed tokens
+        (each stream the token's KV position on entry) -> the ones the rotary embeddings use."""
+        return positions
 
     def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
         return logits

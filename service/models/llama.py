@@ -17,6 +17,7 @@ from service.core.forward_batch import ForwardBatch
 from service.models.attention import AttentionMeta, TorchAttention
 from service.models.linear import PackedLinear, pack_linear, packed_if_exact
 from service.models.ops import add_rms_norm, silu_mul, split_qkv_rope
+from service.models.qwen_vl import mrope_section
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -91,6 +92,21 @@ def rope_cos_sin(config, head_dim: int, max_positions: int) -> tuple[torch.Tenso
     return emb.cos() * scaling, emb.sin() * scaling
 
 
+def mrope_cos_sin(
+    cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, section: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cos/sin [T, head_dim] for M-RoPE: frequency band i (of `section`, over half the head)
+    turns by the position of stream i % 3 (time, height, width); the second half repeats the first."""
+    stream = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section)])
+    stream = torch.cat([stream, stream]).to(positions.device)
+    t, d = positions.shape[1], stream.shape[0]
+    pick = stream.view(1, 1, d).expand(1, t, d)
+    return (
+        cos_table[positions].gather(0, pick).squeeze(0),
+        sin_table[positions].gather(0, pick).squeeze(0),
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -143,6 +159,7 @@ class LlamaModel(nn.Module):
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)  # filled by init_rope() on the real device
         self.packed_head: PackedLinear | None = None  # pack_weights(): the LM head laid out for oneDNN
+        self.mrope = mrope_section(config)  # M-RoPE bands per position stream (Qwen2-VL), else None
 
     def init_rope(self) -> None:
         """cos/sin tables (float32), computed outside any meta-device context."""
@@ -167,11 +184,10 @@ class LlamaModel(nn.Module):
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
         meta = attn.prepare(fb, s.num_q_heads, s.num_kv_heads, s.sliding_window)
+        positions, cos, sin = self._rope_inputs(fb)
         delta = None
         for i, layer in enumerate(self.layers):
-            h, delta = layer(
-                h, delta, fb.positions, self.cos, self.sin, kv_pool.k[i], kv_pool.v[i], meta, attn
-            )
+            h, delta = layer(h, delta, positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = (
             fb.logits_index
             if fb.extra_logit_rows is None
@@ -181,6 +197,20 @@ class LlamaModel(nn.Module):
         if self.packed_head is not None:
             return self.packed_head(h)
         return F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
+    def _rope_inputs(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, cos table, sin table) the layers rotate by. With M-RoPE, when a feature moved
+        some tokens' positions (images), per-token tables indexed by the packed row."""
+        if self.mrope is None:
+            return fb.positions, self.cos, self.sin
+        same = fb.positions.unsqueeze(0).expand(3, -1)
+        pos3 = same
+        for feature, _ in fb.features:
+            pos3 = feature.rope_positions(fb, pos3)
+        if pos3 is same:  # three equal streams: plain RoPE
+            return fb.positions, self.cos, self.sin
+        cos, sin = mrope_cos_sin(self.cos, self.sin, pos3, self.mrope)
+        return torch.arange(pos3.shape[1], device=pos3.device), cos, sin
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face checkpoint tensors in, fusing qkv and gate/up."""

@@ -1,0 +1,163 @@
+"""Qwen2.5-VL / Qwen2-VL on tiny random models: dynamic resolution, M-RoPE, equal to transformers,
+chunked / cached / retracted / overlapped runs equal to plain ones."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from features.multimodal import ImageInputs
+from service.config import ServerArgs
+from service.core.request import SamplingParams
+from service.engine.engine import SyncClient, collect
+from tests.conftest import TOKENIZER_FILES
+from tests.features.test_multimodal import draw
+
+MM = "multimodal"
+VISION_START, IMAGE_PAD, VISION_END = 49152, 49153, 49154
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+# Two towers: 8-pixel patches, windows of 32 pixels (2x2 merged units), full attention at blocks 1
+# and 3; 4-pixel patches, windows of 16, full attention at block 2 only, another M-RoPE split.
+CONFIGS = {
+    "p8-w32": dict(patch=8, window=32, fullatt=[1, 3], depth=4, mrope=[2, 3, 3], max_pixels=96 * 96),
+    "p4-w16": dict(patch=4, window=16, fullatt=[2], depth=3, mrope=[4, 2, 2], max_pixels=40 * 40),
+}
+
+
+def make_tiny_qwen_vl(smol: Path, out: Path, patch: int, window: int, fullatt, depth, mrope, max_pixels) -> Path:
+    """A random-init Qwen2.5-VL: SmolLM2's tokenizer plus the three vision tokens, a Pillow
+    Qwen2-VL image processor (min 2 merged units, max `max_pixels`)."""
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=depth,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            patch_size=patch,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=window,
+            out_hidden_size=64,
+            fullatt_block_indexes=fullatt,
+        ),
+        text_config=dict(
+            vocab_size=VISION_END + 1,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+            tie_word_embeddings=False,
+            initializer_range=0.2,
+            eos_token_id=2,
+        ),
+        image_token_id=IMAGE_PAD,
+        video_token_id=VISION_END + 10,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+    )
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # large enough that the image changes the output
+        for p in model.model.visual.merger.parameters():
+            p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy(smol / f, out / f)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD
+    tok.save_pretrained(out)
+    unit = (patch * 2) ** 2
+    Qwen2VLImageProcessorPil(
+        min_pixels=2 * unit, max_pixels=max_pixels, patch_size=patch, merge_size=2, temporal_patch_size=2
+    ).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def qwen_dir(request, smol_dir, tmp_path_factory) -> Path:
+    return make_tiny_qwen_vl(smol_dir, tmp_path_factory.mktemp(f"qwen-vl-{request.param}"), **CONFIGS[request.param])
+
+
+@pytest.fixture(scope="module")
+def tok(qwen_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_dir)
+
+
+IMAGES = [draw(64, 48, 1), draw(40, 90, 2, "JPEG"), draw(200, 37, 3, "WEBP"), draw(33, 33, 4)]
+CASES = [
+    ("Just text, no picture at all", []),
+    (f"A picture: {IMG} What is it?", [IMAGES[0]]),
+    (f"Tall {IMG} then wide {IMG} compare them", [IMAGES[1], IMAGES[2]]),
+    (f"{IMG}{IMG} two", [IMAGES[3], IMAGES[0]]),
+]
+
+
+def mm(*images: bytes) -> dict | None:
+    return {MM: ImageInputs(tuple(images))} if images else None
+
+
+def client(model_dir: Path, loop: str = "overlap", **kw) -> SyncClient:
+    return SyncClient(
+        ServerArgs(
+            **{"dtype": "float32", "loop": loop, "kv_cache_tokens": 4000, "max_running_requests": 8, **kw}
+        ),
+        model_dir,
+    )
+
+
+def hf_inputs(model_dir: Path, tok, text: str, images: list[bytes]) -> dict:
+    """transformers' processing: the Pillow image processor, image pads expanded by the grid."""
+    from transformers import AutoImageProcessor
+
+    ids = tok.encode(text)
+    out: dict = {}
+    if images:
+        proc = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+        px = proc(images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt")
+        counts = iter((px["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for i in ids for t in ([IMAGE_PAD] * next(counts) if i == IMAGE_PAD else [i])]
+        out = dict(px)
+    input_ids = torch.tensor([ids])
+    out.update(input_ids=input_ids, mm_token_type_ids=(input_ids == IMAGE_PAD).int())
+    return out
+
+
+def hf_reference(model_dir: Path, tok, n: int) -> list[list[int]]:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for text, images in CASES:
+        inp = hf_inputs(model_dir, tok, text, images)
+        with torch.inference_mode():
+            ids = model.generate(**inp, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out.append(ids[0, inp["input_ids"].shape[1] :].tolist())
+    return out
+
+
+def test_greedy_tokens_equal_transformers(qwen_dir, tok):
+    ref = hf_reference(qwen_dir, tok, GREEDY.max_new_tokens)
+    c = client(qwen_dir)
+    try:
+        outs = c.generate([tok.encode(t) for t, _ in CASES], GREEDY, [mm(*imgs) for _, imgs in CASES])
+        assert [collect(o)[0] for o in outs] == ref
+        assert c.engine.kv_all_free()
+    finally:
+        c.close()
