@@ -158,9 +158,7 @@ class DynamicPreprocessor:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         try:
-            h, w = smart_resize(
-                height, width, self.patch_size * self.merge, self.min_pixels, self.max_pixels
-            )
+            h, w = smart_resize(height, width, self.patch_size * self.merge, self.min_pixels, self.max_pixels)
         except ValueError as e:  # an aspect ratio over 200
             raise ImageError(str(e)) from None
         return 1, h // self.patch_size, w // self.patch_size

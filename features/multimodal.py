@@ -294,9 +294,7 @@ class MultimodalFeature(Feature):
         if family(getattr(model, "hf_config", None)) is not None:
             return None
         arch = (getattr(getattr(model, "hf_config", None), "architectures", None) or ["?"])[0]
-        return (
-            f"{arch} is a text-only model (no vision tower); image input needs a LLaVA or Qwen2-VL family model"
-        )
+        return f"{arch} is a text-only model (no vision tower); image input needs a LLaVA or Qwen2-VL family model"
 
     def bind(self, engine: Any) -> None:
         from service.models.vision import family, load_vision_encoder

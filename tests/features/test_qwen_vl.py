@@ -31,7 +31,9 @@ CONFIGS = {
 }
 
 
-def make_tiny_qwen_vl(smol: Path, out: Path, patch: int, window: int, fullatt, depth, mrope, max_pixels) -> Path:
+def make_tiny_qwen_vl(
+    smol: Path, out: Path, patch: int, window: int, fullatt, depth, mrope, max_pixels
+) -> Path:
     """A random-init Qwen2.5-VL: SmolLM2's tokenizer plus the three vision tokens, a Pillow
     Qwen2-VL image processor (min 2 merged units, max `max_pixels`)."""
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -78,7 +80,9 @@ def make_tiny_qwen_vl(smol: Path, out: Path, patch: int, window: int, fullatt, d
         if (smol / f).exists():
             shutil.copy(smol / f, out / f)
     tok = AutoTokenizer.from_pretrained(out)
-    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]}
+    )
     assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD
     tok.save_pretrained(out)
     unit = (patch * 2) ** 2
@@ -90,7 +94,9 @@ def make_tiny_qwen_vl(smol: Path, out: Path, patch: int, window: int, fullatt, d
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def qwen_dir(request, smol_dir, tmp_path_factory) -> Path:
-    return make_tiny_qwen_vl(smol_dir, tmp_path_factory.mktemp(f"qwen-vl-{request.param}"), **CONFIGS[request.param])
+    return make_tiny_qwen_vl(
+        smol_dir, tmp_path_factory.mktemp(f"qwen-vl-{request.param}"), **CONFIGS[request.param]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -139,25 +145,118 @@ def hf_inputs(model_dir: Path, tok, text: str, images: list[bytes]) -> dict:
     return out
 
 
-def hf_reference(model_dir: Path, tok, n: int) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def hf_model(qwen_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_dir, tok, hf_model) -> list[list[int]]:
+    """transformers' greedy tokens for CASES."""
     out = []
     for text, images in CASES:
-        inp = hf_inputs(model_dir, tok, text, images)
+        inp = hf_inputs(qwen_dir, tok, text, images)
         with torch.inference_mode():
-            ids = model.generate(**inp, max_new_tokens=n, do_sample=False, pad_token_id=0)
+            ids = hf_model.generate(
+                **inp, max_new_tokens=GREEDY.max_new_tokens, do_sample=False, pad_token_id=0
+            )
         out.append(ids[0, inp["input_ids"].shape[1] :].tolist())
     return out
 
 
-def test_greedy_tokens_equal_transformers(qwen_dir, tok):
-    ref = hf_reference(qwen_dir, tok, GREEDY.max_new_tokens)
+def run(c: SyncClient, cases=CASES, params: SamplingParams = GREEDY, tag: str = "r") -> list:
+    """All requests in one scheduler command (they share batches): (ids, text, last output) each."""
+    reqs = [
+        c.engine.build_request(f"{tag}{i}", tok_ids, SamplingParams(**vars(params)), mm(*imgs))
+        for i, (tok_ids, imgs) in enumerate(cases)
+    ]
+    for r in reqs:
+        for fut in c.engine.features.pending(r):
+            fut.result(timeout=60)
+    c.engine.submit_all(reqs)
+    return [collect(c.wait(r.rid)) for r in reqs]
+
+
+def test_greedy_tokens_and_positions_equal_transformers(qwen_dir, tok, hf_model, reference):
+    """0, 1 and 2 images of different sizes and aspect ratios in one batch (overlap loop); the
+    positions the request carries equal get_rope_index; a second wave hits the prefix cache past
+    the images (keyed by their hashes) and gives the same tokens; the images matter."""
     c = client(qwen_dir)
     try:
-        outs = c.generate([tok.encode(t) for t, _ in CASES], GREEDY, [mm(*imgs) for _, imgs in CASES])
-        assert [collect(o)[0] for o in outs] == ref
+        cases = [(tok.encode(t), imgs) for t, imgs in CASES]
+        first = run(c, cases)
+        assert [ids for ids, _, _ in first] == reference
+        for (text, images), (ids, imgs) in zip(CASES, cases):
+            if not images:
+                continue
+            inp = hf_inputs(qwen_dir, tok, text, images)
+            want, delta = hf_model.model.get_rope_index(
+                inp["input_ids"], inp["mm_token_type_ids"], image_grid_thw=inp["image_grid_thw"]
+            )
+            req = c.engine.build_request("p", ids, SamplingParams(**vars(GREEDY)), mm(*imgs))
+            rope = req.features[MM].rope
+            n = len(req.prompt_ids)
+            assert req.prompt_ids == inp["input_ids"][0].tolist()
+            assert torch.equal(rope.offsets + torch.arange(n), want[:, 0]) and rope.delta == int(delta)
+        again = run(c, cases, tag="again")
+        assert [ids for ids, _, _ in again] == reference
+        for (ids, imgs), (_, _, last) in zip(cases[1:], again[1:]):
+            spans = (
+                c.engine.build_request("s", ids, SamplingParams(**vars(GREEDY)), mm(*imgs)).features[MM].spans
+            )
+            assert last.cached_tokens >= spans[-1][0] + spans[-1][1]  # a hit past the last image
+        other = run(c, [(cases[1][0], [IMAGES[3]])], tag="other")
+        assert other[0][0] != reference[1]
+        assert c.engine.kv_all_free()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "loop, args",
+    [
+        ("normal", dict(chunked_prefill_size=7, enable_mixed_chunk=True)),
+        ("overlap", dict(chunked_prefill_size=7, enable_mixed_chunk=True, disable_prefix_cache=True)),
+    ],
+)
+def test_chunked_prefill_through_images_equals_whole(loop, args, qwen_dir, tok, reference):
+    """Chunks of 7 tokens cut through image spans (and the M-RoPE positions after them), mixed with
+    running decodes; both loops."""
+    c = client(qwen_dir, loop=loop, **args)
+    try:
+        assert [ids for ids, _, _ in run(c, [(tok.encode(t), imgs) for t, imgs in CASES])] == reference
+        assert c.engine.kv_all_free()
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_retracted_image_requests_re_prefill_the_same(loop, qwen_dir, tok):
+    """A tiny pool retracts image requests mid-decode; their re-prefill (prompt + kept tokens, at
+    M-RoPE positions index + delta past the prompt) continues exactly as an ample pool's run."""
+    cases = [(tok.encode(t), imgs) for t, imgs in CASES[1:]] * 3
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    ample = client(qwen_dir, loop=loop, disable_prefix_cache=True)
+    try:
+        want = [ids for ids, _, _ in run(ample, cases, params)]
+    finally:
+        ample.close()
+    c = client(
+        qwen_dir,
+        loop=loop,
+        kv_cache_tokens=160,
+        disable_prefix_cache=True,
+        chunked_prefill_size=0,
+        init_new_token_ratio=0.15,
+        min_new_token_ratio=0.05,
+        new_token_ratio_decay_steps=5,
+    )
+    try:
+        got = run(c, cases, params)
+        assert [ids for ids, _, _ in got] == want
+        assert sum(last.extras.get("retraction", {}).get("retractions", 0) for _, _, last in got) > 0
         assert c.engine.kv_all_free()
     finally:
         c.close()
