@@ -13,10 +13,10 @@ from PIL import Image
 
 from features.multimodal import ImageInputs
 from service.config import ServerArgs
-from service.core.request import SamplingParams
+from service.core.request import RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES
-from tests.features.test_multimodal import draw
+from tests.features.test_multimodal import BAD_IMAGES, draw
 
 MM = "multimodal"
 VISION_START, IMAGE_PAD, VISION_END = 49152, 49153, 49154
@@ -65,6 +65,7 @@ def make_tiny_qwen_vl(
             tie_word_embeddings=False,
             initializer_range=0.2,
             eos_token_id=2,
+            bos_token_id=1,
         ),
         image_token_id=IMAGE_PAD,
         video_token_id=VISION_END + 10,
@@ -183,7 +184,7 @@ def test_greedy_tokens_and_positions_equal_transformers(qwen_dir, tok, hf_model,
     """0, 1 and 2 images of different sizes and aspect ratios in one batch (overlap loop); the
     positions the request carries equal get_rope_index; a second wave hits the prefix cache past
     the images (keyed by their hashes) and gives the same tokens; the images matter."""
-    c = client(qwen_dir)
+    c = client(qwen_dir, max_image_pixels=1_000_000, max_image_bytes=60_000)
     try:
         cases = [(tok.encode(t), imgs) for t, imgs in CASES]
         first = run(c, cases)
@@ -209,6 +210,16 @@ def test_greedy_tokens_and_positions_equal_transformers(qwen_dir, tok, hf_model,
             assert last.cached_tokens >= spans[-1][0] + spans[-1][1]  # a hit past the last image
         other = run(c, [(cases[1][0], [IMAGES[3]])], tag="other")
         assert other[0][0] != reference[1]
+        for data, why in BAD_IMAGES:  # refused before queueing, naming the image (the header's checks
+            with pytest.raises(RequestError) as e:  # at admission, before any decoding)
+                bad = c.engine.build_request(
+                    "bad", cases[2][0], SamplingParams(**vars(GREEDY)), mm(IMAGES[0], data)
+                )
+                for fut in c.engine.features.pending(bad):
+                    fut.result(timeout=60)
+            assert e.value.code == "INVALID_ARGUMENT" and e.value.message.startswith("images[1]: ")
+            assert why in e.value.message
+            assert why in e.value.message
         assert c.engine.kv_all_free()
     finally:
         c.close()
@@ -260,3 +271,23 @@ def test_retracted_image_requests_re_prefill_the_same(loop, qwen_dir, tok):
         assert c.engine.kv_all_free()
     finally:
         c.close()
+
+
+def test_exif_orientation_is_applied_like_load_image():
+    """A phone's portrait JPEG (stored landscape, EXIF orientation 6) decodes upright, as transformers'
+    load_image gives it, and its upright size is known from the header (Qwen-VL's token count)."""
+    import numpy as np
+    from transformers.image_utils import load_image
+
+    from features.images import ImageLimits, decode, upright_size
+
+    stored = Image.open(io.BytesIO(draw(60, 30, 7)))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    stored.save(buf, format="JPEG", exif=exif.tobytes(), quality=95)
+    data = buf.getvalue()
+    got = decode(data, ImageLimits())
+    want = load_image(Image.open(io.BytesIO(data)))
+    assert got.size == want.size == (30, 60) == upright_size(data, ImageLimits())
+    assert np.array_equal(np.asarray(got), np.asarray(want))
