@@ -238,7 +238,7 @@ def _check_tagged_parts(
 
 @dataclass
 class GrammarMaskBatch:
-    """A batch's grammar masks (`fb.feature_data["constrained"]`): filled by after_launch on the
+    """A batch's grammar masks (`fb.feature_data[GrammarMaskBatch]`): filled by after_launch on the
     scheduler thread, read by process_logits on the forward thread once `ready` is set."""
 
     mask: torch.Tensor  # indexed by batch row; all ones = free
@@ -468,13 +468,13 @@ class ConstrainedDecoding(Feature):
         return self._token_index
 
     def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs)))
+        batch.fb.feature_data.put(GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs))))
 
     def after_launch(self, batch: Any, rows: list[int]) -> None:
         """Fill every live constrained row's mask in one native call (no Python work per row
         but listing the matchers); a row whose grammar allows nothing is left free: on_result
         then fails that request with a clear message."""
-        data: GrammarMaskBatch = batch.fb.feature_data[self.name]
+        data = batch.fb.feature_data[GrammarMaskBatch]
         try:
             live = [
                 r for r in rows if not batch.reqs[r].finished and self.name in batch.reqs[r].feature_state
@@ -574,7 +574,7 @@ class ConstrainedDecoding(Feature):
 
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
-        data: GrammarMaskBatch = fb.feature_data[self.name]
+        data = fb.feature_data[GrammarMaskBatch]
         if not data.ready.wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")
         if any(f.reads_raw_logits for f, _ in fb.features):

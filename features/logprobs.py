@@ -51,7 +51,7 @@ class LogprobParams:
 
 @dataclass
 class LogprobsBatch:
-    """A batch's logprob plan (`fb.feature_data["logprobs"]`): built on the scheduler thread, its
+    """A batch's logprob plan (`fb.feature_data[LogprobsBatch]`): built on the scheduler thread, its
     tensors sent to the device in one transfer, read by after_sampling on the forward thread."""
 
     rows: torch.Tensor  # the batch rows that want logprobs
@@ -145,7 +145,7 @@ class LogprobsFeature(Feature):
         if fb.mode is ForwardMode.EXTEND:
             self._plan_input_logprobs(batch, rows, params, data)
         self._send(data, fb)
-        fb.feature_data[self.name] = data
+        fb.feature_data.put(data)
 
     def _send(self, data: LogprobsBatch, fb: Any) -> None:
         """The forward reads these on the device: one transfer (scheduler stream)."""
@@ -180,7 +180,7 @@ class LogprobsFeature(Feature):
         owners: list[int] = []  # index into `rows` of each scored position
         spans: dict[int, tuple[int, int, int]] = {}  # row -> (first position, offset, count)
         boundary = [-1] * len(rows)  # per active row: the prompt token its last row scores (non-final chunks)
-        partial = getattr(batch, "partial_rows", frozenset())
+        partial = batch.partial_rows
         for j, (r, p) in enumerate(zip(rows, params)):
             req = batch.reqs[r]
             if p.logprob_start_len < 0 or req.output_ids:  # a re-prefill after a retraction: sent already
@@ -210,7 +210,7 @@ class LogprobsFeature(Feature):
             data.boundary_cpu = {r: t for r, t in zip(rows, boundary)}  # host copy, by batch row
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
-        data: LogprobsBatch = batch.fb.feature_data[self.name]
+        data = batch.fb.feature_data[LogprobsBatch]
         lists = extras.get("_host")
         if lists is None:  # convert the batch's tensors to lists once, for all its rows
             lists = extras["_host"] = self._to_lists(extras)
@@ -237,7 +237,7 @@ class LogprobsFeature(Feature):
 
     def on_chunk_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
         """A non-final chunk: keep its input entries and the boundary token's for the first output."""
-        data: LogprobsBatch = batch.fb.feature_data[self.name]
+        data = batch.fb.feature_data[LogprobsBatch]
         span = data.input_spans.get(row)
         if span is None:
             return
@@ -294,7 +294,7 @@ class LogprobsFeature(Feature):
 
     # ---- forward thread ------------------------------------------------------------------
     def after_sampling(self, fb: Any, logits: Any, next_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        data: LogprobsBatch = fb.feature_data[self.name]
+        data = fb.feature_data[LogprobsBatch]
         rows = data.rows
         lp = torch.log_softmax(logits.next_token[rows].float(), dim=-1)
         targets = next_ids[rows]

@@ -39,7 +39,7 @@ import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,10 +53,13 @@ from features.images import (
     decode,
     upright_size,
 )
-from service.core.feature import Feature, OverlapSupport
-from service.core.forward_batch import ForwardMode
-from service.core.request import RequestError
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.core.request import Req, RequestError
 from service.models.qwen_vl import mrope_positions
+
+if TYPE_CHECKING:
+    from service.core.device import Device
 
 log = logging.getLogger("zerogap.multimodal")
 
@@ -243,13 +246,24 @@ def _all_of(futures: list[Future]) -> Future:
     return out
 
 
+@dataclass(frozen=True)
+class ImageSplice:
+    """One run of image rows in a batch: the packed row it starts at, the image's embeddings
+    [tokens, hidden], the first of them it takes and how many."""
+
+    dst: int
+    embeddings: torch.Tensor
+    src: int
+    n: int
+
+
 @dataclass
 class ImageSplices:
-    """A batch's image embeddings to splice (`fb.feature_data["multimodal"]`): per run, the packed row
-    it starts at, the image's embeddings [n_tokens, hidden], the first of them and how many; and
-    (Qwen-VL) the packed rows whose M-RoPE positions move, with their offsets [3, rows]."""
+    """A batch's image embeddings to splice (`fb.feature_data[ImageSplices]`), built on the scheduler
+    thread; the batch keeps the embeddings referenced until its result is processed. On Qwen-VL also
+    the packed rows whose M-RoPE positions move, with their offsets [3, rows]."""
 
-    splices: list[tuple[int, torch.Tensor, int, int]]
+    splices: list[ImageSplice]
     rope_rows: torch.Tensor | None = None
     rope_offsets: torch.Tensor | None = None
 
@@ -277,8 +291,8 @@ class MultimodalFeature(Feature):
         self._inflight: dict[str, tuple[Future, Future]] = {}  # hash -> (prepared, encoded) of a running job
         self._queue: list[tuple[str, Any, Future]] = []  # prepared images waiting for the vision thread
         self._lock = threading.Lock()
-        self._device: Any = None
-        self._stream: Any = None
+        self._device: Device | None = None
+        self._stream: Any = None  # the encoder's device stream
         self._dtype = torch.float32
         self.encoder_runs = 0  # images run through the vision tower
         self.encoder_calls = 0  # calls of the vision tower (several images each when they are ready together)
@@ -288,41 +302,40 @@ class MultimodalFeature(Feature):
         self.scheduler_s = 0.0  # time the scheduler thread spent in this feature's hooks
 
     # ---- declaration -----------------------------------------------------------------
-    def unavailable_reason(self, model: Any) -> str | None:
+    def unavailable_reason(self, model: FeatureContext | None) -> str | None:
         from service.models.vision import family
 
-        if family(getattr(model, "hf_config", None)) is not None:
+        hf_config = model.hf_config if model is not None else None
+        if family(hf_config) is not None:
             return None
-        arch = (getattr(getattr(model, "hf_config", None), "architectures", None) or ["?"])[0]
+        arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
         return f"{arch} is a text-only model (no vision tower); image input needs a LLaVA or Qwen2-VL family model"
 
-    def bind(self, engine: Any) -> None:
+    def bind(self, ctx: FeatureContext) -> None:
         from service.models.vision import family, load_vision_encoder
 
-        a = engine.args
+        a = ctx.args
         self.limits = ImageLimits.from_args(a)
         self.cache = EncoderCache(a.image_encoder_cache_mb << 20)
-        self.family = family(engine.hf_config)
+        self.family = family(ctx.hf_config)
         if self.family is None:
             return
-        cfg = engine.hf_config
-        self._dtype = engine.dtype
-        self._device = engine.device
-        self.encoder = load_vision_encoder(engine.model_dir, cfg, engine.dtype, engine.device.device)
+        cfg = ctx.hf_config
+        self._dtype = ctx.dtype
+        self._device = ctx.device
+        self.encoder = load_vision_encoder(ctx.model_dir, cfg, ctx.dtype, ctx.device.device)
         self.image_token = int(cfg.image_token_id)
-        engine.tokenizer.image_token = engine.tokenizer.hf.convert_ids_to_tokens(self.image_token)
+        ctx.tokenizer.image_token = ctx.tokenizer.hf.convert_ids_to_tokens(self.image_token)
         if self.family == "llava":
             self.tokens_per_image = self.encoder.tokens_per_image
-            self._preprocess = Preprocessor(engine.model_dir, self.encoder.image_size)
+            self._preprocess = Preprocessor(ctx.model_dir, self.encoder.image_size)
         else:
-            self._preprocess = DynamicPreprocessor(
-                engine.model_dir, self.encoder.patch_size, self.encoder.merge
-            )
+            self._preprocess = DynamicPreprocessor(ctx.model_dir, self.encoder.patch_size, self.encoder.merge)
         self._prep_pool = ThreadPoolExecutor(
             max_workers=max(1, a.image_workers), thread_name_prefix="zerogap-image"
         )
         self._encode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerogap-vision")
-        self._stream = engine.device.new_stream()
+        self._stream = ctx.device.new_stream()
 
     def shutdown(self) -> None:
         for pool in (self._prep_pool, self._encode_pool):
@@ -378,7 +391,7 @@ class MultimodalFeature(Feature):
         counts, _ = self._counts(images)
         return expand_image_tokens(prompt_ids, counts, self.image_token)
 
-    def validate(self, payload: ImageInputs, engine: Any, prompt_ids: list[int]) -> ImageRequest:
+    def validate(self, payload: ImageInputs, ctx: FeatureContext, prompt_ids: list[int]) -> ImageRequest:
         for i, data in enumerate(payload.images):
             try:
                 check_size(data, self.limits)
@@ -447,6 +460,7 @@ class MultimodalFeature(Feature):
 
     def _run_encoder(self, items: list[Any]) -> list[torch.Tensor]:
         """One vision-tower call for several prepared images -> each one's embeddings."""
+        assert self._device is not None
         dev, dtype = self._device.device, self._dtype
         if self.family == "qwen_vl":
             patches = torch.cat([p.pixels for p in items]).to(device=dev, dtype=dtype)
@@ -462,6 +476,7 @@ class MultimodalFeature(Feature):
         t0 = time.perf_counter()
         try:
             dev = self._device
+            assert dev is not None
             with dev.use_stream(self._stream), torch.inference_mode():
                 outs = self._run_encoder([item for _, item, _ in batch])
             dev.record_event(self._stream).synchronize()  # ready before any forward reads it (any stream)
@@ -486,11 +501,11 @@ class MultimodalFeature(Feature):
             encoded.set_result(out)
 
     # ---- scheduler thread ------------------------------------------------------------------
-    def on_admit(self, req: Any) -> None:
+    def on_admit(self, req: Req) -> None:
         """A prefix cache matches image spans by their image's hash, never by the placeholder ids."""
         req.prompt_key = image_cache_key(req.prompt_ids, req.features[self.name])
 
-    def admission_ready(self, req: Any) -> bool:
+    def admission_ready(self, req: Req) -> bool:
         t0 = time.perf_counter()
         try:
             payload: ImageRequest = req.features[self.name]
@@ -504,11 +519,16 @@ class MultimodalFeature(Feature):
         finally:
             self.scheduler_s += time.perf_counter() - t0
 
-    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         """Which packed rows of this extend get which image rows, from each row's positions; and on
         Qwen-VL the M-RoPE offsets of every token of an image request (prompt chunks and decodes)."""
         fb = batch.fb
-        extend = fb.mode is ForwardMode.EXTEND and fb.extend_prefix_lens_cpu is not None
+        extend = (
+            fb.mode is ForwardMode.EXTEND
+            and fb.extend_prefix_lens_cpu is not None
+            and fb.extend_start_loc_cpu is not None
+            and fb.extend_lens is not None
+        )
         if not extend and self.family != "qwen_vl":
             return
         t0 = time.perf_counter()
@@ -528,35 +548,37 @@ class MultimodalFeature(Feature):
             if payload.rope is not None:
                 rope_rows.append(torch.arange(start, start + hi - lo))
                 rope_offsets.append(payload.rope.rows(lo, hi))
-            embeds = req.feature_state.get(self.name)
+            embeds: list[torch.Tensor] | None = req.feature_state.get(self.name)
             if embeds is None:
                 continue
             for (s, n), emb in zip(payload.spans, embeds):
                 a, b = max(s, lo), min(s + n, hi)
                 if a < b:
-                    splices.append((start + a - lo, emb, a - s, b - a))
+                    splices.append(ImageSplice(start + a - lo, emb, a - s, b - a))
         if splices or rope_rows:
-            fb.feature_data[self.name] = ImageSplices(
-                splices,
-                torch.cat(rope_rows) if rope_rows else None,
-                torch.cat(rope_offsets, 1) if rope_offsets else None,
+            fb.feature_data.put(
+                ImageSplices(
+                    splices,
+                    torch.cat(rope_rows) if rope_rows else None,
+                    torch.cat(rope_offsets, 1) if rope_offsets else None,
+                )
             )
         self.scheduler_s += time.perf_counter() - t0
 
-    def on_finish(self, req: Any) -> None:
+    def on_finish(self, req: Req) -> None:
         req.feature_state.pop(self.name, None)
         return None
 
     # ---- forward thread ------------------------------------------------------------------
-    def modify_embeddings(self, fb: Any, hidden: torch.Tensor) -> torch.Tensor:
-        data: ImageSplices | None = fb.feature_data.get(self.name)
-        for dst, emb, src, n in data.splices if data is not None else ():
-            hidden[dst : dst + n] = emb[src : src + n]
+    def modify_embeddings(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data.get(ImageSplices)
+        for sp in data.splices if data is not None else ():
+            hidden[sp.dst : sp.dst + sp.n] = sp.embeddings[sp.src : sp.src + sp.n]
         return hidden
 
-    def rope_positions(self, fb: Any, positions: torch.Tensor) -> torch.Tensor:
-        data: ImageSplices | None = fb.feature_data.get(self.name)
-        if data is None or data.rope_rows is None:
+    def rope_positions(self, fb: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data.get(ImageSplices)
+        if data is None or data.rope_rows is None or data.rope_offsets is None:
             return positions
         positions = positions.clone()
         rows = data.rope_rows.to(positions.device)

@@ -60,7 +60,7 @@ class Retracted:
 
 @dataclass
 class PenaltyRecount:
-    """A re-prefill batch's data (`fb.feature_data["retraction"]`): the kept output tokens to count
+    """A re-prefill batch's data (`fb.feature_data[PenaltyRecount]`): the kept output tokens to count
     again into the sampler's penalty state, as (slot, token) pairs on the device."""
 
     slots: torch.Tensor
@@ -116,7 +116,7 @@ class RetractionFeature(Feature):
         tokens = torch.tensor([t for r in reqs for t in r.output_ids], dtype=torch.int64)
         if self._ctx is not None:
             slots, tokens = self._ctx.device.to_device(slots, tokens)
-        batch.fb.feature_data[self.name] = PenaltyRecount(slots, tokens)
+        batch.fb.feature_data.put(PenaltyRecount(slots, tokens))
 
     def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
         return {"retractions": retractions_of(req)}
@@ -127,7 +127,7 @@ class RetractionFeature(Feature):
     # ---- forward thread ------------------------------------------------------------------
     def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
         """Runs after the new slots' sampler state was reset and before sampling."""
-        restore: PenaltyRecount | None = fb.feature_data.get(self.name)
+        restore = fb.feature_data.get(PenaltyRecount)
         if restore is not None:
             assert self._ctx is not None
             self._ctx.count_tokens(restore.slots, restore.tokens)

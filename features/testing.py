@@ -9,11 +9,36 @@ hook order or a stale state changes the output.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from service.core.feature import Feature, OverlapSupport
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch
+from service.core.request import Req
+
+
+@dataclass
+class BannedTokens:
+    """test_full's batch data: batch row -> the token ids its request bans."""
+
+    by_row: dict[int, list[int]]
+
+
+@dataclass
+class PreviousTokenBan:
+    """test_sync's batch data: filled by after_launch, read at sampling once `ready` is set."""
+
+    ban: dict[int, int] = field(default_factory=dict)  # batch row -> its previous token
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class LiveRequests:
+    """test_none's batch data: the live requests themselves (what makes it unsafe to overlap)."""
+
+    by_row: dict[int, Req]
 
 
 class BanTokensFeature(Feature):
@@ -23,19 +48,19 @@ class BanTokensFeature(Feature):
     support = OverlapSupport.FULL
     reason = "test-only: a fixed logits mask needs nothing from the previous step"
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> list[int]:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> list[int]:
         return [int(t) for t in payload]
 
-    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
-        for row, banned in fb.feature_data[self.name].items():  # row -> the request's payload
+        for row, banned in fb.feature_data[BannedTokens].by_row.items():
             logits[row, banned] = float("-inf")
         return logits
 
-    def on_batch_formed(self, batch, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = {r: batch.reqs[r].features[self.name] for r in rows}
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
+        batch.fb.feature_data.put(BannedTokens({r: batch.reqs[r].features[self.name] for r in rows}))
 
-    def on_result(self, batch, row: int, req, extras: Any) -> dict[str, Any]:
+    def on_result(self, batch: BatchView, row: int, req: Req, extras: Any) -> dict[str, Any]:
         return {"step": len(req.output_ids)}
 
 
@@ -46,28 +71,28 @@ class NoRepeatFeature(Feature):
     support = OverlapSupport.SYNC_POINT
     reason = "test-only: its mask depends on the token the previous batch sampled"
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> bool:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> bool:
         return True
 
-    def on_batch_formed(self, batch, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = {"ready": threading.Event(), "ban": {}}
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
+        batch.fb.feature_data.put(PreviousTokenBan())
 
-    def after_launch(self, batch, rows: list[int]) -> None:
-        data = batch.fb.feature_data[self.name]
+    def after_launch(self, batch: BatchView, rows: list[int]) -> None:
+        data = batch.fb.feature_data[PreviousTokenBan]
         for r in rows:
             out = batch.reqs[r].output_ids
             # Decode rows: the previous batch's token must be processed (no placeholder).
             if batch.reqs[r].launched > 1:
                 assert len(out) == batch.reqs[r].launched - 1, "stale state: previous result not processed"
-                data["ban"][r] = out[-1]
-        data["ready"].set()
+                data.ban[r] = out[-1]
+        data.ready.set()
 
-    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
-        data = fb.feature_data[self.name]
-        data["ready"].wait()
-        if data["ban"]:
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data[PreviousTokenBan]
+        data.ready.wait()
+        if data.ban:
             logits = logits.clone()
-            for row, tok in data["ban"].items():
+            for row, tok in data.ban.items():
                 logits[row, tok] = float("-inf")
         return logits
 
@@ -79,15 +104,15 @@ class SerialFeature(Feature):
     support = OverlapSupport.NONE
     reason = "test-only: reads scheduler state from the forward thread"
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> int:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> int:
         return int(payload)
 
-    def on_batch_formed(self, batch, rows: list[int]) -> None:
-        batch.fb.feature_data[self.name] = {r: batch.reqs[r] for r in rows}
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
+        batch.fb.feature_data.put(LiveRequests({r: batch.reqs[r] for r in rows}))
 
-    def process_logits(self, fb, logits: torch.Tensor) -> torch.Tensor:
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.clone()
-        for row, req in fb.feature_data[self.name].items():
+        for row, req in fb.feature_data[LiveRequests].by_row.items():
             # Bans token (payload + tokens so far): correct only if output_ids is current.
             logits[row, (req.features[self.name] + len(req.output_ids)) % logits.shape[1]] = float("-inf")
         return logits
@@ -100,7 +125,7 @@ class ImagesOnlyFeature(Feature):
     support = OverlapSupport.FULL
     reason = "test-only: needs a vision tower"
 
-    def unavailable_reason(self, model: Any) -> str | None:
+    def unavailable_reason(self, model: FeatureContext | None) -> str | None:
         return "the model has no vision tower (text-only)"
 
 

@@ -10,6 +10,7 @@ On CPU every transfer is the identity (CPU torch rejects pinned memory).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -126,9 +127,18 @@ class Device:
         return host
 
     def tree_to_host(self, value: Any) -> Any:
-        """to_host over the tensors of nested dicts / lists / tuples (feature extras)."""
+        """to_host over the tensors of nested dataclasses / dicts / lists / tuples (feature extras)."""
         if isinstance(value, torch.Tensor):
             return self.to_host(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(
+                value,
+                **{
+                    f.name: self.tree_to_host(getattr(value, f.name))
+                    for f in dataclasses.fields(value)
+                    if f.init
+                },
+            )
         if isinstance(value, dict):
             return {k: self.tree_to_host(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):

@@ -77,11 +77,13 @@ class FeatureContext:
 
 @dataclass
 class BatchView:
-    """What a scheduler-thread hook sees of a formed batch: its requests in row order and the
-    forward's inputs. The scheduler's own batch (service/engine/schedule_batch.py) extends it."""
+    """What a scheduler-thread hook sees of a formed batch: its requests in row order, the
+    forward's inputs and the rows that are a prompt's non-final chunk (chunked prefill: their sampled
+    token is not the request's). The scheduler's own batch (service/engine/schedule_batch.py) extends it."""
 
     reqs: list[Req]
     fb: ForwardBatch
+    partial_rows: frozenset[int] = frozenset()
 
     @property
     def mode(self) -> ForwardMode:

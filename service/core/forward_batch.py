@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class ForwardMode(Enum):
@@ -46,6 +48,34 @@ class SamplingBatch:
     kept: torch.Tensor | None = None
 
 
+class FeatureData:
+    """What features attach to a batch on the scheduler thread for its forward-thread hooks: at most
+    one dataclass per feature, defined with the feature and keyed by its type (e.g.
+    features/multimodal.py's ImageSplices), so a hook reads back exactly the type it wrote."""
+
+    def __init__(self) -> None:
+        self._items: dict[type, object] = {}
+
+    def put(self, item: object) -> None:
+        self._items[type(item)] = item
+
+    def get(self, kind: type[T]) -> T | None:
+        item = self._items.get(kind)
+        assert item is None or isinstance(item, kind)
+        return item
+
+    def __getitem__(self, kind: type[T]) -> T:
+        item = self._items[kind]
+        assert isinstance(item, kind)
+        return item
+
+    def __contains__(self, kind: type) -> bool:
+        return kind in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 @dataclass
 class ForwardBatch:
     """Inputs of one forward + sampling step, for bs requests and T tokens."""
@@ -66,9 +96,8 @@ class ForwardBatch:
     new_prompts: list[torch.Tensor] = field(default_factory=list)  # prompt ids per new slot
     # Features this batch carries, with their active rows (forward-thread hooks).
     features: list[tuple[Any, list[int]]] = field(default_factory=list)
-    # Per-feature data attached on the scheduler thread, one dataclass per feature (e.g. the grammar
-    # masks: features/constrained.py GrammarMaskBatch).
-    feature_data: dict[str, Any] = field(default_factory=dict)
+    # Per-feature data attached on the scheduler thread, one dataclass per feature, by type.
+    feature_data: FeatureData = field(default_factory=FeatureData)
     # Packed rows whose logits are wanted besides each request's last one (input logprobs).
     extra_logit_rows: torch.Tensor | None = None
     # Paged-kernel metadata (device): KV length of each request including this step's tokens,

@@ -33,9 +33,7 @@ class ScheduleBatch(BatchView):
     support: OverlapSupport = OverlapSupport.FULL
     after_launch_pending: bool = False  # overlap loop: its after_launch hooks wait for older results
     hook_error: Exception | None = None  # a feature hook failed: the batch's requests fail
-    # Chunked prefill (service/engine/chunking.py): rows that are a prompt's non-final chunk (their
-    # sampled token is not the request's), and plan entries of the chunking module itself.
-    partial_rows: frozenset[int] = frozenset()
+    # Chunked prefill (service/engine/chunking.py): plan entries of the chunking module itself.
     own_plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
 
 
