@@ -83,16 +83,28 @@ def mrope_positions(
     return pos, delta
 
 
+def _tower_class(config: Any) -> Any:
+    """transformers' vision module of the family: Qwen2.5-VL's (windowed attention, RMSNorm, SwiGLU)
+    or Qwen2-VL's (full attention everywhere, LayerNorm, GELU MLP)."""
+    if getattr(config, "model_type", "") == "qwen2_vl" or "Qwen2VLForConditionalGeneration" in (
+        getattr(config, "architectures", None) or []
+    ):
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel
+
+
 class QwenVisionEncoder(nn.Module):
     """Patches of several images [sum of patches, C*T*P*P] + their grids [n, 3] -> each image's
     merged embeddings [tokens, text hidden]."""
 
     def __init__(self, config: Any):
         super().__init__()
-        from transformers import AutoModel
-
         vc = config.vision_config
-        self.tower = AutoModel.from_config(vc)
+        self.tower = _tower_class(config)._from_config(vc)
         self.merge: int = vc.spatial_merge_size
         self.patch_size: int = vc.patch_size
 

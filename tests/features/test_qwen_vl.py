@@ -23,36 +23,55 @@ VISION_START, IMAGE_PAD, VISION_END = 49152, 49153, 49154
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
-# Two towers: 8-pixel patches, windows of 32 pixels (2x2 merged units), full attention at blocks 1
-# and 3; 4-pixel patches, windows of 16, full attention at block 2 only, another M-RoPE split.
+# Two Qwen2.5-VL towers: 8-pixel patches, windows of 32 pixels (2x2 merged units), full attention at
+# blocks 1 and 3; 4-pixel patches, windows of 16, full attention at block 2 only, another M-RoPE
+# split. And a Qwen2-VL tower (full attention everywhere, LayerNorm + GELU MLP).
 CONFIGS = {
     "p8-w32": dict(patch=8, window=32, fullatt=[1, 3], depth=4, mrope=[2, 3, 3], max_pixels=96 * 96),
     "p4-w16": dict(patch=4, window=16, fullatt=[2], depth=3, mrope=[4, 2, 2], max_pixels=40 * 40),
+    "qwen2-vl": dict(patch=8, depth=2, mrope=[2, 3, 3], max_pixels=64 * 64, qwen2=True),
 }
 
 
+def hf_class(model_dir: Path):
+    import json
+
+    import transformers
+
+    return getattr(transformers, json.loads((model_dir / "config.json").read_text())["architectures"][0])
+
+
 def make_tiny_qwen_vl(
-    smol: Path, out: Path, patch: int, window: int, fullatt, depth, mrope, max_pixels
+    smol: Path, out: Path, patch: int, depth: int, mrope, max_pixels: int, window=0, fullatt=(), qwen2=False
 ) -> Path:
-    """A random-init Qwen2.5-VL: SmolLM2's tokenizer plus the three vision tokens, a Pillow
-    Qwen2-VL image processor (min 2 merged units, max `max_pixels`)."""
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """A random-init Qwen2.5-VL (or Qwen2-VL): SmolLM2's tokenizer plus the three vision tokens, a
+    Pillow Qwen2-VL image processor (min 2 merged units, max `max_pixels`)."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     torch.manual_seed(0)
-    cfg = Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=depth,
+    common = dict(patch_size=patch, spatial_merge_size=2, temporal_patch_size=2, depth=depth, num_heads=4)
+    if qwen2:
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    else:
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision = dict(
+            common,
             hidden_size=32,
             intermediate_size=64,
-            num_heads=4,
-            patch_size=patch,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             window_size=window,
             out_hidden_size=64,
-            fullatt_block_indexes=fullatt,
-        ),
+            fullatt_block_indexes=list(fullatt),
+        )
+    cfg = config_class(
+        vision_config=vision,
         text_config=dict(
             vocab_size=VISION_END + 1,
             hidden_size=64,
@@ -72,7 +91,7 @@ def make_tiny_qwen_vl(
         vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END,
     )
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    model = model_class(cfg)
     with torch.no_grad():  # large enough that the image changes the output
         for p in model.model.visual.merger.parameters():
             p.normal_(0, 0.5)
@@ -148,9 +167,7 @@ def hf_inputs(model_dir: Path, tok, text: str, images: list[bytes]) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_model(qwen_dir):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_dir, dtype=torch.float32).eval()
+    return hf_class(qwen_dir).from_pretrained(qwen_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +242,10 @@ def test_greedy_tokens_and_positions_equal_transformers(qwen_dir, tok, hf_model,
         c.close()
 
 
+QWEN2_5 = pytest.mark.parametrize("qwen_dir", ["p8-w32", "p4-w16"], indirect=True)  # the windowed towers
+
+
+@QWEN2_5
 @pytest.mark.parametrize(
     "loop, args",
     [
@@ -243,6 +264,7 @@ def test_chunked_prefill_through_images_equals_whole(loop, args, qwen_dir, tok, 
         c.close()
 
 
+@QWEN2_5
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_retracted_image_requests_re_prefill_the_same(loop, qwen_dir, tok):
     """A tiny pool retracts image requests mid-decode; their re-prefill (prompt + kept tokens, at
