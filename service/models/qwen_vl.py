@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from service.models.checkpoint import checkpoint_files
+from service.models.checkpoint import tensors_under
 
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 _VISUAL_PREFIXES = ("model.visual.", "visual.")
@@ -120,20 +119,12 @@ class QwenVisionEncoder(nn.Module):
         return list(merged.split([self.tokens(g) for g in grids]))
 
     def load_from(self, model_dir: Path) -> None:
-        own = set(self.tower.state_dict())
-        tensors = {}
-        for f in checkpoint_files(model_dir):
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    for p in _VISUAL_PREFIXES:
-                        if name.startswith(p):
-                            tensors[name[len(p) :]] = st.get_tensor(name)
-                            break
+        tensors = tensors_under(model_dir, _VISUAL_PREFIXES)
         missing, unexpected = self.tower.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise KeyError(
                 f"checkpoint visual weights do not match the config: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]} (of {len(own)})"
+                f"unexpected {unexpected[:5]}"
             )
 
 
