@@ -261,7 +261,7 @@ class ImageSplice:
 class ImageSplices:
     """A batch's image embeddings to splice (`fb.feature_data[ImageSplices]`), built on the scheduler
     thread; the batch keeps the embeddings referenced until its result is processed. On Qwen-VL also
-    the packed rows whose M-RoPE positions move, with their offsets [3, rows]."""
+    the packed rows whose M-RoPE positions move, with their offsets [3, rows] (device)."""
 
     splices: list[ImageSplice]
     rope_rows: torch.Tensor | None = None
@@ -555,14 +555,12 @@ class MultimodalFeature(Feature):
                 a, b = max(s, lo), min(s + n, hi)
                 if a < b:
                     splices.append(ImageSplice(start + a - lo, emb, a - s, b - a))
-        if splices or rope_rows:
-            fb.feature_data.put(
-                ImageSplices(
-                    splices,
-                    torch.cat(rope_rows) if rope_rows else None,
-                    torch.cat(rope_offsets, 1) if rope_offsets else None,
-                )
-            )
+        rows_t = offsets_t = None
+        if rope_rows:  # to the device here, in the scheduler stream's order (before the batch's `ready`)
+            assert self._device is not None
+            rows_t, offsets_t = self._device.to_device(torch.cat(rope_rows), torch.cat(rope_offsets, 1))
+        if splices or rows_t is not None:
+            fb.feature_data.put(ImageSplices(splices, rows_t, offsets_t))
         self.scheduler_s += time.perf_counter() - t0
 
     def on_finish(self, req: Req) -> None:
@@ -581,8 +579,7 @@ class MultimodalFeature(Feature):
         if data is None or data.rope_rows is None or data.rope_offsets is None:
             return positions
         positions = positions.clone()
-        rows = data.rope_rows.to(positions.device)
-        positions[:, rows] += data.rope_offsets.to(positions.device)
+        positions[:, data.rope_rows] += data.rope_offsets
         return positions
 
     def stats(self) -> dict[str, float]:

@@ -34,7 +34,12 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 def _changes_embeddings(feature: Feature) -> bool:
-    return type(feature).modify_embeddings is not Feature.modify_embeddings
+    """Whether the feature edits the model's inputs (embeddings, M-RoPE positions): not in a graph."""
+    cls = type(feature)
+    return (
+        cls.modify_embeddings is not Feature.modify_embeddings
+        or cls.rope_positions is not Feature.rope_positions
+    )
 
 
 class DecodeGraphs:

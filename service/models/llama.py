@@ -7,6 +7,7 @@ fused at load time (qkv, gate+up) so each layer runs four matmuls.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +98,9 @@ def mrope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cos/sin [T, head_dim] for M-RoPE: frequency band i (of `section`, over half the head)
     turns by the position of stream i % 3 (time, height, width); the second half repeats the first."""
-    stream = torch.cat([torch.full((n,), i % 3, dtype=torch.int64) for i, n in enumerate(section)])
-    stream = torch.cat([stream, stream]).to(positions.device)
+    col = torch.arange(sum(section), device=positions.device)  # no host copy: scalar comparisons only
+    band = sum((col >= edge).long() for edge in itertools.accumulate(section[:-1]))
+    stream = torch.cat([band % 3, band % 3])
     t, d = positions.shape[1], stream.shape[0]
     pick = stream.view(1, 1, d).expand(1, t, d)
     return (
