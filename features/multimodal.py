@@ -283,6 +283,7 @@ class MultimodalFeature(Feature):
         self.family: str | None = None  # "llava" or "qwen_vl" once bound to such a model
         self.image_token = -1
         self.tokens_per_image = 0  # LLaVA: every image's run (Qwen-VL: by its size)
+        self.merge = 1  # Qwen-VL: patches merged merge x merge into one token
         self.limits = ImageLimits()
         self.cache = EncoderCache(256 << 20)
         self._preprocess: Preprocessor | DynamicPreprocessor | None = None
@@ -330,7 +331,8 @@ class MultimodalFeature(Feature):
             self.tokens_per_image = self.encoder.tokens_per_image
             self._preprocess = Preprocessor(ctx.model_dir, self.encoder.image_size)
         else:
-            self._preprocess = DynamicPreprocessor(ctx.model_dir, self.encoder.patch_size, self.encoder.merge)
+            self.merge = self.encoder.merge
+            self._preprocess = DynamicPreprocessor(ctx.model_dir, self.encoder.patch_size, self.merge)
         self._prep_pool = ThreadPoolExecutor(
             max_workers=max(1, a.image_workers), thread_name_prefix="zerogap-image"
         )
@@ -380,7 +382,7 @@ class MultimodalFeature(Feature):
         if self.family != "qwen_vl":
             return [self.tokens_per_image] * len(images), None
         grids = self._grids(images)
-        return [self.encoder.tokens(g) for g in grids], grids
+        return [t * h * w // (self.merge * self.merge) for t, h, w in grids], grids
 
     def expand_prompt(self, payload: ImageInputs | None, prompt_ids: list[int]) -> list[int]:
         if self.encoder is None:
@@ -405,7 +407,7 @@ class MultimodalFeature(Feature):
             )
         rope = None
         if grids is not None:
-            pos, delta = mrope_positions(len(prompt_ids), spans, grids, self.encoder.merge)
+            pos, delta = mrope_positions(len(prompt_ids), spans, grids, self.merge)
             rope = MropePositions(pos - torch.arange(len(prompt_ids)), delta)
         hashes = tuple(image_hash(d) for d in payload.images)
         jobs = [self._start(h, d) for h, d in zip(hashes, payload.images)]

@@ -313,3 +313,40 @@ def test_exif_orientation_is_applied_like_load_image():
     want = load_image(Image.open(io.BytesIO(data)))
     assert got.size == want.size == (30, 60) == upright_size(data, ImageLimits())
     assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("qwen_dir", ["p8-w32"], indirect=True)
+def test_images_ready_together_are_encoded_in_one_call(qwen_dir, tok):
+    """While the vision thread is busy, the images prepared meanwhile queue up and go through the
+    tower in one call (patches back to back); each keeps its own cache entry and its own output."""
+    import threading
+
+    c = client(qwen_dir)
+    f = c.engine.features.features[MM]
+    gate, calls, tower = threading.Event(), [], f.encoder
+
+    def gated(patches, grids):
+        gate.wait(60)
+        calls.append(len(grids))
+        return tower(patches, grids)
+
+    f.encoder = gated
+    try:
+        cases = [(tok.encode(f"Picture {i}: {IMG} is"), [img]) for i, img in enumerate(IMAGES)]
+        reqs = [
+            c.engine.build_request(f"b{i}", ids, SamplingParams(**vars(GREEDY)), mm(*imgs))
+            for i, (ids, imgs) in enumerate(cases)
+        ]
+        for r in reqs:  # all decoded and preprocessed; the first may already wait in the tower
+            for fut in c.engine.features.pending(r):
+                fut.result(timeout=60)
+        c.engine.submit_all(reqs)
+        gate.set()
+        first = [collect(c.wait(r.rid))[0] for r in reqs]
+        assert sum(calls) == len(IMAGES) and len(calls) <= 2 and f.encoder_calls == len(calls)
+        assert len(f.cache) == len(IMAGES)
+        assert [ids for ids, _, _ in run(c, cases, tag="again")] == first  # from the cache, one by one
+        assert sum(calls) == len(IMAGES)
+    finally:
+        gate.set()
+        c.close()
