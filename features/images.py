@@ -148,7 +148,8 @@ class DynamicPreprocessor:
         p = self.processor
         if (p.patch_size, p.merge_size) != (patch_size, merge):
             raise ValueError(
-                f"the image processor cuts {p.patch_size}-pixel patches merged {p.merge_size}x{p.merge_size}; "
+                f"the image processor cuts {p.patch_size}-pixel patches merged "
+                f"{p.merge_size}x{p.merge_size}; "
                 f"the vision tower takes {patch_size} and {merge}"
             )
         self.patch_size, self.merge = patch_size, merge

@@ -4,9 +4,9 @@ A request carries images as raw bytes (PNG / JPEG / WebP): in chat content parts
 `text` / `token_ids` with one image placeholder (the model's image token) per image. Each
 placeholder is expanded into the image's run of image tokens (`expand_prompt`, caller thread):
 a fixed `tokens_per_image` for LLaVA; for Qwen-VL as many as the image's size needs (its patch
-grid within the processor's min/max pixels, read from the header), and a content hash (sha256 of the bytes) is kept beside each
-run (`ImageRequest.image_hashes` / `spans`): two different images never look alike to any cache
-keyed by it, and the same bytes always do.
+grid within the processor's min/max pixels, read from the header). A content hash (sha256 of
+the bytes) is kept beside each run (`ImageRequest.image_hashes` / `spans`): two different
+images never look alike to any cache keyed by it, and the same bytes always do.
 
 Decoding, checks and preprocessing (features/images.py) run on a thread pool, the vision tower
 and projector on an encoder thread (service/models/llava.py) — never on the scheduler thread.
@@ -310,7 +310,10 @@ class MultimodalFeature(Feature):
         if family(hf_config) is not None:
             return None
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
-        return f"{arch} is a text-only model (no vision tower); image input needs a LLaVA or Qwen2-VL family model"
+        return (
+            f"{arch} is a text-only model (no vision tower); "
+            "image input needs a LLaVA or Qwen2-VL family model"
+        )
 
     def bind(self, ctx: FeatureContext) -> None:
         from service.models.vision import family, load_vision_encoder
@@ -470,7 +473,7 @@ class MultimodalFeature(Feature):
         return list(self.encoder(torch.stack(items).to(device=dev, dtype=dtype)))
 
     def _encode_ready(self) -> None:
-        """Vision thread: every image prepared by now, in one call (nothing when an earlier call took them)."""
+        """Vision thread: every image prepared by now, in one call (none: an earlier call took them)."""
         with self._lock:
             batch, self._queue = self._queue, []
         if not batch:
