@@ -87,7 +87,7 @@ COPY service ./service
 COPY features ./features
 RUN pip install --no-deps . \
     && rm -rf build *.egg-info \
-    && python -c "from service import protos; protos.load()"
+    && python -c "import service, features; from zerogap.v1 import generation_pb2, generation_pb2_grpc"
 
 USER zerogap
 

@@ -31,9 +31,8 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service import protos  # noqa: E402
-
-pb2, pb2_grpc = protos.load()
+from zerogap.v1 import generation_pb2 as pb2  # noqa: E402
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc  # noqa: E402
 
 PROMPTS = [
     "Tell me a short story about a fox.",

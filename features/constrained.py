@@ -38,8 +38,9 @@ from features import json_schema as js
 from features import json_tracker as jt
 from features.grammar_backend import KINDS, GrammarBackend, GrammarLimits, check_limits, settle
 from features.json_schema import SchemaIssue
-from service.core.feature import Feature, OverlapSupport
-from service.core.request import FinishReason, RequestError
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch
+from service.core.request import FinishReason, Req, RequestError
 from service.models import cpu_kernels
 
 log = logging.getLogger("zerogap.constrained")
@@ -236,6 +237,17 @@ def _check_tagged_parts(
     return out
 
 
+@dataclass(frozen=True)
+class ConstraintResult:
+    """Result fields of a constrained request's final message (`constraint_result`): whether the
+    output satisfies the constraint as sent, and what preparation relaxed or normalised."""
+
+    satisfied: bool
+    relaxed: list[SchemaIssue]
+    violations: list[SchemaIssue]
+    normalized: list[SchemaIssue]
+
+
 @dataclass
 class GrammarMaskBatch:
     """A batch's grammar masks (`fb.feature_data[GrammarMaskBatch]`): filled by after_launch on the
@@ -279,7 +291,7 @@ class ConstrainedDecoding(Feature):
         self._backend: GrammarBackend | None = None
         self._closed = False
         self._backend_lock = threading.Lock()
-        self._engine: Any = None
+        self._ctx: FeatureContext | None = None
         self.fill_us: deque[float] = deque(maxlen=100_000)  # mask fill time per row, averaged per batch
         # Fills a batch's masks in one call. One thread: the forward already has both cores here,
         # and a whole batch takes ~1 µs per row.
@@ -287,8 +299,8 @@ class ConstrainedDecoding(Feature):
         self._token_index: jt.TokenIndex | None = None
         self._init_thread: threading.Thread | None = None
 
-    def bind(self, engine: Any) -> None:
-        self._engine = engine
+    def bind(self, ctx: FeatureContext) -> None:
+        self._ctx = ctx
         # Build the tokenizer info in the background: the first constrained request must not
         # stall the gRPC event loop for it.
         self._init_thread = threading.Thread(
@@ -309,12 +321,17 @@ class ConstrainedDecoding(Feature):
             if self._backend is None:
                 if self._closed:
                     raise RequestError("UNAVAILABLE", "the server is shutting down")
-                e = self._engine
-                self._backend = GrammarBackend(e.tokenizer.hf, e.vocab_size, sorted(e.eos_ids), self.limits())
+                c = self.ctx
+                self._backend = GrammarBackend(c.tokenizer.hf, c.vocab_size, sorted(c.eos_ids), self.limits())
             return self._backend
 
+    @property
+    def ctx(self) -> FeatureContext:
+        assert self._ctx is not None, "bind() first"
+        return self._ctx
+
     def limits(self) -> GrammarLimits:
-        a = self._engine.args
+        a = self.ctx.args
         return GrammarLimits(
             max_bytes=a.max_constraint_bytes,
             max_depth=a.max_constraint_depth,
@@ -350,23 +367,25 @@ class ConstrainedDecoding(Feature):
         mode = {1: "strict", 2: "lenient"}.get(request.constraint.mode, "")
         return ConstraintSpec(kind, text, mode)
 
-    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
+    def to_proto(self, response: Any, fields: list[ConstraintResult]) -> None:
         for f in fields:
-            if "satisfied" not in f:
-                continue
             r = response.constraint_result
-            r.satisfied = f["satisfied"]
-            for name in ("relaxed", "violations", "normalized"):
-                for i in f[name]:
+            r.satisfied = f.satisfied
+            for name, issues in (
+                ("relaxed", f.relaxed),
+                ("violations", f.violations),
+                ("normalized", f.normalized),
+            ):
+                for i in issues:
                     getattr(r, name).add(pointer=i.pointer, keyword=i.keyword, message=i.message)
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> CompilingConstraint:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> CompilingConstraint:
         spec = ConstraintSpec(**payload) if isinstance(payload, dict) else payload
         if spec.kind not in KINDS:
             raise RequestError("INVALID_ARGUMENT", f"constraint: set one of {', '.join(KINDS)}")
         if spec.kind != "json_object" and not spec.text:
             raise RequestError("INVALID_ARGUMENT", f"constraint.{spec.kind}: empty")
-        mode = spec.mode or getattr(engine.args, "constraint_mode", "lenient")
+        mode = spec.mode or getattr(ctx.args, "constraint_mode", "lenient")
         if mode not in MODES:
             raise RequestError(
                 "INVALID_ARGUMENT", f"constraint.mode: {mode!r} is not one of {', '.join(MODES)}"
@@ -439,13 +458,13 @@ class ConstrainedDecoding(Feature):
         )  # its errors are RequestErrors; cancelling it stops the compile (nobody waits)
 
     # ---- scheduler thread ----------------------------------------------------------------
-    def on_admit(self, req: Any) -> None:
+    def on_admit(self, req: Req) -> None:
         req.ban_stop_before_min = False  # the grammar decides where EOS may come
 
-    def admission_ready(self, req: Any) -> bool:
+    def admission_ready(self, req: Req) -> bool:
         c: CompilingConstraint = req.features[self.name]
         if not c.compiled.done():
-            timeout = self._engine.args.grammar_compile_timeout_s
+            timeout = self.ctx.args.grammar_compile_timeout_s
             if time.monotonic() - req.arrival > timeout:
                 raise RequestError(
                     "DEADLINE_EXCEEDED",
@@ -467,10 +486,10 @@ class ConstrainedDecoding(Feature):
             self._token_index = jt.TokenIndex(list(self.backend.info.decoded_vocab))
         return self._token_index
 
-    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         batch.fb.feature_data.put(GrammarMaskBatch(self.backend.allocate_bitmask(len(batch.reqs))))
 
-    def after_launch(self, batch: Any, rows: list[int]) -> None:
+    def after_launch(self, batch: BatchView, rows: list[int]) -> None:
         """Fill every live constrained row's mask in one native call (no Python work per row
         but listing the matchers); a row whose grammar allows nothing is left free: on_result
         then fails that request with a clear message."""
@@ -496,7 +515,7 @@ class ConstrainedDecoding(Feature):
         finally:
             data.ready.set()
 
-    def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
+    def on_result(self, batch: BatchView, row: int, req: Req, extras: Any) -> None:
         matcher = req.feature_state[self.name]
         token = req.output_ids[-1]
         if not matcher.accept_token(token):
@@ -508,7 +527,7 @@ class ConstrainedDecoding(Feature):
             req.feature_stop = True
         return None
 
-    def _rejection(self, req: Any, matcher: Any, token: int) -> Exception:
+    def _rejection(self, req: Req, matcher: Any, token: int) -> Exception:
         """A grammar with a dead end (no token may follow) is the client's; anything else is ours."""
         mask = self.backend.allocate_bitmask(1)
         mask.zero_()
@@ -522,7 +541,7 @@ class ConstrainedDecoding(Feature):
             )
         return RuntimeError(f"the grammar rejected token {token}")
 
-    def on_finish(self, req: Any) -> dict[str, Any] | None:
+    def on_finish(self, req: Req) -> ConstraintResult | None:
         """The check of the finished output, for the final message (STOP / LENGTH only)."""
         matcher = req.feature_state.pop(self.name, None)
         req.feature_state.pop(UNIQUE, None)
@@ -539,27 +558,22 @@ class ConstrainedDecoding(Feature):
         except Exception as e:  # noqa: BLE001 (a check must never fail the request)
             violations = [SchemaIssue("", "check", f"could not check the output: {type(e).__name__}: {e}")]
         self.check_us.append((time.perf_counter() - start) * 1e6)
-        return {
-            "satisfied": not violations,
-            "relaxed": list(p.relaxed),
-            "violations": violations,
-            "normalized": list(p.normalized),
-        }
+        return ConstraintResult(not violations, list(p.relaxed), violations, list(p.normalized))
 
-    def output_text(self, req: Any) -> str:
+    def output_text(self, req: Req) -> str:
         """The client's text without the end-of-sequence token that completed the grammar, cut at a
         matched stop string."""
         ids = list(req.output_ids)
-        if ids and ids[-1] in self._engine.eos_ids:
+        if ids and ids[-1] in self.ctx.eos_ids:
             ids.pop()
-        text = self._engine.tokenizer.decode(ids, req.params.skip_special_tokens)
+        text = self.ctx.tokenizer.decode(ids, req.params.skip_special_tokens)
         cuts = [i for s in req.params.stop if s and (i := text.find(s)) >= 0]
         return text[: min(cuts)] if cuts else text
 
-    def on_retract(self, req: Any) -> None:
+    def on_retract(self, req: Req) -> None:
         self.rebuild_state(req)
 
-    def rebuild_state(self, req: Any) -> None:
+    def rebuild_state(self, req: Req) -> None:
         """Rebuild a request's matcher from its kept output tokens (e.g. after retraction)."""
         matcher = req.feature_state[self.name]
         matcher.reset()
@@ -573,7 +587,7 @@ class ConstrainedDecoding(Feature):
                 tracker.feed_token(token)
 
     # ---- forward thread ------------------------------------------------------------------
-    def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         data = fb.feature_data[GrammarMaskBatch]
         if not data.ready.wait(MASK_WAIT_S):
             raise RuntimeError("the grammar mask was not filled in time")

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from service.core.feature import Feature, OverlapSupport
-from service.core.forward_batch import ForwardMode
-from service.core.request import RequestError
+from service.core.device import Device
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch, ForwardMode, LogitsOutput
+from service.core.request import Req, RequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_IDS = 128
@@ -47,6 +48,68 @@ class LogprobParams:
     top_logprobs_num: int = 0
     token_ids_logprob: tuple[int, ...] = ()
     logprob_start_len: int = -1  # -1: no input logprobs
+
+
+@dataclass
+class LogprobLists:
+    """LogprobValues as host lists, converted once per batch for all its rows."""
+
+    lp: list[float]
+    top_vals: list[list[float]] | None
+    top_ids: list[list[int]] | None
+    tid_vals: list[list[float]] | None
+
+
+@dataclass
+class LogprobValues:
+    """Logprobs of a set of scored positions (one per row, or per scored prompt position): the
+    target token's, and when asked the top-N alternatives and the listed token ids'."""
+
+    lp: torch.Tensor  # [n]
+    top_vals: torch.Tensor | None = None  # [n, top_n], best first
+    top_ids: torch.Tensor | None = None  # [n, top_n]
+    tid_vals: torch.Tensor | None = None  # [n, width]: of the token ids each row asks for
+    _lists: LogprobLists | None = field(default=None, init=False, repr=False, compare=False)
+
+    def lists(self) -> LogprobLists:
+        if self._lists is None:
+            self._lists = LogprobLists(
+                self.lp.tolist(), _tolist(self.top_vals), _tolist(self.top_ids), _tolist(self.tid_vals)
+            )
+        return self._lists
+
+
+def _tolist(t: torch.Tensor | None) -> Any:
+    return None if t is None else t.tolist()
+
+
+@dataclass
+class LogprobsOutput:
+    """What after_sampling returns (copied to the host with the tokens): the output logprobs, one
+    per active row, and the input logprobs of the prompt positions this extend scores."""
+
+    output: LogprobValues
+    input: LogprobValues | None = None
+
+
+@dataclass
+class LogprobFields:
+    """Result fields of one delta: its output tokens' entries and, on a request's first output
+    only, the prompt's (from `input_start`) and their mean."""
+
+    output: list[TokenEntry] = field(default_factory=list)
+    input: list[TokenEntry] | None = None
+    input_start: int = 0
+    normalized_prompt_logprob: float = 0.0
+
+
+@dataclass
+class KeptInputLogprobs:
+    """Chunked prefill (`req.feature_state["logprobs"]`): the input entries of a request's
+    non-final chunks, for its first output message."""
+
+    start: int | None = None  # prompt position of the first entry
+    entries: list[TokenEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -75,12 +138,12 @@ class LogprobsFeature(Feature):
 
     def __init__(self) -> None:
         self._text_cache: dict[int, str] = {}
-        self._tokenizer: Any = None
-        self._device: Any = None  # the engine's Device: batch tensors are sent there
+        self._tokenizer: Any = None  # service/tokenizer.py's Tokenizer
+        self._device: Device | None = None  # the engine's Device: batch tensors are sent there
 
-    def bind(self, engine: Any) -> None:
-        self._tokenizer = engine.tokenizer
-        self._device = getattr(engine, "device", None)
+    def bind(self, ctx: FeatureContext) -> None:
+        self._tokenizer = ctx.tokenizer
+        self._device = ctx.device
 
     # ---- caller thread -------------------------------------------------------------------
     def from_proto(self, request: Any) -> LogprobParams | None:
@@ -93,7 +156,7 @@ class LogprobsFeature(Feature):
             request.return_logprob, request.top_logprobs_num, tuple(request.token_ids_logprob), start
         )
 
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> LogprobParams:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> LogprobParams:
         p = LogprobParams(**payload) if isinstance(payload, dict) else payload
         if not 0 <= p.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(
@@ -102,7 +165,7 @@ class LogprobsFeature(Feature):
             )
         if len(p.token_ids_logprob) > MAX_TOKEN_IDS:
             raise RequestError("INVALID_ARGUMENT", f"token_ids_logprob: at most {MAX_TOKEN_IDS} ids")
-        bad = next((t for t in p.token_ids_logprob if not 0 <= t < engine.vocab_size), None)
+        bad = next((t for t in p.token_ids_logprob if not 0 <= t < ctx.vocab_size), None)
         if bad is not None:
             raise RequestError(
                 "INVALID_ARGUMENT", f"token_ids_logprob: token id {bad} outside the vocabulary"
@@ -114,15 +177,15 @@ class LogprobsFeature(Feature):
             )
         return p
 
-    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
+    def to_proto(self, response: Any, fields: list[LogprobFields]) -> None:
         for f in fields:
-            for e in f.get("output", ()):
+            for e in f.output:
                 self._add(response.output_logprobs, e)
-            if "input" in f:
-                for e in f["input"]:
+            if f.input is not None:
+                for e in f.input:
                     self._add(response.input_logprobs, e)
-                response.input_logprobs_start = f["input_start"]
-                response.normalized_prompt_logprob = f["normalized_prompt_logprob"]
+                response.input_logprobs_start = f.input_start
+                response.normalized_prompt_logprob = f.normalized_prompt_logprob
 
     @staticmethod
     def _add(repeated: Any, e: TokenEntry) -> None:
@@ -133,7 +196,7 @@ class LogprobsFeature(Feature):
             m.token_ids_logprobs.add(token_id=tid, logprob=lp)
 
     # ---- scheduler thread ----------------------------------------------------------------
-    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         fb = batch.fb
         params = [batch.reqs[r].features[self.name] for r in rows]
         data = LogprobsBatch(
@@ -147,7 +210,7 @@ class LogprobsFeature(Feature):
         self._send(data, fb)
         fb.feature_data.put(data)
 
-    def _send(self, data: LogprobsBatch, fb: Any) -> None:
+    def _send(self, data: LogprobsBatch, fb: ForwardBatch) -> None:
         """The forward reads these on the device: one transfer (scheduler stream)."""
         if self._device is None:
             return
@@ -171,7 +234,7 @@ class LogprobsFeature(Feature):
         )
 
     def _plan_input_logprobs(
-        self, batch: Any, rows: list[int], params: list[LogprobParams], data: LogprobsBatch
+        self, batch: BatchView, rows: list[int], params: list[LogprobParams], data: LogprobsBatch
     ) -> None:
         """Which packed rows' logits score which prompt tokens (this chunk only)."""
         fb = batch.fb
@@ -209,75 +272,67 @@ class LogprobsFeature(Feature):
             data.boundary = torch.tensor(boundary, dtype=torch.int64)
             data.boundary_cpu = {r: t for r, t in zip(rows, boundary)}  # host copy, by batch row
 
-    def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
+    def on_result(self, batch: BatchView, row: int, req: Req, extras: LogprobsOutput) -> LogprobFields | None:
         data = batch.fb.feature_data[LogprobsBatch]
-        lists = extras.get("_host")
-        if lists is None:  # convert the batch's tensors to lists once, for all its rows
-            lists = extras["_host"] = self._to_lists(extras)
         p: LogprobParams = req.features[self.name]
-        j = data.index[row]
-        fields: dict[str, Any] = {}
+        fields = LogprobFields()
         if p.return_logprob or p.top_logprobs_num or p.token_ids_logprob:
-            fields["output"] = [self._entry(req.output_ids[-1], lists, "", j, p)]
+            fields.output = [self._entry(req.output_ids[-1], extras.output.lists(), data.index[row], p)]
         span = data.input_spans.get(row)
-        kept = req.feature_state.pop(self.name, None)  # earlier chunks' input entries (chunked prefill)
+        kept: KeptInputLogprobs | None = req.feature_state.pop(self.name, None)  # earlier chunks' entries
         if span is not None:
-            first, offset, count = span
-            entries = [
-                self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)
-            ]
-            if kept and kept["start"] is not None:
-                first, entries = kept["start"], kept["entries"] + entries
-            fields["input"] = entries
-            fields["input_start"] = first
-            fields["normalized_prompt_logprob"] = (
-                sum(e[1] for e in entries) / len(entries) if entries else 0.0
-            )
-        return fields
+            first, entries = span[0], self._input_entries(req, span, extras, p)
+            if kept is not None and kept.start is not None:
+                first, entries = kept.start, kept.entries + entries
+            fields.input = entries
+            fields.input_start = first
+            fields.normalized_prompt_logprob = sum(e[1] for e in entries) / len(entries) if entries else 0.0
+        return fields if fields.output or fields.input is not None else None
 
-    def on_chunk_result(self, batch: Any, row: int, req: Any, extras: Any) -> None:
+    def on_chunk_result(self, batch: BatchView, row: int, req: Req, extras: LogprobsOutput) -> None:
         """A non-final chunk: keep its input entries and the boundary token's for the first output."""
         data = batch.fb.feature_data[LogprobsBatch]
         span = data.input_spans.get(row)
         if span is None:
             return
-        lists = extras.get("_host")
-        if lists is None:
-            lists = extras["_host"] = self._to_lists(extras)
         p: LogprobParams = req.features[self.name]
-        first, offset, count = span
-        entries = [self._entry(req.prompt_ids[first + k], lists, "in_", offset + k, p) for k in range(count)]
-        j = data.index[row]
+        entries = self._input_entries(req, span, extras, p)
         target = data.boundary_cpu.get(row, -1)
         if target >= 0:  # scored by this chunk's last row
-            entries.append(self._entry(target, lists, "", j, p))
-        kept = req.feature_state.setdefault(self.name, {"start": None, "entries": []})
-        if entries and kept["start"] is None:
-            kept["start"] = first  # with no entry of its own (count 0) the chunk's boundary is at `first`
-        kept["entries"].extend(entries)
+            entries.append(self._entry(target, extras.output.lists(), data.index[row], p))
+        kept: KeptInputLogprobs = req.feature_state.setdefault(self.name, KeptInputLogprobs())
+        if entries and kept.start is None:
+            kept.start = span[0]  # with no entry of its own (count 0) the chunk's boundary is at its start
+        kept.entries.extend(entries)
 
-    def on_retract(self, req: Any) -> None:
+    def _input_entries(
+        self, req: Req, span: tuple[int, int, int], out: LogprobsOutput, p: LogprobParams
+    ) -> list[TokenEntry]:
+        """The entries of the prompt positions a batch row scored: span = (first, offset, count)."""
+        first, offset, count = span
+        if not count:
+            return []
+        assert out.input is not None
+        values = out.input.lists()
+        return [self._entry(req.prompt_ids[first + k], values, offset + k, p) for k in range(count)]
+
+    def on_retract(self, req: Req) -> None:
         req.feature_state.pop(self.name, None)  # the prompt is prefilled again
 
-    def on_finish(self, req: Any) -> dict[str, Any] | None:
+    def on_finish(self, req: Req) -> None:
         req.feature_state.pop(self.name, None)
         return None
 
-    @staticmethod
-    def _to_lists(extras: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.tolist() for k, v in extras.items() if isinstance(v, torch.Tensor)}
-
-    def _entry(self, token: int, lists: dict, prefix: str, i: int, p: LogprobParams) -> TokenEntry:
+    def _entry(self, token: int, values: LogprobLists, i: int, p: LogprobParams) -> TokenEntry:
         top: list[tuple[int, float, str]] = []
-        if p.top_logprobs_num:
-            ids = lists[prefix + "top_ids"][i][: p.top_logprobs_num]
-            vals = lists[prefix + "top_vals"][i][: p.top_logprobs_num]
+        if p.top_logprobs_num and values.top_ids is not None and values.top_vals is not None:
+            ids = values.top_ids[i][: p.top_logprobs_num]
+            vals = values.top_vals[i][: p.top_logprobs_num]
             top = [(t, v, self._text(t)) for t, v in zip(ids, vals)]
         tids: list[tuple[int, float]] = []
-        if p.token_ids_logprob:
-            vals = lists[prefix + "tid_vals"][i]
-            tids = list(zip(p.token_ids_logprob, vals[: len(p.token_ids_logprob)]))
-        return (token, lists[prefix + "lp"][i], top, tids)
+        if p.token_ids_logprob and values.tid_vals is not None:
+            tids = list(zip(p.token_ids_logprob, values.tid_vals[i][: len(p.token_ids_logprob)]))
+        return (token, values.lp[i], top, tids)
 
     def _text(self, token: int) -> str:
         text = self._text_cache.get(token)
@@ -286,40 +341,41 @@ class LogprobsFeature(Feature):
         return text
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def max_cached_prefix(self, req: Any) -> int | None:
+    def max_cached_prefix(self, req: Req) -> int | None:
         """Input logprobs from position s need the logits at s - 1, which only a prefill computes:
         such a request reuses at most s - 1 cached tokens (none for s <= 1)."""
         start = req.features[self.name].logprob_start_len
         return None if start < 0 else max(start - 1, 0)
 
     # ---- forward thread ------------------------------------------------------------------
-    def after_sampling(self, fb: Any, logits: Any, next_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def after_sampling(
+        self, fb: ForwardBatch, logits: LogitsOutput, next_ids: torch.Tensor
+    ) -> LogprobsOutput:
         data = fb.feature_data[LogprobsBatch]
         rows = data.rows
         lp = torch.log_softmax(logits.next_token[rows].float(), dim=-1)
         targets = next_ids[rows]
         if data.boundary is not None:  # non-final chunks: the next prompt token, not the discarded sample
             targets = torch.where(data.boundary >= 0, data.boundary, targets)
-        out = {"lp": lp.gather(1, targets.unsqueeze(1)).squeeze(1)}
-        self._alternatives(lp, data.top_n, data.token_ids, "", out)
-        if logits.extra is not None and data.input_targets is not None:
-            owners = data.input_owners
+        out = LogprobsOutput(self._values(lp, targets, data.top_n, data.token_ids))
+        if logits.extra is not None and data.input_targets is not None and data.input_owners is not None:
             ilp = torch.log_softmax(logits.extra.float(), dim=-1)
-            out["in_lp"] = ilp.gather(1, data.input_targets.unsqueeze(1)).squeeze(1)
-            tids = data.token_ids[owners] if data.token_ids is not None else None
-            self._alternatives(ilp, data.top_n, tids, "in_", out)
+            tids = data.token_ids[data.input_owners] if data.token_ids is not None else None
+            out.input = self._values(ilp, data.input_targets, data.top_n, tids)
         return out
 
     @staticmethod
-    def _alternatives(
-        lp: torch.Tensor, top_n: int, token_ids: torch.Tensor | None, prefix: str, out: dict
-    ) -> None:
+    def _values(
+        lp: torch.Tensor, targets: torch.Tensor, top_n: int, token_ids: torch.Tensor | None
+    ) -> LogprobValues:
+        values = LogprobValues(lp.gather(1, targets.unsqueeze(1)).squeeze(1))
         if top_n:
             vals, ids = lp.topk(top_n, dim=-1)
             # Deterministic ties: equal logprobs ordered by lower token id.
             order = torch.argsort(ids, dim=-1, stable=True)
             vals, ids = vals.gather(1, order), ids.gather(1, order)
             order = torch.argsort(vals, dim=-1, descending=True, stable=True)
-            out[prefix + "top_vals"], out[prefix + "top_ids"] = vals.gather(1, order), ids.gather(1, order)
+            values.top_vals, values.top_ids = vals.gather(1, order), ids.gather(1, order)
         if token_ids is not None:
-            out[prefix + "tid_vals"] = lp.gather(1, token_ids)
+            values.tid_vals = lp.gather(1, token_ids)
+        return values

@@ -1,8 +1,8 @@
 """Retraction under memory pressure, with optimistic admission — fully overlapped.
 
 This module is the request-level side (the `Retracted` payload, usage counters, the penalty-state
-restore); the admission policy and the retraction itself are the scheduler's admission manager
-(service/engine/scheduler/admission.py).
+restore); the admission policy and the retraction itself are the scheduler's managers
+(service/engine/scheduler/admission.py, retraction.py).
 
 Admission. `reserve` sets aside a request's whole budget (prompt + max_new_tokens)
 when it is admitted: nothing ever runs out, and the pool mostly idles because
@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from service.core.feature import Feature, FeatureContext, OverlapSupport
-from service.core.forward_batch import ForwardMode
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.core.request import Req, RequestError
 
 
@@ -65,6 +65,13 @@ class PenaltyRecount:
 
     slots: torch.Tensor
     tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RetractionFields:
+    """Result fields: the times the request was retracted so far (`usage.retractions`)."""
+
+    retractions: int
 
 
 def retractions_of(req: Req) -> int:
@@ -95,14 +102,14 @@ class RetractionFeature(Feature):
         self._ctx = ctx
 
     # ---- caller thread -------------------------------------------------------------------
-    def validate(self, payload: Any, engine: Any, prompt_ids: list[int]) -> Any:
+    def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> Any:
         raise RequestError("INVALID_ARGUMENT", "retraction: set by the scheduler, not by a request")
 
-    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
-        response.usage.retractions = max(f["retractions"] for f in fields)
+    def to_proto(self, response: Any, fields: list[RetractionFields]) -> None:
+        response.usage.retractions = max(f.retractions for f in fields)
 
     # ---- scheduler thread ----------------------------------------------------------------
-    def on_batch_formed(self, batch: Any, rows: list[int]) -> None:
+    def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         """A re-prefill of a penalised request: its kept output tokens count again (forward thread)."""
         if batch.mode is not ForwardMode.EXTEND:
             return
@@ -118,14 +125,14 @@ class RetractionFeature(Feature):
             slots, tokens = self._ctx.device.to_device(slots, tokens)
         batch.fb.feature_data.put(PenaltyRecount(slots, tokens))
 
-    def on_result(self, batch: Any, row: int, req: Any, extras: Any) -> dict[str, Any]:
-        return {"retractions": retractions_of(req)}
+    def on_result(self, batch: BatchView, row: int, req: Req, extras: Any) -> RetractionFields:
+        return RetractionFields(retractions_of(req))
 
-    def on_finish(self, req: Any) -> dict[str, Any] | None:
-        return {"retractions": retractions_of(req)}
+    def on_finish(self, req: Req) -> RetractionFields:
+        return RetractionFields(retractions_of(req))
 
     # ---- forward thread ------------------------------------------------------------------
-    def process_logits(self, fb: Any, logits: torch.Tensor) -> torch.Tensor:
+    def process_logits(self, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         """Runs after the new slots' sampler state was reset and before sampling."""
         restore = fb.feature_data.get(PenaltyRecount)
         if restore is not None:

@@ -19,6 +19,13 @@ from service.core.forward_batch import ForwardBatch
 from service.core.request import Req
 
 
+@dataclass(frozen=True)
+class StepFields:
+    """test_full's result fields: the output index of the delta's token."""
+
+    step: int
+
+
 @dataclass
 class BannedTokens:
     """test_full's batch data: batch row -> the token ids its request bans."""
@@ -60,8 +67,8 @@ class BanTokensFeature(Feature):
     def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         batch.fb.feature_data.put(BannedTokens({r: batch.reqs[r].features[self.name] for r in rows}))
 
-    def on_result(self, batch: BatchView, row: int, req: Req, extras: Any) -> dict[str, Any]:
-        return {"step": len(req.output_ids)}
+    def on_result(self, batch: BatchView, row: int, req: Req, extras: Any) -> StepFields:
+        return StepFields(len(req.output_ids))
 
 
 class NoRepeatFeature(Feature):

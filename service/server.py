@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from service import __version__, protos
+from service import __version__
 from service.config import ServerArgs
 from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from service.engine.engine import Engine
@@ -32,8 +32,9 @@ from service.limits import InputLimits
 from service.metrics import start_metrics_server
 from service.model_prep import resolve_model_path
 from service.tokenizer import InputTooLong
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 log = logging.getLogger("zerogap.server")
 
 SERVICE_NAME = "zerogap.v1.Generation"

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from service import protos
 from service.config import ServerArgs
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 # A small bounded JSON Schema (the one the example clients in clients/ send, too).
 PERSON_SCHEMA = {
@@ -81,7 +81,6 @@ def grpc_stub(model_dir, **args) -> Iterator:
     """A real server on a loopback ephemeral port and a Generation stub for it."""
     from service.server import BackgroundServer
 
-    _, pb2_grpc = protos.load()
     srv = BackgroundServer(ServerArgs(dtype="float32", model=str(model_dir), port=0, **args))
     try:
         with grpc.insecure_channel(srv.address) as ch:

@@ -118,8 +118,9 @@ class Feature:
         """The feature's payload from a GenerateRequest message, or None when unused."""
         return None
 
-    def to_proto(self, response: Any, fields: list[dict[str, Any]]) -> None:
-        """Write the on_result fields of one or more deltas into a GenerateResponse."""
+    def to_proto(self, response: Any, fields: list[Any]) -> None:
+        """Write the result fields (the feature's own dataclass, from on_result / on_finish) of one or
+        more deltas into a GenerateResponse."""
 
     def validate(self, payload: Any, ctx: FeatureContext, prompt_ids: list[int]) -> Any:
         """Check and normalise a request's payload; raise RequestError when bad."""
@@ -147,15 +148,18 @@ class Feature:
     def after_launch(self, batch: "BatchView", rows: list[int]) -> None:
         pass
 
-    def on_result(self, batch: "BatchView", row: int, req: "Req", extras: Any) -> dict[str, Any] | None:
-        """Per active row, after its token was appended; returns output fields for the client."""
+    def on_result(self, batch: "BatchView", row: int, req: "Req", extras: Any) -> Any:
+        """Per active row, after its token was appended. `extras` is what after_sampling returned
+        for the batch (on the host). Returns the feature's result fields for the client (a dataclass
+        of its own, written into the response by to_proto), or None."""
         return None
 
     def on_retract(self, req: "Req") -> None:
         """The request lost its KV and will be re-run from prompt + kept output tokens."""
 
-    def on_finish(self, req: "Req") -> dict[str, Any] | None:
-        """The request ended (`req.finished` says how); returns output fields for its final message."""
+    def on_finish(self, req: "Req") -> Any:
+        """The request ended (`req.finished` says how); returns result fields (as on_result) for its
+        final message, or None."""
         return None
 
     # ---- prefix cache (scheduler thread) -----------------------------------------------
@@ -185,8 +189,9 @@ class Feature:
         return logits
 
     def after_sampling(self, fb: "ForwardBatch", logits: "LogitsOutput", next_ids: "torch.Tensor") -> Any:
-        """Extra per-batch outputs (host tensors), handed to on_result. `logits` are the
-        model's raw logits, before penalties, temperature and other features' masks."""
+        """Extra per-batch outputs: a dataclass of the feature's own whose tensors are copied to the
+        host with the tokens, handed to on_result. `logits` are the model's raw logits, before
+        penalties, temperature and other features' masks."""
         return None
 
     # ---- chunked prefill (service/engine/chunking.py) ------------------------------------

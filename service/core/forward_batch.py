@@ -125,7 +125,8 @@ class BatchResult:
     """What a step returns to the scheduler: sampled ids, and feature outputs by name."""
 
     ids: torch.Tensor  # [bs] int64 (host; pinned on CUDA)
-    extras: dict[str, Any] = field(default_factory=dict)  # host tensors
+    # after_sampling outputs by feature name: each the feature's own dataclass of host tensors.
+    extras: dict[str, Any] = field(default_factory=dict)
     # Recorded on the forward stream after the copies to host: the scheduler's only wait.
     copy_done: Any = None
 

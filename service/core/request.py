@@ -114,7 +114,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
-    extras: dict[str, Any] = field(default_factory=dict)  # feature outputs, by feature name
+    # Feature result fields by feature name: each the feature's own dataclass (e.g. LogprobFields).
+    extras: dict[str, Any] = field(default_factory=dict)
     error_code: str = "INTERNAL"  # gRPC status code name, with error
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 

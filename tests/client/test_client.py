@@ -11,7 +11,6 @@ import grpc
 import jsonschema
 import pytest
 
-from service import protos
 from tests.helpers import PERSON_SCHEMA, grpc_client, kv_idle, wait_until
 from zerogap.client import (
     GREEDY,
@@ -26,8 +25,9 @@ from zerogap.client import (
     Sampling,
     ZerogapError,
 )
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 LONG = dict(max_new_tokens=2000, ignore_eos=True)
 
 

@@ -9,15 +9,13 @@ import grpc
 import jsonschema
 import pytest
 
-from service import protos
 from service.config import ServerArgs
 from service.core.request import FinishReason, RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.data.json_schemas import SCHEMAS
 from tests.data.make_schema_corpus import corpus
 from tests.helpers import grpc_stub, wait_until
-
-pb2, _ = protos.load()
+from zerogap.v1 import generation_pb2 as pb2
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +48,7 @@ def test_json_schema_suite_outputs_validate(client, hf_tokenizer, temperature):
         assert last.finish_reason is FinishReason.STOP, (prompt, last.finish_reason, last.error, text)
         value = json.loads(text)
         jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()).validate(value)
-        assert last.extras["constrained"]["satisfied"], last.extras["constrained"]
+        assert last.extras["constrained"].satisfied, last.extras["constrained"]
 
 
 def test_sampled_dates_are_real_days(client, hf_tokenizer):
@@ -71,7 +69,7 @@ def test_sampled_dates_are_real_days(client, hf_tokenizer):
         _, text, last = collect(o)
         assert last.finish_reason is FinishReason.STOP, (last.finish_reason, text)
         assert checker.conforms(json.loads(text)["d"], "date"), text
-        assert last.extras["constrained"]["satisfied"], last.extras["constrained"]
+        assert last.extras["constrained"].satisfied, last.extras["constrained"]
 
 
 @pytest.mark.parametrize(
@@ -151,7 +149,7 @@ def test_constrained_with_logprobs_penalties_and_stop(client, hf_tokenizer):
     b = client.generate([prompt], sp, [feats])[0]
     ids, text, last = collect(a)
     assert re.fullmatch(r"(cat|dog|cow)s?", text) and collect(b)[0] == ids
-    entries = [e for o in a for e in o.extras["logprobs"]["output"]]
+    entries = [e for o in a for e in o.extras["logprobs"].output]
     assert [e[0] for e in entries] == ids
     # Raw distribution: the first token's top alternatives are not limited to the grammar's.
     assert all(lp <= 0 for _, lp, _, _ in entries)
@@ -337,13 +335,13 @@ def test_corpus_sample_stop_and_satisfied_means_valid(client, hf_tokenizer):
             valid = cls(schema, format_checker=cls.FORMAT_CHECKER).is_valid(json.loads(text))
         except ValueError:
             valid = False
-        assert result["satisfied"] == valid, (name, text, result)
+        assert result.satisfied == valid, (name, text, result)
         if last.finish_reason is FinishReason.STOP:
             finished += 1
-            assert result["satisfied"] or result["relaxed"], (name, text, result)  # exact grammars never miss
+            assert result.satisfied or result.relaxed, (name, text, result)  # exact grammars never miss
     assert finished >= 4
     travis = [o for (name, _), o in zip(cases, outs) if name == "schemastore/travis"]
-    assert all(collect(o)[2].extras["constrained"]["normalized"] for o in travis)
+    assert all(collect(o)[2].extras["constrained"].normalized for o in travis)
 
 
 def test_strict_mode_refuses_and_the_lenient_default_reports(client, hf_tokenizer):
@@ -375,9 +373,9 @@ def test_strict_mode_refuses_and_the_lenient_default_reports(client, hf_tokenize
     )  # the default: lenient
     _, text, last = collect(outs[0])
     result = last.extras["constrained"]
-    assert [i.keyword for i in result["relaxed"]] == ["contains"]
+    assert [i.keyword for i in result.relaxed] == ["contains"]
     value = json.loads(text)
-    assert result["satisfied"] == (7 in value), (text, result)
+    assert result.satisfied == (7 in value), (text, result)
 
 
 def test_unique_items_enforced_while_decoding(client, hf_tokenizer):
@@ -414,12 +412,12 @@ def test_unique_items_enforced_while_decoding(client, hf_tokenizer):
     for o in outs:
         _, text, last = collect(o)
         result = last.extras["constrained"]
-        assert not result["relaxed"], result
+        assert not result.relaxed, result
         if last.finish_reason is FinishReason.STOP:
             stopped += 1
             value = json.loads(text)
             assert all(len(set(value[k])) == len(value[k]) for k in ("digits", "tags")), text
-            assert result["satisfied"], (text, result)
+            assert result.satisfied, (text, result)
     assert stopped >= n // 2
 
 
@@ -481,7 +479,7 @@ def test_structural_tag_tool_call_parts_validate(client, hf_tokenizer):
     )
     for o in outs:
         _, text, last = collect(o)
-        assert last.finish_reason is FinishReason.STOP and last.extras["constrained"]["satisfied"], (
+        assert last.finish_reason is FinishReason.STOP and last.extras["constrained"].satisfied, (
             text,
             last.extras,
         )

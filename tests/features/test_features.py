@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -10,7 +11,6 @@ import pytest
 
 from features.registry import render_matrix_markdown
 from features.testing import BanTokensFeature, fake_features
-from service import protos
 from service.config import ServerArgs
 from service.core.feature import OverlapSupport
 from service.core.request import RequestError, SamplingParams
@@ -19,8 +19,9 @@ from service.engine.modules import builtin_features
 from service.matrix import README, readme_with_matrix
 from service.server import BackgroundServer
 from tests.feature_workloads import CELL_ARGS, MODELS, PROMPTS, SERVER_ARGS, WORKLOADS
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 # Engine-level modules (per_request = False, e.g. the prefix cache) have their own equivalence tests.
 ALL_FEATURES = [f for f in builtin_features() if f.per_request] + [
     f for f in fake_features() if f.name in WORKLOADS
@@ -48,6 +49,11 @@ def assert_close(a, b, path="extras"):
     """Nested outputs equal, floats within float32 tolerance (overlap vs normal)."""
     if isinstance(a, float) or isinstance(b, float):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), f"{path}: {a} != {b}"
+    elif dataclasses.is_dataclass(a):  # a feature's result fields
+        assert type(a) is type(b), f"{path}: {a!r} != {b!r}"
+        for f in dataclasses.fields(a):
+            if f.compare:
+                assert_close(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), path
         for k in a:
@@ -168,7 +174,7 @@ def test_mixed_batch_features_and_plain_requests(tiny_llama_dir):
     assert [ids[i] for i in plain] == solo
     # The full feature's per-row outputs reach the client.
     i = next(i for i, f in enumerate(feats) if f and "test_full" in f)
-    steps = [o.extras["test_full"]["step"] for o in outs[i] if "test_full" in o.extras]
+    steps = [o.extras["test_full"].step for o in outs[i] if "test_full" in o.extras]
     assert steps == list(range(1, len(ids[i]) + 1))
 
 

@@ -8,14 +8,13 @@ import grpc
 import pytest
 import torch
 
-from service import protos
 from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.helpers import grpc_client
 from zerogap.client import Logprobs, Sampling
+from zerogap.v1 import generation_pb2 as pb2
 
-pb2, _ = protos.load()
 TOL = 2e-4
 
 
@@ -25,8 +24,8 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def outputs_field(outs, name):
-    return [e for o in outs for e in o.extras.get("logprobs", {}).get(name, [])]
+def output_entries(outs):
+    return [e for o in outs if "logprobs" in o.extras for e in o.extras["logprobs"].output]
 
 
 def check_against_reference(client, hf, prompt, n_new=12, start=0, top_n=3):
@@ -46,7 +45,7 @@ def check_against_reference(client, hf, prompt, n_new=12, start=0, top_n=3):
     )[0]
     ids = collect(outs)[0]
     ref = hf_logprobs(hf, prompt + ids)
-    out_entries = outputs_field(outs, "output")
+    out_entries = output_entries(outs)
     assert [e[0] for e in out_entries] == ids
     for k, (tok, lp, top, tids) in enumerate(out_entries):
         row = ref[len(prompt) - 1 + k]
@@ -56,12 +55,12 @@ def check_against_reference(client, hf, prompt, n_new=12, start=0, top_n=3):
         assert top[0][0] == tok  # greedy picks the most likely
         assert [t for t, _ in tids] == [7, 11] and all(abs(v - float(row[t])) < TOL for t, v in tids)
     first = outs[0].extras["logprobs"]
-    inputs = first["input"]
-    assert first["input_start"] == max(start, 1)
+    inputs = first.input
+    assert first.input_start == max(start, 1)
     assert [e[0] for e in inputs] == prompt[max(start, 1) :]
     for k, (tok, lp, _, _) in enumerate(inputs):
         assert abs(lp - float(ref[max(start, 1) + k - 1, tok])) < TOL
-    assert abs(first["normalized_prompt_logprob"] - sum(e[1] for e in inputs) / len(inputs)) < 1e-5
+    assert abs(first.normalized_prompt_logprob - sum(e[1] for e in inputs) / len(inputs)) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["normal", "overlap"])
@@ -105,7 +104,7 @@ def test_logprobs_are_raw_whatever_the_sampling(smol_dir, hf_smol):
         client.close()
     ids = collect(outs)[0]
     ref = hf_logprobs(hf_smol, prompt + ids)
-    for k, (tok, lp, _, _) in enumerate(outputs_field(outs, "output")):
+    for k, (tok, lp, _, _) in enumerate(output_entries(outs)):
         assert abs(lp - float(ref[len(prompt) - 1 + k, tok])) < TOL
 
 
@@ -113,10 +112,10 @@ def test_top_logprobs_ties_order_by_token_id():
     from features.logprobs import LogprobsFeature
 
     lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, 2.0]]), dim=-1)
-    out: dict = {}
-    LogprobsFeature._alternatives(lp, 4, None, "", out)
-    assert out["top_ids"].tolist() == [[1, 2, 4, 5]]
-    assert out["top_vals"][0, 0] == out["top_vals"][0, 2] > out["top_vals"][0, 3]
+    out = LogprobsFeature._values(lp, torch.tensor([1]), 4, None)
+    assert out.top_ids is not None and out.top_vals is not None
+    assert out.top_ids.tolist() == [[1, 2, 4, 5]]
+    assert out.top_vals[0, 0] == out.top_vals[0, 2] > out.top_vals[0, 3]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import torch
 from PIL import Image, ImageDraw
 
 from features.multimodal import ImageInputs, image_hash
-from service import protos
 from service.config import ServerArgs
 from service.core.forward_batch import ForwardMode
 from service.core.request import FinishReason, Req, RequestError, SamplingParams
@@ -23,8 +22,9 @@ from service.engine.schedule_batch import ExtendRow, build_extend_batch
 from service.models.backends import get_attention_backend
 from service.server import BackgroundServer
 from tests.conftest import TINY_LLAVA_IMAGE_TOKEN, make_tiny_llava
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 PER_IMAGE = 16  # (32 / 8) ** 2 patches, CLS dropped
 MM = "multimodal"
 

@@ -113,8 +113,8 @@ def test_chunk_sizes_give_the_same_tokens_and_logprobs(size, tiny_llama_dir, ref
     assert_same(reference, got)
     assert counters["chunked_requests"] >= 1 and counters["chunks"] >= LONG // size
     assert counters["mixed_steps"] == 0
-    first = [d for d in got[0][3] if d and "input" in d]
-    assert len(first) == 1 and len(first[0]["input"]) == LONG - 1 and first[0]["input_start"] == 1
+    first = [d for d in got[0][3] if d and d.input is not None]
+    assert len(first) == 1 and len(first[0].input) == LONG - 1 and first[0].input_start == 1
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,13 @@ import time
 import grpc
 import pytest
 
-from service import protos
 from service.config import ServerArgs
 from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.server import BackgroundServer
 from tests.helpers import on_each_result, wait_until
-
-pb2, pb2_grpc = protos.load()
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 
 def workload(seed: int, n: int) -> list[tuple[list[int], SamplingParams, float, int | None]]:

@@ -11,17 +11,17 @@ from typing import TypeVar
 import pytest
 import torch
 
-from service import protos
 from service.config import ServerArgs
 from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.prefix_cache import RadixCache
 from tests.helpers import wait_until
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 T = TypeVar("T")
 
-pb2, pb2_grpc = protos.load()
 LOOPS = ["normal", "overlap"]
 
 
@@ -264,11 +264,13 @@ def test_input_logprobs_never_come_from_the_cache(tiny_llama_dir):
     got = _off_and_on(tiny_llama_dir, "overlap", run)
     on, off = got[True], got[False]
     assert collect(on)[2].cached_tokens == 9 and collect(off)[2].cached_tokens == 0
-    first_on = next(o.extras["logprobs"] for o in on if "input" in o.extras.get("logprobs", {}))
-    first_off = next(o.extras["logprobs"] for o in off if "input" in o.extras.get("logprobs", {}))
-    assert first_on["input_start"] == first_off["input_start"] == 10
-    assert [e[0] for e in first_on["input"]] == [e[0] for e in first_off["input"]]
-    for a, b in zip(first_on["input"], first_off["input"]):
+    first_on = next(o.extras["logprobs"] for o in on if "logprobs" in o.extras and o.extras["logprobs"].input)
+    first_off = next(
+        o.extras["logprobs"] for o in off if "logprobs" in o.extras and o.extras["logprobs"].input
+    )
+    assert first_on.input_start == first_off.input_start == 10
+    assert [e[0] for e in first_on.input] == [e[0] for e in first_off.input]
+    for a, b in zip(first_on.input, first_off.input):
         assert abs(a[1] - b[1]) < 1e-3
     assert collect(on)[0] == collect(off)[0]
 
@@ -359,7 +361,7 @@ def test_constrained_requests_hit_and_equal(tiny_llama_dir):
         first = collect(client.generate([prompt], sp, feats)[0])
         second = collect(client.generate([prompt], sp, feats)[0])
         assert client.engine.kv_all_free()
-        assert first[0] == second[0] and first[2].extras["constrained"]["satisfied"]
+        assert first[0] == second[0] and first[2].extras["constrained"].satisfied
         return first[0], second[2].cached_tokens
 
     got = _off_and_on(tiny_llama_dir, "overlap", run)

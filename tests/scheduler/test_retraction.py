@@ -10,7 +10,6 @@ import grpc
 import pytest
 
 from features.retraction import Retracted, retractions_of
-from service import protos
 from service.config import ServerArgs
 from service.core.request import FinishReason, Req, RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
@@ -20,8 +19,8 @@ from service.server import BackgroundServer
 from tests.feature_workloads import WORKLOADS
 from tests.features.test_features import assert_close
 from tests.helpers import wait_until
-
-pb2, pb2_grpc = protos.load()
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 POOL = 300  # KV tokens: a few requests' budgets; the workload's total is ~8x that
 PRESSURE = dict(init_new_token_ratio=0.15, min_new_token_ratio=0.05, new_token_ratio_decay_steps=5)
@@ -137,7 +136,7 @@ def summary(outs):
     for o in outs:
         ids, text, last = collect(o)
         lp = [d.extras["logprobs"] for d in o if "logprobs" in d.extras]
-        grammar = last.extras.get("constrained", {}).get("satisfied")
+        grammar = last.extras["constrained"].satisfied if "constrained" in last.extras else None
         rows.append((ids, text, last.finish_reason, last.matched_stop, lp, grammar))
     return rows
 
@@ -212,7 +211,7 @@ def test_retraction_matches_ample_memory(loop, tiny_llama_dir, reference, tmp_pa
         outs = generate_all(client, *workload())
         assert_same(summary(outs), reference)
         stats = client.engine.stats()
-        counts = [o[-1].extras.get("retraction", {}).get("retractions", 0) for o in outs]
+        counts = [o[-1].extras["retraction"].retractions if "retraction" in o[-1].extras else 0 for o in outs]
         assert stats.retractions >= 4 and sum(counts) == stats.retractions
         assert max(counts) >= 2, "some request is retracted twice"
         row = {r.feature: r for r in client.engine.features.matrix()}["retraction"]
@@ -283,7 +282,7 @@ def test_retractions_are_bounded_per_request(tiny_llama_dir, reference):
     try:
         outs = generate_all(client, *workload())
         assert_same(summary(outs), reference)
-        counts = [o[-1].extras.get("retraction", {}).get("retractions", 0) for o in outs]
+        counts = [o[-1].extras["retraction"].retractions if "retraction" in o[-1].extras else 0 for o in outs]
         assert max(counts) == 1 and client.engine.stats().retractions == sum(counts)
         assert_initial(client)
     finally:

@@ -6,12 +6,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
 from tests.helpers import before_each_forward, kv_idle, on_each_result, wait_until
-
-pb2, pb2_grpc = protos.load()
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 
 @pytest.fixture(scope="module")

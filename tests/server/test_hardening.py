@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from service import protos
 from service.config import ServerArgs
 from service.server import AddressInUse, BackgroundServer, bind_port, check_address_free
 from tests.helpers import free_port, on_each_result, serve_process, wait_until
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -11,12 +11,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
 from tests.helpers import free_port, serve_process, wait_until
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -10,13 +10,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import healthcheck, protos
+from service import healthcheck
 from service.config import ServerArgs
 from service.healthcheck import Security
 from service.server import BackgroundServer, StartupError
 from tests.helpers import need_tools
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 TOKEN = "t0k3n-for-tests-only-0123456789"
 
 

@@ -39,8 +39,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service import healthcheck, protos
+from service import healthcheck
 from tests.helpers import PERSON_SCHEMA, free_port, wait_until
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 pytestmark = pytest.mark.compose
 
@@ -398,7 +400,6 @@ def tls_stack(compose_cmd, image, timings, tmp_path_factory):
 
 def test_tls_stack_mutual_tls_inside(tls_stack) -> None:
     s = tls_stack
-    pb2, pb2_grpc = protos.load()
     replicas = {s.ip(c) for c in s.containers("zerogap")}
     assert len(replicas) == 2
     with healthcheck.channel(f"127.0.0.1:{s.lb_port}", s.sec) as ch:

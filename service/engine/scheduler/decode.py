@@ -6,7 +6,8 @@ from service.core.device import Device
 from service.core.request import Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ScheduleBatch, build_decode_batch
-from service.engine.scheduler.admission import AdmissionPolicy, Retraction
+from service.engine.scheduler.admission import AdmissionPolicy
+from service.engine.scheduler.retraction import Retraction
 
 
 class DecodeManager:

@@ -17,9 +17,10 @@ from service.core.request import FinishReason, Req, RequestError
 from service.engine.chunking import PrefillChunker
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ScheduleBatch, build_extend_batch
-from service.engine.scheduler.admission import AdmissionPolicy, Retraction
+from service.engine.scheduler.admission import AdmissionPolicy
 from service.engine.scheduler.cache import CacheManager
 from service.engine.scheduler.output import OutputManager
+from service.engine.scheduler.retraction import Retraction
 
 
 @dataclass

@@ -7,7 +7,8 @@ placeholders. The two loops differ only in when a batch's result is processed.
 
     prefill.py    PrefillManager    admission order, whole prompts or chunks (and mixed decodes)
     decode.py     DecodeManager     one token for every running request
-    admission.py  AdmissionPolicy   KV set aside per request; Retraction: victims under memory pressure
+    admission.py  AdmissionPolicy   KV set aside per request, and whom a shortage should retract
+    retraction.py Retraction        under memory pressure: evict cached prefixes, then retract victims
     cache.py      CacheManager      reservations and a request's rows, through the (null) prefix cache
     output.py     OutputManager     stop checks, deltas, a request's one finish
     in_flight.py  InFlight          launched batches whose results are not processed yet
@@ -35,12 +36,13 @@ from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.overlap_worker import OverlapWorker
 from service.engine.schedule_batch import ScheduleBatch
-from service.engine.scheduler.admission import AdmissionPolicy, Retraction, RetractionConfig
+from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig
 from service.engine.scheduler.cache import CacheManager, NullPrefixCache
 from service.engine.scheduler.decode import DecodeManager
 from service.engine.scheduler.in_flight import InFlight, Outcome, run_after_launch
 from service.engine.scheduler.output import OutputManager
 from service.engine.scheduler.prefill import PrefillLimits, PrefillManager
+from service.engine.scheduler.retraction import Retraction
 from service.engine.timeline import SCHEDULER_TID, Timeline
 
 log = logging.getLogger("zerogap.scheduler")
