@@ -289,7 +289,9 @@ def test_retracted_image_requests_re_prefill_the_same(loop, qwen_dir, tok):
     try:
         got = run(c, cases, params)
         assert [ids for ids, _, _ in got] == want
-        assert sum(last.extras.get("retraction", {}).get("retractions", 0) for _, _, last in got) > 0
+        assert any(
+            "retraction" in last.extras and last.extras["retraction"].retractions for _, _, last in got
+        )
         assert c.engine.kv_all_free()
     finally:
         c.close()
