@@ -3,6 +3,7 @@
     python bench/bench_schema_corpus.py [--sources vendor,project,schemastore] [--out report.json]
         [--mode strict|lenient] [--max-bytes N] [--timeout S] [--limit N] [--mask-rows 64]
         [--code PATH]   # another checkout's features/ and service/ (e.g. a "before" run)
+        [--mask-under-forward]   # also time the fills while a model forward runs beside them
 
 Each schema goes the way a request's does with the server's flags: `check_limits` (size,
 nesting, object size), `prepare` (metaschema check, normalisation, capability walk, strict or
@@ -11,7 +12,11 @@ bound) and the in-process compile. The report gives, per schema, the outcome (ac
 accepted with relaxed keywords / refused with its status and message), the worker's compile time
 and peak resident size; the summary counts outcomes and refusal reasons and the compile-time
 distribution. With --mask-rows, accepted grammars also drive a batch of that many matchers at
-once (random allowed tokens), timing the per-row mask fill as the scheduler does it.
+once (random allowed tokens), timing the per-row mask fill as the scheduler does it. With
+--mask-under-forward the same fills are timed a second time while another thread runs SmolLM2's
+forward on a batch of that many decode tokens back to back, as the overlap loop's forward thread
+does beside the scheduler's mask fills (on a CPU they share its cores; on a GPU the forward's host
+side is a launch queue).
 
 Sources: `vendor` = the 26 SchemaStore schemas vendored by check-jsonschema; `project` = the
 test corpus (tests/data/make_schema_corpus.py: vendor + setuptools + metaschema + OpenAPI);
@@ -21,10 +26,12 @@ test corpus (tests/data/make_schema_corpus.py: vendor + setuptools + metaschema 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
@@ -90,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="first N schemas only")
     ap.add_argument("--mask-rows", type=int, default=0, help="time mask fills for batches of this many rows")
     ap.add_argument("--mask-steps", type=int, default=48)
+    ap.add_argument(
+        "--mask-under-forward", action="store_true", help="also time the fills beside a running forward"
+    )
     ap.add_argument("--code", default=str(ROOT), help="checkout whose features/ and service/ are measured")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from features import constrained as C
     from features.grammar_backend import GrammarBackend, GrammarLimits, check_limits
     from service.config import ServerArgs
-    from service.engine.request import RequestError
+    from service.core.request import RequestError
     from service.model_prep import prepare_default_model
 
     d = ServerArgs()
@@ -192,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if a.mask_rows and compiled:
         summary["mask"] = mask_times(backend, C, list(compiled.values()), a.mask_rows, a.mask_steps)
+        if a.mask_under_forward:
+            with forward_beside(prepare_default_model(), a.mask_rows) as forwards:
+                under = mask_times(backend, C, list(compiled.values()), a.mask_rows, a.mask_steps)
+            summary["mask_under_forward"] = {**under, "forwards_meanwhile": forwards[0]}
     backend.shutdown()
     print(json.dumps(summary, indent=1))
     if a.out:
@@ -265,6 +279,34 @@ def _reason(message: str) -> str:
         if re.search(pat, message):
             return label
     return m[:80]
+
+
+@contextlib.contextmanager
+def forward_beside(model_dir: Path, rows: int):
+    """A thread running the model's forward on `rows` one-token sequences back to back (a decode
+    batch's linears and its whole OpenMP team) for as long as the block runs; yields a one-item list
+    holding the number of forwards it ran."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (rows, 1))
+    stop, count = threading.Event(), [0]
+
+    def run() -> None:
+        with torch.inference_mode():
+            while not stop.is_set():
+                model(input_ids=ids, use_cache=False)
+                count[0] += 1
+
+    thread = threading.Thread(target=run, name="forward-beside", daemon=True)
+    thread.start()
+    time.sleep(1.0)  # past the first forward's set-up
+    try:
+        yield count
+    finally:
+        stop.set()
+        thread.join()
 
 
 def mask_times(backend, C, grammars: list, rows: int, steps: int) -> dict:

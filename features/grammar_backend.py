@@ -119,7 +119,7 @@ def check_limits(kind: str, text: str, limits: GrammarLimits) -> None:
         )
     if kind in JSON_KINDS:
         try:
-            schema = json.loads(text)  # safe: the nesting is bounded
+            schema = json.loads(text.removeprefix("\ufeff"))  # safe: the nesting is bounded
         except ValueError:
             return  # reported as invalid JSON by the caller
         most = max_object_properties(schema)

@@ -195,7 +195,7 @@ def ptr(base: str, *parts: Any) -> str:
 def load(text: str) -> Schema:
     """The schema from JSON text; SchemaError names where it breaks its metaschema."""
     try:
-        schema = json.loads(text)
+        schema = json.loads(text.removeprefix("\ufeff"))  # a byte order mark: RFC 8259 lets a parser skip it
     except ValueError as e:
         raise SchemaError(SchemaIssue("", "json", f"not valid JSON: {e}")) from None
     if not isinstance(schema, (dict, bool)):
@@ -268,6 +268,20 @@ def walk_all(schema: Schema) -> Iterator[tuple[str, Schema]]:
             ref = n.get("$ref") if isinstance(n, dict) else None
             if isinstance(ref, str) and ref.startswith("#") and ref[1:] not in seen:
                 pending.append(ref[1:])
+
+
+def _id_keyword(root: Schema) -> str:
+    """The identifier keyword of the schema's draft: `id` up to draft-04, `$id` after."""
+    dialect = root.get("$schema", "") if isinstance(root, dict) else ""
+    return "id" if isinstance(dialect, str) and re.search(r"draft-0[34]/", dialect) else "$id"
+
+
+def join_uri(base: str, ref: str) -> str:
+    """ref resolved against base; a fragment-only ref keeps any base (urljoin leaves a base of a
+    scheme it does not know, e.g. "ng-cli://config/schema.json", out of it)."""
+    if ref.startswith("#"):
+        return urldefrag(base).url + ref
+    return urljoin(base, ref)
 
 
 def resolve_pointer(root: Schema, pointer: str) -> Schema | None:
@@ -343,36 +357,44 @@ class _Normaliser:
     # ---- pass 1: every resolvable $ref becomes a root JSON pointer ----------------------
     def retarget_refs(self, root: Schema) -> Schema:
         root = copy.deepcopy(root)
-        base0 = urldefrag(root.get("$id", "")).url if isinstance(root, dict) else ""
+        id_kw = _id_keyword(root)
+        base0 = urldefrag(root.get(id_kw, "")).url if isinstance(root, dict) else ""
+        if not isinstance(base0, str):
+            base0 = ""
         index: dict[str, str] = {base0: ""}  # absolute URI (resource or anchor) -> pointer
-        bases: dict[str, str] = {}
+        bases: dict[str, str] = {}  # pointer -> the base URI its refs resolve against
+        resources: dict[str, str] = {}  # pointer -> the pointer of the resource it lies in
 
-        def scan(node: Schema, at: str, base: str) -> None:
+        def scan(node: Schema, at: str, base: str, resource: str) -> None:
             if isinstance(node, dict):
-                if isinstance(node.get("$id"), str) and at:
-                    uri = urljoin(base, node["$id"])
+                if isinstance(node.get(id_kw), str) and at:
+                    uri = join_uri(base, node[id_kw])
                     u, frag = urldefrag(uri)
                     if frag and not frag.startswith("/"):  # draft-7 "$id": "#anchor"
                         index[uri] = at
                     elif u != base:  # a new resource: refs inside resolve against it
-                        index[u] = at
-                        base = u
+                        index.setdefault(u, at)  # a duplicate $id: refs inside still find their own
+                        base, resource = u, at
                 if isinstance(node.get("$anchor"), str):
                     index[f"{base}#{node['$anchor']}"] = at
-            bases[at] = base
+            bases[at], resources[at] = base, resource
             for p, s in children(node, at):
-                scan(s, p, base)
+                scan(s, p, base, resource)
 
-        scan(root, "", base0)
+        scan(root, "", base0, "")
         for at, node in list(walk(root)):
             if not isinstance(node, dict) or not isinstance(node.get("$ref"), str):
                 continue
             ref = node["$ref"]
-            target = urljoin(bases.get(at, base0), ref)
+            base = bases.get(at, base0)
+            target = join_uri(base, ref)
             u, frag = urldefrag(target)
-            if target in index:
+            pointer_frag = not frag or frag.startswith("/")
+            if u == base and pointer_frag:  # within the ref's own resource (the enclosing one)
+                new = "#" + resources.get(at, "") + frag
+            elif target in index:
                 new = "#" + index[target]
-            elif u in index and (not frag or frag.startswith("/")):
+            elif u in index and pointer_frag:
                 new = "#" + index[u] + frag
             elif u and u not in index:
                 self.problems.append(
@@ -391,6 +413,15 @@ class _Normaliser:
                 continue
             if "%" in new and resolve_pointer(root, unquote(new[1:])) is not None:
                 new = "#" + unquote(new[1:])  # the backend reads pointers as written (no percent-decoding)
+            if (
+                resolve_pointer(root, new[1:]) is None
+                and ref.startswith("#/")
+                and resolve_pointer(root, unquote(ref[1:])) is not None
+            ):
+                # Not in its resource, but in the document: generators that put "$id"s on every
+                # subschema mean the document's root (what a validator would refuse to resolve).
+                new = "#" + unquote(ref[1:])
+                self.note(ptr(at, "$ref"), "$ref", f"{ref!r} resolved against the document's root")
             if resolve_pointer(root, new[1:]) is None:
                 self.problems.append(SchemaIssue(ptr(at, "$ref"), "$ref", f"{ref!r} points at nothing"))
                 continue

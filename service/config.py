@@ -71,7 +71,7 @@ class ServerArgs:
         8 << 20
     )  # schema / regex / EBNF text (compiles are bounded by deadline and memory)
     max_constraint_depth: int = 64  # bracket / parenthesis nesting
-    max_constraint_properties: int = 1024  # properties of one JSON-schema object
+    max_constraint_properties: int = 2048  # properties of one JSON-schema object
     constraint_mode: str = "lenient"  # strict | lenient: JSON-schema keywords the grammar cannot enforce
     max_image_bytes: int = 10 << 20  # one image's encoded bytes (INVALID_ARGUMENT beyond)
     max_image_pixels: int = 25_000_000  # one image's width x height, read from its header before decoding

@@ -207,25 +207,32 @@ class TorchAttention:
                 kr = kr.repeat_interleave(group, dim=0)
                 vr = vr.repeat_interleave(group, dim=0)
             qr = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-            prefix = length - n
-            if prefix == 0 and meta.sliding_window is None:
-                o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
+            if length == n and meta.sliding_window is None:  # no prefix: plainly causal
+                o = sdpa(qr, kr, vr, scale, causal=True)
             else:
-                o = masked_sdpa(qr, kr, vr, meta.extend_mask(r, q.device), scale)
+                o = sdpa(qr, kr, vr, scale, additive_mask=meta.extend_mask(r, q.device))
             out[start : start + n] = o.transpose(0, 1).reshape(n, hq * d)
         return out
 
 
-def masked_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor, scale: float
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    additive_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA of q [H, n, D] over k, v [H, L, D] with an additive float32 mask [n, L] (0 / -inf).
+    """SDPA of q [H, n, D] over k, v [H, L, D]: causal, or with an additive float32 mask [n, L]
+    (0 / -inf).
 
-    On CPU, F.scaled_dot_product_attention takes its math path for any mask (scores
-    materialised, then where/all/isneginf passes over them): a 246-token prompt chunk over 740
-    keys cost 9.4 ms per layer. ATen's CPU flash kernel takes the mask blockwise, here in float32
-    (its bf16 variant rounds the probabilities to bf16: a chunked prompt then drifted past the
-    tolerance from the same prompt in one piece): 3.2 ms, casts included."""
+    On CPU, F.scaled_dot_product_attention takes its math path for 3-D inputs and for any mask
+    (scores materialised, then where/all/isneginf passes over them): a 1,024-token prompt cost
+    102 ms per layer that way (a 246-token chunk over 740 keys, 9.4 ms). ATen's CPU flash kernel
+    works blockwise on 4-D inputs, skipping the masked-out blocks of a causal prompt: 23 ms
+    (3.2 ms). It runs here in float32 (its bf16 variant rounds the probabilities to bf16: a chunked
+    prompt then drifted past the tolerance from the same prompt in one piece), so a prompt's
+    attention is the same computation whole or in chunks."""
     if (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
@@ -236,9 +243,12 @@ def masked_sdpa(
             k.float().unsqueeze(0),
             v.float().unsqueeze(0),
             0.0,
-            False,
-            attn_mask=additive_mask[None, None],
+            causal,
+            attn_mask=None if additive_mask is None else additive_mask[None, None],
             scale=scale,
         )[0]
         return out[0].to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask.to(q.dtype), scale=scale)
+    mask = None if additive_mask is None else additive_mask.to(q.dtype)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale
+    )[0]

@@ -20,7 +20,12 @@ from zerogap.v1 import generation_pb2 as pb2
 
 @pytest.fixture(scope="module")
 def client(smol_dir):
-    c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=20000, max_running_requests=32), smol_dir)
+    # A long compile deadline: the corpus test sends its ~40 schemas at once and the deadline counts
+    # their queueing for the compile workers (on a loaded 2-core machine, past the default 30 s).
+    args = ServerArgs(
+        dtype="float32", kv_cache_tokens=20000, max_running_requests=32, grammar_compile_timeout_s=300
+    )
+    c = SyncClient(args, smol_dir)
     yield c
     c.close()
 

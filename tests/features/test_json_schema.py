@@ -844,3 +844,76 @@ def test_vendored_schemas_served_by_default(hf_tokenizer):
         "travis",
     ):
         assert must in served, outcomes
+
+
+REF_CASES = {
+    # draft-04 names resources with `id`: a `$id` there is no keyword (generators put one on every node)
+    "draft-04 ignores $id": {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "definitions": {"v": {"$id": "/definitions/v", "enum": ["a", "b"]}},
+        "type": "object",
+        "properties": {"k": {"$id": "/properties/k", "$ref": "#/definitions/v"}},
+        "required": ["k"],
+    },
+    # two embedded resources with one $id: a ref resolves within the resource that encloses it
+    "duplicate $id": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "https://example.com/root",
+        "type": "object",
+        "properties": {
+            "a": {"$id": "https://example.com/t", "$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"},
+            "b": {"$id": "https://example.com/t", "$defs": {"y": {"type": "string"}}, "$ref": "#/$defs/y"},
+        },
+        "required": ["a", "b"],
+    },
+    # a base of a scheme urljoin does not know
+    "custom scheme base": {
+        "$schema": "http://json-schema.org/draft-07/schema",
+        "$id": "ng-cli://config/schema.json",
+        "definitions": {"v": {"type": "boolean"}},
+        "type": "object",
+        "properties": {"k": {"$ref": "#/definitions/v"}},
+        "required": ["k"],
+    },
+    # a "$id" on a definition makes it a resource without the root's definitions: the root meant
+    "pointer past its resource": {
+        "$schema": "http://json-schema.org/draft-07/schema",
+        "$id": "https://example.com/base.json",
+        "definitions": {
+            "path": {"type": "string", "minLength": 1},
+            "nullable-path": {
+                "$id": "nullable-path",
+                "oneOf": [{"$ref": "#/definitions/path"}, {"type": "null"}],
+            },
+        },
+        "type": "object",
+        "properties": {"k": {"$ref": "#/definitions/nullable-path"}},
+        "required": ["k"],
+    },
+}
+
+
+REF_SAMPLES = {  # document -> valid, as the schema's author meant it
+    "draft-04 ignores $id": {'{"k":"a"}': True, '{"k":"c"}': False},
+    "duplicate $id": {'{"a":1,"b":"s"}': True, '{"a":"s","b":1}': False},
+    "custom scheme base": {'{"k":true}': True, '{"k":1}': False},
+    "pointer past its resource": {'{"k":"p"}': True, '{"k":null}': True, '{"k":""}': False, '{"k":3}': False},
+}
+
+
+@pytest.mark.parametrize("name", list(REF_CASES))
+def test_refs_resolve_as_real_schemas_write_them(name):
+    """Four ways SchemaStore schemas wrote a `$ref` that the normaliser once called unresolvable
+    (jsonschema itself fails on the last two): each compiles to the language its author meant."""
+    prepared = prepare(ConstraintSpec("json_schema", json.dumps(REF_CASES[name])), "lenient")
+    grammar = xgr.Grammar.from_json_schema(prepared.backend_text, any_whitespace=False)
+    for doc, valid in REF_SAMPLES[name].items():
+        assert _is_grammar_accept_string(grammar, json.dumps(json.loads(doc))) == valid, (name, doc)
+
+
+def test_a_byte_order_mark_before_the_schema_is_skipped():
+    """RFC 8259 lets a parser ignore a leading BOM; one SchemaStore schema (StyleCop) starts with one."""
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}
+    prepared = prepare(ConstraintSpec("json_schema", "\ufeff" + json.dumps(schema)), "strict")
+    grammar = xgr.Grammar.from_json_schema(prepared.backend_text, any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, '{"k": 1}')

@@ -537,15 +537,15 @@ def test_mixed_prompt_lengths_give_the_same_tokens(server, stub):
 
 class AttentionWork:
     """Query-key pairs (times query heads) that attention computed, over every path the torch backend
-    takes: SDPA per request, the masked flash call, the native paged kernel."""
+    takes: the per-request flash call, SDPA (decode without the kernel), the native paged kernel."""
 
     def __init__(self, monkeypatch):
         from service.models import attention, cpu_kernels
 
         self.pairs = 0
-        sdpa, masked, kernel = (
+        sdpa, cpu_sdpa, kernel = (
             attention.F.scaled_dot_product_attention,
-            attention.masked_sdpa,
+            attention.sdpa,
             cpu_kernels.PagedAttention.__call__,
         )
 
@@ -553,16 +553,16 @@ class AttentionWork:
             self.pairs += q.shape[:-1].numel() * k.shape[-2]
             return sdpa(q, k, v, *args, **kwargs)
 
-        def counted_masked(q, k, v, mask, scale):
+        def counted_cpu_sdpa(q, k, v, *args, **kwargs):  # q [H, n, D], k [H, L, D]
             self.pairs += q.shape[0] * q.shape[1] * k.shape[1]
-            return masked(q, k, v, mask, scale)
+            return cpu_sdpa(q, k, v, *args, **kwargs)
 
         def counted_kernel(call, q, *args, **kwargs):
             self.pairs += q.shape[1] * int((call._keep[2] + 1).sum())  # each query row: its position + 1 keys
             return kernel(call, q, *args, **kwargs)
 
         monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted_sdpa)
-        monkeypatch.setattr(attention, "masked_sdpa", counted_masked)
+        monkeypatch.setattr(attention, "sdpa", counted_cpu_sdpa)
         monkeypatch.setattr(cpu_kernels.PagedAttention, "__call__", counted_kernel)
 
 
