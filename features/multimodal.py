@@ -1,11 +1,12 @@
-"""Multimodal (image) input for LLaVA-family models — overlapped.
+"""Multimodal (image) input for LLaVA and Qwen2-VL / Qwen2.5-VL models — overlapped.
 
 A request carries images as raw bytes (PNG / JPEG / WebP): in chat content parts, or beside
 `text` / `token_ids` with one image placeholder (the model's image token) per image. Each
-placeholder is expanded into the image's run of `tokens_per_image` image tokens
-(`expand_prompt`, caller thread), and a content hash (sha256 of the bytes) is kept beside each
-run (`ImageRequest.image_hashes` / `spans`): two different images never look alike to any cache
-keyed by it, and the same bytes always do.
+placeholder is expanded into the image's run of image tokens (`expand_prompt`, caller thread):
+a fixed `tokens_per_image` for LLaVA; for Qwen-VL as many as the image's size needs (its patch
+grid within the processor's min/max pixels, read from the header). A content hash (sha256 of
+the bytes) is kept beside each run (`ImageRequest.image_hashes` / `spans`): two different
+images never look alike to any cache keyed by it, and the same bytes always do.
 
 Decoding, checks and preprocessing (features/images.py) run on a thread pool, the vision tower
 and projector on an encoder thread (service/models/llava.py) — never on the scheduler thread.
@@ -14,6 +15,14 @@ gRPC handler awaits only the decode + checks (`pending`), so a bad image is refu
 INVALID_ARGUMENT naming its index before the request is queued. Encoder outputs are kept in a
 bounded LRU cache keyed by the hash, and concurrent requests with the same image share one
 encode: a repeated image costs nothing.
+
+Qwen-VL's M-RoPE positions are computed at validation from the grids (`ImageRequest.rope`) and
+carried with the request; `on_batch_formed` hands each batch the (packed row, offset) pairs of
+its image requests' tokens, prompt chunks and decodes alike (a decode sits at its index + the
+request's delta), and `rope_positions` adds them on the forward thread.
+
+The vision thread encodes every image that is ready when it gets to work in one call (a step's
+images together), each image's output cached under its own hash.
 
 On the forward thread, `modify_embeddings` writes each image's embeddings over its placeholder
 rows. Which rows is worked out per extend row from its positions (`extend_prefix_lens_cpu`,
@@ -34,14 +43,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from features.images import ImageError, ImageLimits, Preprocessor, check_size, decode
+from features.images import (
+    DynamicPreprocessor,
+    ImageError,
+    ImageLimits,
+    Patches,
+    Preprocessor,
+    check_size,
+    decode,
+    upright_size,
+)
 from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.core.request import Req, RequestError
+from service.models.qwen_vl import mrope_positions
 
 if TYPE_CHECKING:
     from service.core.device import Device
-    from service.models.llava import VisionEncoder
 
 log = logging.getLogger("zerogap.multimodal")
 
@@ -54,6 +72,23 @@ class ImageInputs:
 
 
 @dataclass(frozen=True)
+class MropePositions:
+    """A Qwen-VL request's M-RoPE positions as offsets from each token's index: `offsets` [3, prompt
+    length] (int64, host) for the prompt, `delta` for every token after it (decodes, kept output)."""
+
+    offsets: torch.Tensor
+    delta: int
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Offsets [3, hi - lo] of tokens lo..hi."""
+        n = self.offsets.shape[1]
+        inside = self.offsets[:, lo : min(hi, n)]
+        if hi <= n:
+            return inside
+        return torch.cat([inside, torch.full((3, hi - max(lo, n)), self.delta, dtype=torch.int64)], 1)
+
+
+@dataclass(frozen=True)
 class ImageRequest:
     """A validated request's images: where each sits in the prompt, its hash, and its embeddings.
 
@@ -63,8 +98,9 @@ class ImageRequest:
 
     image_hashes: tuple[str, ...]
     spans: tuple[tuple[int, int], ...]
-    encoded: tuple[Future, ...]  # per image: its embeddings [tokens_per_image, hidden] (model dtype, device)
+    encoded: tuple[Future, ...]  # per image: its embeddings [tokens, hidden] (model dtype, device)
     prepared: Future  # all images decoded and checked (the first error names its image)
+    rope: MropePositions | None = None  # Qwen-VL: M-RoPE positions (None: plain RoPE)
 
 
 def image_hash(data: bytes) -> str:
@@ -80,10 +116,11 @@ def image_cache_key(prompt_ids: list[int], images: "ImageRequest") -> list[int]:
     return key
 
 
-def image_spans(prompt_ids: list[int], image_token: int, per_image: int) -> list[tuple[int, int]]:
-    """(start, length) of each image's run in an expanded prompt (adjacent runs are split every per_image)."""
+def image_spans(prompt_ids: list[int], image_token: int, counts: list[int]) -> list[tuple[int, int]] | None:
+    """(start, length) of each image's run in an expanded prompt, image i taking counts[i] tokens
+    (adjacent runs are split in order); None when the runs do not add up to the counts."""
     spans = []
-    i, n = 0, len(prompt_ids)
+    i, n, k = 0, len(prompt_ids), 0
     while i < n:
         if prompt_ids[i] != image_token:
             i += 1
@@ -91,32 +128,32 @@ def image_spans(prompt_ids: list[int], image_token: int, per_image: int) -> list
         j = i
         while j < n and prompt_ids[j] == image_token:
             j += 1
-        spans.extend((s, per_image) for s in range(i, j, per_image))
-        i = j
-    return spans
+        while i < j and k < len(counts):
+            spans.append((i, counts[k]))
+            i += counts[k]
+            k += 1
+        if i != j:
+            return None
+    return spans if k == len(counts) else None
 
 
-def expand_image_tokens(prompt_ids: list[int], n_images: int, image_token: int, per_image: int) -> list[int]:
-    """One placeholder per image -> each image's run of `per_image` tokens. A prompt that holds
-    the runs already (e.g. Tokenize's output) is kept as it is; anything else is refused."""
+def expand_image_tokens(prompt_ids: list[int], counts: list[int], image_token: int) -> list[int]:
+    """One placeholder per image -> image i's run of counts[i] tokens. A prompt that holds the runs
+    already (e.g. Tokenize's output) is kept as it is; anything else is refused."""
     at = [i for i, t in enumerate(prompt_ids) if t == image_token]
-    if len(at) == n_images:
+    if len(at) == len(counts):
         out: list[int] = []
         last = 0
-        for i in at:
+        for i, n in zip(at, counts):
             out.extend(prompt_ids[last:i])
-            out.extend([image_token] * per_image)
+            out.extend([image_token] * n)
             last = i + 1
         out.extend(prompt_ids[last:])
         return out
-    spans = image_spans(prompt_ids, image_token, per_image)
-    if (
-        n_images
-        and len(at) == n_images * per_image
-        and all(all(prompt_ids[s + k] == image_token for k in range(n)) for s, n in spans)
-    ):
+    if counts and image_spans(prompt_ids, image_token, counts) is not None:
         return list(prompt_ids)
-    runs = f" (or each image's run of {per_image})" if per_image > 1 else ""
+    n_images = len(counts)
+    runs = " (or each image's run of image tokens)" if any(n > 1 for n in counts) else ""
     raise RequestError(
         "INVALID_ARGUMENT",
         f"input: {len(at)} image placeholder token(s) for {n_images} image(s): "
@@ -212,7 +249,7 @@ def _all_of(futures: list[Future]) -> Future:
 @dataclass(frozen=True)
 class ImageSplice:
     """One run of image rows in a batch: the packed row it starts at, the image's embeddings
-    [tokens_per_image, hidden], the first of them it takes and how many."""
+    [tokens, hidden], the first of them it takes and how many."""
 
     dst: int
     embeddings: torch.Tensor
@@ -223,9 +260,12 @@ class ImageSplice:
 @dataclass
 class ImageSplices:
     """A batch's image embeddings to splice (`fb.feature_data[ImageSplices]`), built on the scheduler
-    thread; the batch keeps the embeddings referenced until its result is processed."""
+    thread; the batch keeps the embeddings referenced until its result is processed. On Qwen-VL also
+    the packed rows whose M-RoPE positions move, with their offsets [3, rows] (device)."""
 
     splices: list[ImageSplice]
+    rope_rows: torch.Tensor | None = None
+    rope_offsets: torch.Tensor | None = None
 
 
 class MultimodalFeature(Feature):
@@ -239,20 +279,24 @@ class MultimodalFeature(Feature):
     )
 
     def __init__(self) -> None:
-        self.encoder: VisionEncoder | None = None  # on a LLaVA model
+        self.encoder: Any = None  # the model's vision side (service/models/llava.py or qwen_vl.py)
+        self.family: str | None = None  # "llava" or "qwen_vl" once bound to such a model
         self.image_token = -1
-        self.tokens_per_image = 0
+        self.tokens_per_image = 0  # LLaVA: every image's run (Qwen-VL: by its size)
+        self.merge = 1  # Qwen-VL: patches merged merge x merge into one token
         self.limits = ImageLimits()
         self.cache = EncoderCache(256 << 20)
-        self._preprocess: Preprocessor | None = None
+        self._preprocess: Preprocessor | DynamicPreprocessor | None = None
         self._prep_pool: ThreadPoolExecutor | None = None
         self._encode_pool: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future, Future]] = {}  # hash -> (prepared, encoded) of a running job
+        self._queue: list[tuple[str, Any, Future]] = []  # prepared images waiting for the vision thread
         self._lock = threading.Lock()
         self._device: Device | None = None
         self._stream: Any = None  # the encoder's device stream
         self._dtype = torch.float32
         self.encoder_runs = 0  # images run through the vision tower
+        self.encoder_calls = 0  # calls of the vision tower (several images each when they are ready together)
         self.worker_s: deque[float] = deque(
             maxlen=100_000
         )  # decode+preprocess and encode times (worker threads)
@@ -260,30 +304,38 @@ class MultimodalFeature(Feature):
 
     # ---- declaration -----------------------------------------------------------------
     def unavailable_reason(self, model: FeatureContext | None) -> str | None:
-        from service.models.llava import is_llava
+        from service.models.vision import family
 
         hf_config = model.hf_config if model is not None else None
-        if is_llava(hf_config):
+        if family(hf_config) is not None:
             return None
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
-        return f"{arch} is a text-only model (no vision tower); image input needs a LLaVA-family model"
+        return (
+            f"{arch} is a text-only model (no vision tower); "
+            "image input needs a LLaVA or Qwen2-VL family model"
+        )
 
     def bind(self, ctx: FeatureContext) -> None:
-        from service.models.llava import is_llava, load_vision_encoder
+        from service.models.vision import family, load_vision_encoder
 
         a = ctx.args
         self.limits = ImageLimits.from_args(a)
         self.cache = EncoderCache(a.image_encoder_cache_mb << 20)
-        if not is_llava(ctx.hf_config):
+        self.family = family(ctx.hf_config)
+        if self.family is None:
             return
         cfg = ctx.hf_config
         self._dtype = ctx.dtype
         self._device = ctx.device
         self.encoder = load_vision_encoder(ctx.model_dir, cfg, ctx.dtype, ctx.device.device)
         self.image_token = int(cfg.image_token_id)
-        self.tokens_per_image = self.encoder.tokens_per_image
         ctx.tokenizer.image_token = ctx.tokenizer.hf.convert_ids_to_tokens(self.image_token)
-        self._preprocess = Preprocessor(ctx.model_dir, self.encoder.image_size)
+        if self.family == "llava":
+            self.tokens_per_image = self.encoder.tokens_per_image
+            self._preprocess = Preprocessor(ctx.model_dir, self.encoder.image_size)
+        else:
+            self.merge = self.encoder.merge
+            self._preprocess = DynamicPreprocessor(ctx.model_dir, self.encoder.patch_size, self.merge)
         self._prep_pool = ThreadPoolExecutor(
             max_workers=max(1, a.image_workers), thread_name_prefix="zerogap-image"
         )
@@ -317,13 +369,32 @@ class MultimodalFeature(Feature):
             )
         return ImageInputs(tuple(images))
 
+    def _grids(self, images: tuple[bytes, ...]) -> list[tuple[int, int, int]]:
+        """Qwen-VL: each image's patch grid, from its header (refused here when the header is bad)."""
+        assert isinstance(self._preprocess, DynamicPreprocessor)
+        grids = []
+        for i, data in enumerate(images):
+            try:
+                grids.append(self._preprocess.grid(*upright_size(data, self.limits)))
+            except ImageError as e:
+                raise _image_failure(i, e) from None
+        return grids
+
+    def _counts(self, images: tuple[bytes, ...]) -> tuple[list[int], list[tuple[int, int, int]] | None]:
+        """Each image's run of image tokens (and its grid on Qwen-VL)."""
+        if self.family != "qwen_vl":
+            return [self.tokens_per_image] * len(images), None
+        grids = self._grids(images)
+        return [t * h * w // (self.merge * self.merge) for t, h, w in grids], grids
+
     def expand_prompt(self, payload: ImageInputs | None, prompt_ids: list[int]) -> list[int]:
         if self.encoder is None:
             return prompt_ids
-        n = len(payload.images) if payload is not None else 0
-        if n == 0 and self.image_token not in prompt_ids:
+        images = payload.images if payload is not None else ()
+        if not images and self.image_token not in prompt_ids:
             return prompt_ids
-        return expand_image_tokens(prompt_ids, n, self.image_token, self.tokens_per_image)
+        counts, _ = self._counts(images)
+        return expand_image_tokens(prompt_ids, counts, self.image_token)
 
     def validate(self, payload: ImageInputs, ctx: FeatureContext, prompt_ids: list[int]) -> ImageRequest:
         for i, data in enumerate(payload.images):
@@ -331,15 +402,20 @@ class MultimodalFeature(Feature):
                 check_size(data, self.limits)
             except ImageError as e:
                 raise _image_failure(i, e) from None
-        spans = image_spans(prompt_ids, self.image_token, self.tokens_per_image)
-        if len(spans) != len(payload.images):  # expand_prompt ran first: a bug if this differs
+        counts, grids = self._counts(payload.images)
+        spans = image_spans(prompt_ids, self.image_token, counts)
+        if spans is None:  # expand_prompt ran first: a bug if this happens
             raise RequestError(
-                "INVALID_ARGUMENT", f"input: {len(spans)} image spans for {len(payload.images)} images"
+                "INVALID_ARGUMENT", f"input: the image spans do not fit {len(payload.images)} images"
             )
+        rope = None
+        if grids is not None:
+            pos, delta = mrope_positions(len(prompt_ids), spans, grids, self.merge)
+            rope = MropePositions(pos - torch.arange(len(prompt_ids)), delta)
         hashes = tuple(image_hash(d) for d in payload.images)
         jobs = [self._start(h, d) for h, d in zip(hashes, payload.images)]
         return ImageRequest(
-            hashes, tuple(spans), tuple(enc for _, enc in jobs), _all_of([prep for prep, _ in jobs])
+            hashes, tuple(spans), tuple(enc for _, enc in jobs), _all_of([prep for prep, _ in jobs]), rope
         )
 
     def pending(self, payload: ImageRequest) -> Future:
@@ -364,7 +440,7 @@ class MultimodalFeature(Feature):
         prepared.add_done_callback(lambda f: self._after_prepare(key, f, encoded))
         return job
 
-    def _prepare(self, data: bytes) -> torch.Tensor:
+    def _prepare(self, data: bytes) -> torch.Tensor | Patches:
         t0 = time.perf_counter()
         try:
             assert self._preprocess is not None
@@ -377,7 +453,9 @@ class MultimodalFeature(Feature):
         if err is None:
             try:
                 assert self._encode_pool is not None
-                self._encode_pool.submit(self._encode, key, prepared.result(), encoded)
+                with self._lock:
+                    self._queue.append((key, prepared.result(), encoded))
+                self._encode_pool.submit(self._encode_ready)
                 return
             except RuntimeError as e:  # shutting down
                 err = e
@@ -385,27 +463,47 @@ class MultimodalFeature(Feature):
             self._inflight.pop(key, None)
         encoded.set_exception(err)
 
-    def _encode(self, key: str, pixels: torch.Tensor, encoded: Future) -> None:
+    def _run_encoder(self, items: list[Any]) -> list[torch.Tensor]:
+        """One vision-tower call for several prepared images -> each one's embeddings."""
+        assert self._device is not None
+        dev, dtype = self._device.device, self._dtype
+        if self.family == "qwen_vl":
+            patches = torch.cat([p.pixels for p in items]).to(device=dev, dtype=dtype)
+            return self.encoder(patches, [p.grid for p in items])
+        return list(self.encoder(torch.stack(items).to(device=dev, dtype=dtype)))
+
+    def _encode_ready(self) -> None:
+        """Vision thread: every image prepared by now, in one call (none: an earlier call took them)."""
+        with self._lock:
+            batch, self._queue = self._queue, []
+        if not batch:
+            return
         t0 = time.perf_counter()
         try:
-            dev, encoder = self._device, self.encoder
-            assert dev is not None and encoder is not None
+            dev = self._device
+            assert dev is not None
             with dev.use_stream(self._stream), torch.inference_mode():
-                out = encoder(pixels.unsqueeze(0).to(device=dev.device, dtype=self._dtype))[0]
+                outs = self._run_encoder([item for _, item, _ in batch])
             dev.record_event(self._stream).synchronize()  # ready before any forward reads it (any stream)
-            self.encoder_runs += 1
-            self.cache.put(key, out)
-        except BaseException as e:  # noqa: BLE001 (handed to the request)
+            self.encoder_runs += len(batch)
+            self.encoder_calls += 1
+            for (key, _, _), out in zip(batch, outs):
+                self.cache.put(key, out)
+        except BaseException as e:  # noqa: BLE001 (handed to the requests)
             log.exception("vision encoder failed")
             with self._lock:
-                self._inflight.pop(key, None)
-            encoded.set_exception(e)
+                for key, _, _ in batch:
+                    self._inflight.pop(key, None)
+            for _, _, encoded in batch:
+                encoded.set_exception(e)
             return
         finally:
             self.worker_s.append(time.perf_counter() - t0)
         with self._lock:
-            self._inflight.pop(key, None)
-        encoded.set_result(out)
+            for key, _, _ in batch:
+                self._inflight.pop(key, None)
+        for (_, _, encoded), out in zip(batch, outs):
+            encoded.set_result(out)
 
     # ---- scheduler thread ------------------------------------------------------------------
     def on_admit(self, req: Req) -> None:
@@ -427,31 +525,47 @@ class MultimodalFeature(Feature):
             self.scheduler_s += time.perf_counter() - t0
 
     def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
-        """Which packed rows of this extend get which image rows: from each row's positions."""
+        """Which packed rows of this extend get which image rows, from each row's positions; and on
+        Qwen-VL the M-RoPE offsets of every token of an image request (prompt chunks and decodes)."""
         fb = batch.fb
-        if (
-            fb.mode is not ForwardMode.EXTEND
-            or fb.extend_prefix_lens_cpu is None
-            or fb.extend_start_loc_cpu is None
-            or fb.extend_lens is None
-        ):
+        extend = (
+            fb.mode is ForwardMode.EXTEND
+            and fb.extend_prefix_lens_cpu is not None
+            and fb.extend_start_loc_cpu is not None
+            and fb.extend_lens is not None
+        )
+        if not extend and self.family != "qwen_vl":
             return
         t0 = time.perf_counter()
         splices = []
+        rope_rows: list[torch.Tensor] = []
+        rope_offsets: list[torch.Tensor] = []
         for i in rows:
             req = batch.reqs[i]
-            embeds: list[torch.Tensor] | None = req.feature_state.get(self.name)
-            if embeds is None:
+            payload: ImageRequest = req.features[self.name]
+            if not extend:  # a decode row: one token at its index + delta
+                if payload.rope is not None and payload.rope.delta:
+                    rope_rows.append(torch.tensor([i]))
+                    rope_offsets.append(torch.full((3, 1), payload.rope.delta, dtype=torch.int64))
                 continue
             lo, start = fb.extend_prefix_lens_cpu[i], fb.extend_start_loc_cpu[i]
             hi = lo + fb.extend_lens[i]
-            payload: ImageRequest = req.features[self.name]
+            if payload.rope is not None:
+                rope_rows.append(torch.arange(start, start + hi - lo))
+                rope_offsets.append(payload.rope.rows(lo, hi))
+            embeds: list[torch.Tensor] | None = req.feature_state.get(self.name)
+            if embeds is None:
+                continue
             for (s, n), emb in zip(payload.spans, embeds):
                 a, b = max(s, lo), min(s + n, hi)
                 if a < b:
                     splices.append(ImageSplice(start + a - lo, emb, a - s, b - a))
-        if splices:
-            fb.feature_data.put(ImageSplices(splices))
+        rows_t = offsets_t = None
+        if rope_rows:  # to the device here, in the scheduler stream's order (before the batch's `ready`)
+            assert self._device is not None
+            rows_t, offsets_t = self._device.to_device(torch.cat(rope_rows), torch.cat(rope_offsets, 1))
+        if splices or rows_t is not None:
+            fb.feature_data.put(ImageSplices(splices, rows_t, offsets_t))
         self.scheduler_s += time.perf_counter() - t0
 
     def on_finish(self, req: Req) -> None:
@@ -469,9 +583,18 @@ class MultimodalFeature(Feature):
             hidden[sp.dst : sp.dst + sp.n] = sp.embeddings[sp.src : sp.src + sp.n]
         return hidden
 
+    def rope_positions(self, fb: ForwardBatch, positions: torch.Tensor) -> torch.Tensor:
+        data = fb.feature_data.get(ImageSplices)
+        if data is None or data.rope_rows is None or data.rope_offsets is None:
+            return positions
+        positions = positions.clone()
+        positions[:, data.rope_rows] += data.rope_offsets
+        return positions
+
     def stats(self) -> dict[str, float]:
         return {
             "encoder_runs": self.encoder_runs,
+            "encoder_calls": self.encoder_calls,
             "cache_hits": self.cache.hits,
             "cache_entries": len(self.cache),
             "scheduler_s": self.scheduler_s,

@@ -5,7 +5,8 @@
 // CMake generates the stubs from ../../proto into the build directory (nothing
 // generated is committed). It runs: a health check, a greedy chat Generate, a
 // GenerateStream printing deltas as they arrive, a JSON-schema constrained
-// request, then an error and a deadline.
+// request, an error, a deadline, then a chat message with an image part (an 8x8 PNG; a
+// text-only model answers FAILED_PRECONDITION).
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -16,6 +17,17 @@
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "zerogap/v1/generation.grpc.pb.h"
+
+// An 8x8 red PNG: an image part carries the file's raw bytes (PNG, JPEG or WebP).
+static const unsigned char kRedPng[] = {
+    0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d,
+    0x49, 0x48, 0x44, 0x52, 0x00, 0x00, 0x00, 0x08, 0x00, 0x00, 0x00, 0x08,
+    0x08, 0x02, 0x00, 0x00, 0x00, 0x4b, 0x6d, 0x29, 0xdc, 0x00, 0x00, 0x00,
+    0x15, 0x49, 0x44, 0x41, 0x54, 0x78, 0xda, 0x63, 0x3c, 0x21, 0x27, 0xc7,
+    0x80, 0x0d, 0x30, 0x31, 0xe0, 0x00, 0x83, 0x53, 0x02, 0x00, 0xd0, 0xca,
+    0x01, 0x14, 0x1f, 0x18, 0xa3, 0x11, 0x00, 0x00, 0x00, 0x00, 0x49, 0x45,
+    0x4e, 0x44, 0xae, 0x42, 0x60, 0x82,
+};
 
 namespace {
 
@@ -164,6 +176,24 @@ int main(int argc, char** argv) {
     auto ctx = WithDeadline(milliseconds(300));
     Status s = gen->Generate(ctx.get(), req, &resp);
     std::cout << "deadline: " << CodeName(s.error_code()) << std::endl;
+  }
+
+  // 7. An image in a chat message: parts in order, text and images.
+  {
+    GenerateRequest req;
+    auto* msg = req.mutable_chat()->add_messages();
+    msg->set_role("user");
+    msg->add_parts()->set_text("What color is this picture? ");
+    msg->add_parts()->set_image(std::string(reinterpret_cast<const char*>(kRedPng), sizeof(kRedPng)));
+    Greedy(&req, 8);
+    GenerateResponse resp;
+    auto ctx = WithDeadline(milliseconds(120000));
+    Status s = gen->Generate(ctx.get(), req, &resp);
+    if (s.ok()) {
+      std::cout << "image: OK " << OneLine(resp.text()) << std::endl;
+    } else {
+      std::cout << "image: " << CodeName(s.error_code()) << " " << s.error_message() << std::endl;
+    }
   }
   return 0;
 }

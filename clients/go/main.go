@@ -5,11 +5,13 @@
 // build.sh generates the stubs from ../../proto into the build directory (nothing
 // generated is committed). It runs: a health check, a greedy chat Generate, a
 // GenerateStream printing deltas as they arrive, a JSON-schema constrained
-// request, then an error and a deadline.
+// request, an error, a deadline, then a chat message with an image part (an 8x8 PNG; a
+// text-only model answers FAILED_PRECONDITION).
 package main
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -30,6 +32,9 @@ import (
 const personSchema = `{"type": "object",
   "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
   "required": ["name", "age"], "additionalProperties": false}`
+
+// An 8x8 red PNG: an image part carries the file's raw bytes (PNG, JPEG or WebP).
+const redPNG = "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAFUlEQVR42mM8ISfHgA0wMeAAg1MCANDKARQfGKMRAAAAAElFTkSuQmCC"
 
 type person struct {
 	Name string `json:"name"`
@@ -145,5 +150,25 @@ func main() {
 			Sampling: &pb.SamplingParams{MaxNewTokens: proto.Int32(2000), IgnoreEos: true},
 		})
 		fmt.Println("deadline:", status.Code(err)) // codes.DeadlineExceeded
+	}
+
+	// 7. An image in a chat message: parts in order, text and images.
+	{
+		ctx, cancel := context.WithTimeout(ctx, 120*time.Second)
+		defer cancel()
+		png, _ := base64.StdEncoding.DecodeString(redPNG)
+		parts := []*pb.ContentPart{
+			{Part: &pb.ContentPart_Text{Text: "What color is this picture? "}},
+			{Part: &pb.ContentPart_Image{Image: png}},
+		}
+		chat := &pb.ChatInput{Messages: []*pb.ChatMessage{{Role: "user", Parts: parts}}}
+		r, err := gen.Generate(ctx, &pb.GenerateRequest{Input: &pb.GenerateRequest_Chat{Chat: chat}, Sampling: greedy(8)})
+		if err != nil {
+			st := status.Convert(err)
+			fmt.Println("image:", st.Code(), st.Message())
+		} else {
+			out, _ := json.Marshal(r.Text)
+			fmt.Println("image: OK", string(out))
+		}
 	}
 }

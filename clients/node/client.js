@@ -4,7 +4,8 @@
 //
 // The stubs are built from ../../proto at start (nothing generated is committed).
 // It runs: a health check, a greedy chat Generate, a GenerateStream printing deltas
-// as they arrive, a JSON-schema constrained request, then an error and a deadline.
+// as they arrive, a JSON-schema constrained request, an error, a deadline, then a chat
+// message with an image part (an 8x8 PNG; a text-only model answers FAILED_PRECONDITION).
 'use strict';
 
 const path = require('path');
@@ -21,6 +22,9 @@ const PERSON_SCHEMA = {
   required: ['name', 'age'],
   additionalProperties: false,
 };
+// An 8x8 red PNG: an image part carries the file's raw bytes (PNG, JPEG or WebP).
+const RED_PNG = Buffer.from(
+  'iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAIAAABLbSncAAAAFUlEQVR42mM8ISfHgA0wMeAAg1MCANDKARQfGKMRAAAAAElFTkSuQmCC', 'base64');
 
 function loadStubs() {
   const definition = protoLoader.loadSync(
@@ -95,6 +99,17 @@ async function main() {
     console.log('deadline: none');
   } catch (err) {
     console.log(`deadline: ${statusName(err.code)}`);
+  }
+
+  // 7. An image in a chat message: parts in order, text and images.
+  try {
+    const parts = [{ text: 'What color is this picture? ' }, { image: RED_PNG }];
+    const m = await unary(gen, 'Generate', {
+      chat: { messages: [{ role: 'user', parts }] }, sampling: { maxNewTokens: 8, temperature: 0 },
+    });
+    console.log(`image: OK ${JSON.stringify(m.text)}`);
+  } catch (err) {
+    console.log(`image: ${statusName(err.code)} ${err.details}`);
   }
 
   gen.close();

@@ -24,6 +24,7 @@ points. Hooks run on the thread named in their docstring — never both.
                                                placeholders expanded into per-image token runs
     forward thread    before_forward           right before the model runs
                       modify_embeddings        input embeddings, before the first layer (e.g. images)
+                      rope_positions           (M-RoPE models) the [3, T] positions the rotary embeddings see
                       process_logits           at sampling: mask / bias the logits
                       after_sampling           tokens sampled: compute extra outputs
 """
@@ -187,9 +188,19 @@ class Feature:
         return hidden
 
     def changes_embeddings(self, fb: "ForwardBatch") -> bool:
-        """Whether modify_embeddings changes this batch's embeddings (a decode CUDA graph, which
-        covers the model from the token ids on, cannot run it then). Default: whenever it is overridden."""
-        return type(self).modify_embeddings is not Feature.modify_embeddings
+        """Whether this batch's model inputs change (embeddings via modify_embeddings, M-RoPE positions
+        via rope_positions): a decode CUDA graph, which covers the model from the token ids on, cannot
+        run it then. Default: whenever either is overridden."""
+        cls = type(self)
+        return (
+            cls.modify_embeddings is not Feature.modify_embeddings
+            or cls.rope_positions is not Feature.rope_positions
+        )
+
+    def rope_positions(self, fb: "ForwardBatch", positions: "torch.Tensor") -> "torch.Tensor":
+        """M-RoPE models only: the (time, height, width) positions [3, T] of the packed tokens
+        (each stream the token's KV position on entry) -> the ones the rotary embeddings use."""
+        return positions
 
     def process_logits(self, fb: "ForwardBatch", logits: "torch.Tensor") -> "torch.Tensor":
         return logits

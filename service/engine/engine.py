@@ -47,8 +47,8 @@ from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.cpu_features import cpu_features
 from service.models.families import model_shape
-from service.models.llava import text_config
 from service.models.loader import load_config, load_model
+from service.models.vision import text_config
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger("zerogap.engine")

@@ -24,7 +24,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from service.gateway import protocol as p
-from service.gateway.errors import APIError
+from service.gateway.errors import APIError, invalid
+from service.gateway.images import FetchError, fetch_image
 from zerogap.client import AsyncClient, AsyncStream, ChannelOptions, Completion, Delta, ZerogapError
 
 if TYPE_CHECKING:
@@ -42,6 +43,11 @@ class GatewayConfig:
     timeout_s: float | None = 600.0  # gRPC deadline of one generation
     channel: ChannelOptions = ChannelOptions()
     credentials: grpc.ChannelCredentials | None = None  # TLS to grpc_target (None: plaintext)
+    image_hosts: frozenset[str] = (
+        frozenset()
+    )  # hosts whose http(s) image URLs are fetched (--allow-image-urls)
+    image_max_bytes: int = 10 << 20  # a fetched image's limit (the service's --max-image-bytes default)
+    image_timeout_s: float = 10.0  # a fetch's time limit
 
 
 class ClientGone(Exception):
@@ -146,9 +152,23 @@ class Gateway:
 
     # ---- generation ------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        return await self._generate(
-            request, p.parse_chat(await _json(request), self.config.default_max_tokens), "chatcmpl"
-        )
+        cfg = self.config
+        call = p.parse_chat(await _json(request), cfg.default_max_tokens, cfg.image_hosts)
+        if remote := p.remote_images(call):
+            call = p.with_images(call, dict(zip([r.param for r in remote], await self._fetch(remote))))
+        return await self._generate(request, call, "chatcmpl")
+
+    async def _fetch(self, remote: list[p.RemoteImage]) -> list[bytes]:
+        """Allowed remote images, fetched in worker threads (never on the event loop)."""
+        cfg = self.config
+
+        async def one(r: p.RemoteImage) -> bytes:
+            try:
+                return await asyncio.to_thread(fetch_image, r.url, cfg.image_max_bytes, cfg.image_timeout_s)
+            except FetchError as e:
+                raise invalid(r.param, f"{r.url}: {e}") from None
+
+        return list(await asyncio.gather(*(one(r) for r in remote)))
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, p.parse_completion(await _json(request)), "cmpl")

@@ -40,6 +40,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle: reach --grpc over TLS (default: plaintext)")
     p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
     p.add_argument("--tls-key", default=None, help="PEM key of --tls-cert")
+    p.add_argument(
+        "--allow-image-urls",
+        default="",
+        metavar="HOST[,HOST...]",
+        help="hosts whose http(s) image URLs chat requests may name; the gateway fetches them "
+        "(at most --image-url-max-bytes, within --image-url-timeout). Default: none, only data: URIs",
+    )
+    p.add_argument("--image-url-max-bytes", type=int, default=10 << 20, help="default %(default)s")
+    p.add_argument("--image-url-timeout", type=float, default=10.0, help="seconds (default %(default)s)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     args = p.parse_args(argv)
     if args.timeout <= 0:
@@ -76,6 +85,9 @@ def main(argv: list[str]) -> int:
         args.default_max_tokens,
         args.timeout,
         credentials=credentials(args),
+        image_hosts=frozenset(h.strip().lower() for h in args.allow_image_urls.split(",") if h.strip()),
+        image_max_bytes=args.image_url_max_bytes,
+        image_timeout_s=args.image_url_timeout,
     )
     tls = " (TLS)" if config.credentials is not None else ""
     print(f"zerogap gateway on http://{args.host}:{args.port} -> grpc {args.grpc}{tls}", flush=True)

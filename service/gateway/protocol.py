@@ -3,20 +3,27 @@
 Pure functions over dicts (no I/O): `parse_chat` / `parse_completion` validate a
 request body and return a `Call`; the `*_body` / `*_chunk` functions build the
 JSON of responses and stream chunks. Parameters this server cannot honour
-(n > 1, tools, logit_bias, echo, suffix, best_of > 1, image parts) are refused
-with a 400 naming them rather than silently ignored.
+(n > 1, tools, logit_bias, echo, suffix, best_of > 1) are refused with a 400
+naming them rather than silently ignored. Chat `image_url` parts carry `data:` URIs
+(base64 PNG / JPEG / WebP, decoded here); a remote http(s) URL is refused unless its
+host is allowed (`--allow-image-urls`), and then left as a `RemoteImage` for the app
+to fetch.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import json
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from service.gateway.errors import invalid, unsupported
-from zerogap.client import Chat, Constraint, Logprobs, Sampling, TokenLogprob
+from zerogap.client import Chat, Constraint, Image, Logprobs, Sampling, TokenLogprob
 
 CHAT_ROLES = {
     "system": "system",
@@ -41,6 +48,17 @@ class Call:
     constraint: Constraint | None
     stream: bool
     include_usage: bool
+
+
+@dataclass(frozen=True)
+class RemoteImage:
+    """An image part at an allowed http(s) URL, to be fetched before the call (`param` names the part)."""
+
+    url: str
+    param: str
+
+
+DATA_URI_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp")
 
 
 # ---- validation helpers ---------------------------------------------------------------------------
@@ -156,24 +174,84 @@ def _common(body: Any) -> tuple[str, bool, bool]:
 # ---- requests ------------------------------------------------------------------------------------
 
 
-def _content(i: int, content: Any) -> str:
+def _image_url(param: str, part: Mapping[str, Any], image_hosts: frozenset[str]) -> Image | RemoteImage:
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, Mapping) else ref
+    if not isinstance(url, str) or not url:
+        raise invalid(param, "must hold a url (a data: URI or an allowed http(s) URL)")
+    if url.startswith("data:"):
+        head, comma, data = url[5:].partition(",")
+        kind, _, encoding = head.partition(";")
+        if not comma or encoding.lower() != "base64":
+            raise invalid(param, "a data: URI must be base64 (data:image/png;base64,...)")
+        if kind.lower() not in DATA_URI_TYPES:
+            raise invalid(param, f"unsupported data: URI type {kind!r} (image/png, image/jpeg or image/webp)")
+        try:
+            return Image(base64.b64decode(data, validate=True))
+        except (binascii.Error, ValueError):
+            raise invalid(param, "the data: URI is not valid base64") from None
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise invalid(param, "must be a data: URI or an http(s) URL")
+    if parsed.hostname.lower() not in image_hosts:
+        allowed = ", ".join(sorted(image_hosts)) or "none"
+        raise invalid(
+            param,
+            f"remote image URLs are refused for host {parsed.hostname!r} (allowed hosts: {allowed}; "
+            "the gateway's --allow-image-urls); send the image as a data: URI",
+        )
+    return RemoteImage(url, param)
+
+
+def _content(i: int, content: Any, image_hosts: frozenset[str]) -> str | list[Any]:
+    """A message's content: its text, or (with images) its parts in order: str, Image, RemoteImage."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, Mapping)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise unsupported(f"messages[{i}].content", "only text parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise invalid(f"messages[{i}].content", "must be a string or a list of text parts")
+        parts: list[Any] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind == "image_url":
+                parts.append(_image_url(f"messages[{i}].content[{j}].image_url", part, image_hosts))
+            else:
+                raise unsupported(
+                    f"messages[{i}].content[{j}]", "only text and image_url parts are supported"
+                )
+        if all(isinstance(p, str) for p in parts):
+            return "".join(parts)
+        return parts
+    raise invalid(f"messages[{i}].content", "must be a string or a list of text and image_url parts")
 
 
-def parse_chat(body: Any, default_max_tokens: int | None = None) -> Call:
+def remote_images(call: Call) -> list[RemoteImage]:
+    """The call's image parts still to be fetched."""
+    if not isinstance(call.prompt, Chat):
+        return []
+    return [
+        p for _, c in call.prompt.messages if not isinstance(c, str) for p in c if isinstance(p, RemoteImage)
+    ]
+
+
+def with_images(call: Call, fetched: Mapping[str, bytes]) -> Call:
+    """The call with each RemoteImage (by its param) replaced by the fetched bytes."""
+    assert isinstance(call.prompt, Chat)
+    msgs = [
+        (
+            r,
+            c
+            if isinstance(c, str)
+            else [Image(fetched[p.param]) if isinstance(p, RemoteImage) else p for p in c],
+        )
+        for r, c in call.prompt.messages
+    ]
+    return dataclasses.replace(call, prompt=Chat(msgs))
+
+
+def parse_chat(
+    body: Any, default_max_tokens: int | None = None, image_hosts: frozenset[str] = frozenset()
+) -> Call:
     model, stream, include_usage = _common(body)
     _refuse(body, ("tools", "functions", "logit_bias", "audio", "prediction"))
     msgs = body.get("messages")
@@ -183,7 +261,7 @@ def parse_chat(body: Any, default_max_tokens: int | None = None) -> Call:
     for i, m in enumerate(msgs):
         if not isinstance(m, Mapping) or m.get("role") not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
-        chat.append((CHAT_ROLES[m["role"]], _content(i, m.get("content"))))
+        chat.append((CHAT_ROLES[m["role"]], _content(i, m.get("content"), image_hosts)))
     top = _number(body, "top_logprobs", 0, 20, integer=True)
     want = _bool(body, "logprobs")
     if top and not want:

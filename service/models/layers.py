@@ -27,7 +27,7 @@ from service.core.forward_batch import ForwardBatch
 from service.models.linear import PackedLinear, pack_linear, packed_if_exact
 from service.models.moe import MoEBlock, MoEShape
 from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
-from service.models.rope import DEFAULT_LAYER, rope_table
+from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table
 
 ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
 
@@ -211,6 +211,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.max_positions = max_positions
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # init_rope(): per table key
+        self.mrope = mrope_section(config)  # M-RoPE bands per position stream (Qwen2-VL), else None
         self.packed_head: PackedLinear | None = None  # pack_weights(): the LM head laid out for oneDNN
 
     def init_rope(self, device: torch.device | str = "cpu") -> None:
@@ -240,11 +241,19 @@ class CausalLM(nn.Module):
             la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap)
             for la in dict.fromkeys(s.layer_attention)
         }
+        positions, pos3 = fb.positions, self._mrope_positions(fb)
+        if pos3 is not None:  # per-token tables, indexed by the packed row
+            positions = torch.arange(pos3.shape[1], device=pos3.device)
+        tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         delta = None
         for i, layer in enumerate(self.layers):
-            cos, sin = self.rope[s.layer_rope[i]]
+            key = s.layer_rope[i]
+            if key not in tables:
+                cos, sin = self.rope[key]
+                tables[key] = (cos, sin) if pos3 is None else mrope_cos_sin(cos, sin, pos3, self.mrope)
+            cos, sin = tables[key]
             meta = metas[s.layer_attention[i]]
-            h, delta = layer(h, delta, fb.positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
+            h, delta = layer(h, delta, positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = (
             fb.logits_index
             if fb.extra_logit_rows is None
@@ -256,6 +265,17 @@ class CausalLM(nn.Module):
         else:
             logits = F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
         return soft_cap(logits, s.final_softcap)
+
+    def _mrope_positions(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """M-RoPE: the (time, height, width) positions [3, T] when a feature moved some tokens' (images);
+        None for plain RoPE (three equal streams)."""
+        if self.mrope is None:
+            return None
+        same = fb.positions.unsqueeze(0).expand(3, -1)
+        pos3 = same
+        for feature, _ in fb.features:
+            pos3 = feature.rope_positions(fb, pos3)
+        return None if pos3 is same else pos3
 
 
 class Checkpoint:

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from service.models.checkpoint import checkpoint_files
+from service.models.checkpoint import tensors_under
 
 LLAVA_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
@@ -70,13 +69,6 @@ def language_config_for(config: Any, tensors: dict[str, torch.Tensor]) -> Any:
     cfg = copy.deepcopy(config.text_config)
     cfg.tie_word_embeddings = "lm_head.weight" not in tensors
     return cfg
-
-
-def _strip(name: str, prefixes: tuple[str, ...]) -> str | None:
-    for p in prefixes:
-        if name.startswith(p):
-            return name[len(p) :]
-    return None
 
 
 class Projector(nn.Module):
@@ -131,18 +123,12 @@ class VisionEncoder(nn.Module):
     def load_from(self, model_dir: Path) -> None:
         """The checkpoint's vision-tower and projector tensors (read lazily: the language model's are skipped)."""
         own = set(self.tower.state_dict())
-        tower, proj = {}, {}
-        for f in checkpoint_files(model_dir):
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    if (k := _strip(name, _VISION_PREFIXES)) is not None:
-                        if k not in own and k.startswith(
-                            "vision_model."
-                        ):  # older layout (CLIPVisionModel.vision_model)
-                            k = k.removeprefix("vision_model.")
-                        tower[k] = st.get_tensor(name)
-                    elif (k := _strip(name, _PROJECTOR_PREFIXES)) is not None:
-                        proj[k] = st.get_tensor(name)
+        tower = {
+            # the older layout nests the tower (CLIPVisionModel.vision_model)
+            k.removeprefix("vision_model.") if k not in own and k.startswith("vision_model.") else k: t
+            for k, t in tensors_under(model_dir, _VISION_PREFIXES).items()
+        }
+        proj = tensors_under(model_dir, _PROJECTOR_PREFIXES)
         for module, tensors, what in (
             (self.tower, tower, "vision_tower"),
             (self.projector, proj, "multi_modal_projector"),

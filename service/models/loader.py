@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from service.models.checkpoint import checkpoint_files
 from service.models.families import family_of, model_shape
 from service.models.layers import CausalLM, Checkpoint
-from service.models.llava import language_config_for, language_tensors, text_config
+from service.models.llava import language_tensors
+from service.models.vision import language_config_for, text_config
 
 
 def load_config(model_dir: str | Path):

@@ -15,6 +15,9 @@ grows past it); a longer prompt is rotated with long factors there from its firs
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import torch
 
 DEFAULT_LAYER = "default"  # the table key of families with one rope for every layer
@@ -83,3 +86,28 @@ def rope_table(
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return _table(inv_freq, torch.arange(max_positions), scaling)
+
+
+def mrope_section(config: Any) -> list[int] | None:
+    """The bands per position stream of an M-RoPE text config (Qwen2-VL; None: plain RoPE)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None) or {}
+        if "mrope_section" in params:
+            return [int(n) for n in params["mrope_section"]]
+    return None
+
+
+def mrope_cos_sin(
+    cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor, section: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cos/sin [T, head_dim] for M-RoPE: frequency band i (of `section`, over half the head)
+    turns by the position of stream i % 3 (time, height, width); the second half repeats the first."""
+    col = torch.arange(sum(section), device=positions.device)  # no host copy: scalar comparisons only
+    band = sum((col >= edge).long() for edge in itertools.accumulate(section[:-1]))
+    stream = torch.cat([band % 3, band % 3])
+    t, d = positions.shape[1], stream.shape[0]
+    pick = stream.view(1, 1, d).expand(1, t, d)
+    return (
+        cos_table[positions].gather(0, pick).squeeze(0),
+        sin_table[positions].gather(0, pick).squeeze(0),
+    )

@@ -1,6 +1,7 @@
 """The example clients in clients/ (Node.js, Go, C++), each built from proto/ and run against a real server.
 
-Each example prints one line per step (health, generate, delta..., stream-done, json, error, deadline);
+Each example prints one line per step (health, generate, delta..., stream-done, json, error, deadline,
+image);
 the test reads them as they come and checks that tokens arrived as a stream (the request was still
 generating when the first delta was printed), that the constrained result parses and validates, and
 that the error and the deadline report the right status (and the deadline's request was freed).
@@ -117,3 +118,5 @@ def test_example_client(build, server):
     assert code(status) == "invalidargument" and "input.text" in message
     assert code(steps["deadline"][0]) == "deadlineexceeded"
     assert wait_until(lambda: kv_idle(server), 20), "the request cut by the deadline kept its KV cache"
+    status, _, message = steps["image"][0].partition(" ")  # the part arrived as an image:
+    assert code(status) == "failedprecondition" and "text-only" in message  # refused by a text-only model

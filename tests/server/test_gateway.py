@@ -65,7 +65,7 @@ def server(smol_dir):
 
 
 @contextlib.contextmanager
-def run_gateway(grpc_address: str) -> Iterator[str]:
+def run_gateway(grpc_address: str, *extra: str) -> Iterator[str]:
     """`python -m service gateway` in a subprocess on a free port; yields its base URL once healthy."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -81,6 +81,7 @@ def run_gateway(grpc_address: str) -> Iterator[str]:
             str(port),
             "--log-level",
             "warning",
+            *extra,
         ],
         cwd=ROOT,
         env=env,
@@ -492,7 +493,10 @@ def test_parse_completion_refusals(body, param):
 def test_parse_chat_refusals():
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     for body, param in [
-        ({"model": "m", "messages": [{"role": "user", "content": [image]}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [image]}]},
+            "messages[0].content[0].image_url",
+        ),
         (
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
             "tools",

@@ -8,6 +8,8 @@
         for d in c.stream("Once upon a time", max_new_tokens=32):      # Deltas as they arrive
             print(d.text, end="")
         c.json("A person:", {"type": "object", "properties": {"name": {"type": "string"}}})
+        c.chat([("user", ["What is this?", Path("cat.jpg")])], max_new_tokens=32)  # image parts: bytes,
+                                                                        # a Path, a PIL image, Image
 
 Errors raise ZerogapError (a grpc.RpcError: .code(), .details()).
 """
@@ -23,12 +25,14 @@ from zerogap.client.types import (
     ConstraintIssue,
     ConstraintResult,
     Delta,
+    Image,
     Logprobs,
     Message,
     Sampling,
     TokenLogprob,
     TopLogprob,
     ZerogapError,
+    image,
 )
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "ConstraintIssue",
     "ConstraintResult",
     "Delta",
+    "Image",
     "Logprobs",
     "Message",
     "RetryPolicy",
@@ -51,4 +56,5 @@ __all__ = [
     "TokenLogprob",
     "TopLogprob",
     "ZerogapError",
+    "image",
 ]

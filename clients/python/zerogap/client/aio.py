@@ -21,6 +21,7 @@ from zerogap.client.types import (
     Chat,
     Completion,
     Constraint,
+    Content,
     Delta,
     Input,
     Logprobs,
@@ -144,7 +145,7 @@ class AsyncClient:
 
     async def chat(
         self,
-        messages: Sequence[Message | Mapping[str, str] | tuple[str, str]],
+        messages: Sequence[Message | Mapping[str, Any] | tuple[str, Content]],
         sampling: Sampling | None = None,
         **kw: Any,
     ) -> Completion:

@@ -20,6 +20,7 @@ from zerogap.client.types import (
     Chat,
     Completion,
     Constraint,
+    Content,
     Delta,
     Input,
     Logprobs,
@@ -135,7 +136,7 @@ class Client:
 
     def chat(
         self,
-        messages: Sequence[Message | Mapping[str, str] | tuple[str, str]],
+        messages: Sequence[Message | Mapping[str, Any] | tuple[str, Content]],
         sampling: Sampling | None = None,
         **kw: Any,
     ) -> Completion:

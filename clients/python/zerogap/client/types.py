@@ -8,7 +8,9 @@ result keeps the raw protobuf message in `.raw` for fields added later.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,24 +163,81 @@ MODES = {
 
 
 @dataclass(frozen=True)
+class Image:
+    """An image part of a chat message: the raw bytes of a PNG, JPEG or WebP file (the server
+    decodes and checks them; a bad image is refused with INVALID_ARGUMENT naming the part)."""
+
+    data: bytes
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str]) -> Image:
+        with open(path, "rb") as f:
+            return cls(f.read())
+
+    @classmethod
+    def from_pil(cls, img: Any, format: str = "PNG") -> Image:
+        """A PIL image, encoded (PNG by default: lossless). PIL is needed only by the caller."""
+        buf = io.BytesIO()
+        img.save(buf, format=format)
+        return cls(buf.getvalue())
+
+
+def image(source: Any) -> Image:
+    """An Image from bytes, a path (pathlib.Path or os.PathLike; a str is text, not a path) or a
+    PIL image."""
+    if isinstance(source, Image):
+        return source
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return Image(bytes(source))
+    if isinstance(source, os.PathLike):
+        return Image.from_path(source)
+    if callable(getattr(source, "save", None)) and hasattr(source, "mode"):  # a PIL image (duck-typed)
+        return Image.from_pil(source)
+    raise TypeError(f"an image part must be bytes, a path or a PIL image, not {type(source).__name__}")
+
+
+# A message's content: text, or parts in order: str (text), or an image (Image, bytes, a path, a
+# PIL image, {"type": "image", "image": ...}), or {"type": "text", "text": ...}.
+Content = str | Sequence[Any]
+
+
+@dataclass(frozen=True)
 class Message:
     role: str
-    content: str
+    content: Content
 
 
 @dataclass(frozen=True)
 class Chat:
-    """Chat input; the server applies the model's chat template."""
+    """Chat input; the server applies the model's chat template (images go where it puts them)."""
 
-    messages: Sequence[Message | Mapping[str, str] | tuple[str, str]]
+    messages: Sequence[Message | Mapping[str, Any] | tuple[str, Content]]
     add_generation_prompt: bool = True
 
     def to_proto(self):
-        msgs = [pb2.ChatMessage(role=r, content=c) for r, c in map(_role_content, self.messages)]
+        msgs = [_message_proto(r, c) for r, c in map(_role_content, self.messages)]
         return pb2.ChatInput(messages=msgs, add_generation_prompt=self.add_generation_prompt)
 
 
-def _role_content(m: Message | Mapping[str, str] | tuple[str, str]) -> tuple[str, str]:
+def _part_proto(part: Any):
+    if isinstance(part, str):
+        return pb2.ContentPart(text=part)
+    if isinstance(part, Mapping):
+        if part.get("type") == "text":
+            return pb2.ContentPart(text=part["text"])
+        if part.get("type") == "image":
+            return pb2.ContentPart(image=image(part["image"]).data)
+        raise ValueError(f"unknown content part type {part.get('type')!r} (text or image)")
+    return pb2.ContentPart(image=image(part).data)
+
+
+def _message_proto(role: str, content: Content):
+    if isinstance(content, str):
+        return pb2.ChatMessage(role=role, content=content)
+    return pb2.ChatMessage(role=role, parts=[_part_proto(p) for p in content])
+
+
+def _role_content(m: Message | Mapping[str, Any] | tuple[str, Content]) -> tuple[str, Content]:
     if isinstance(m, Message):
         return m.role, m.content
     if isinstance(m, Mapping):
@@ -188,7 +247,7 @@ def _role_content(m: Message | Mapping[str, str] | tuple[str, str]) -> tuple[str
 
 
 # What generate/stream/json accept as input: text, token ids, chat messages or a Chat.
-Input = str | Sequence[int] | Sequence[Message | Mapping[str, str] | tuple[str, str]] | Chat
+Input = str | Sequence[int] | Sequence[Message | Mapping[str, Any] | tuple[str, Content]] | Chat
 
 
 def build_request(
