@@ -53,6 +53,11 @@ def test_feature_hooks_on_the_forward_thread_make_no_host_sync(tiny_llama_dir):
     c = SyncClient(args, tiny_llama_dir)
     watch_forward(c, found)
     try:
+        # The grammar compiled first: else, on a loaded machine, the constrained requests are admitted
+        # after the others have finished and the pool never runs short (no retraction).
+        backend = c.engine.features.features["constrained"].backend
+        assert backend.wait_ready(120)
+        backend.compile("regex", "[a-z ]{30,60}").result(timeout=120)
         prompts = [[5 + i, 6, 7, 8, 9, 10 + i] for i in range(8)]
         params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, repetition_penalty=1.2)
         feats = [
