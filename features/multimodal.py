@@ -55,6 +55,7 @@ from features.images import (
 )
 from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
 from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.core.omp import on_passing_thread
 from service.core.request import Req, RequestError
 from service.models.qwen_vl import mrope_positions
 
@@ -472,6 +473,10 @@ class MultimodalFeature(Feature):
             return self.encoder(patches, [p.grid for p in items])
         return list(self.encoder(torch.stack(items).to(device=dev, dtype=dtype)))
 
+    def _encode_inference(self, items: list[Any]) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return self._run_encoder(items)
+
     def _encode_ready(self) -> None:
         """Vision thread: every image prepared by now, in one call (none: an earlier call took them)."""
         with self._lock:
@@ -482,8 +487,12 @@ class MultimodalFeature(Feature):
         try:
             dev = self._device
             assert dev is not None
-            with dev.use_stream(self._stream), torch.inference_mode():
-                outs = self._run_encoder([item for _, item, _ in batch])
+            items = [item for _, item, _ in batch]
+            if dev.is_cuda:
+                with dev.use_stream(self._stream), torch.inference_mode():
+                    outs = self._run_encoder(items)
+            else:  # a thread that exits: its OpenMP team goes with it (service/core/omp.py)
+                outs = on_passing_thread(lambda: self._encode_inference(items), "zerogap-vision-call")
             dev.record_event(self._stream).synchronize()  # ready before any forward reads it (any stream)
             self.encoder_runs += len(batch)
             self.encoder_calls += 1

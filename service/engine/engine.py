@@ -22,6 +22,7 @@ from features import Feature, FeatureRegistry
 from service.config import ServerArgs, resolve_dtype
 from service.core.device import Device
 from service.core.feature import FeatureContext
+from service.core.omp import on_passing_thread
 from service.core.request import (
     DEFAULT_MAX_NEW_TOKENS,
     OutputSink,
@@ -33,7 +34,7 @@ from service.core.request import (
 from service.core.text import IncrementalDetokenizer
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.chunking import PrefillChunker
-from service.engine.cpu_threads import AdaptiveTeam, cpu_grant, on_passing_thread
+from service.engine.cpu_threads import AdaptiveTeam, cpu_grant
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -106,7 +107,7 @@ class Engine:
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
         t0 = time.perf_counter()
         # CPU: the one-time parallel work on a thread that exits, so the forward's thread keeps the only
-        # OpenMP team (cpu_threads.py); CUDA: here (graph capture and the current device stay on this thread).
+        # OpenMP team (service/core/omp.py); CUDA: here (graph capture and the current device stay on this thread).
         kv_tokens = self._load() if self.device.is_cuda else on_passing_thread(self._load)
         shape = self.model.shape
         self.scheduler = Scheduler(

@@ -1,4 +1,4 @@
-"""The engine's one-time parallel CPU work runs on a thread that exits (service/engine/cpu_threads.py)."""
+"""The engine's one-time parallel CPU work runs on a thread that exits (service/core/omp.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from service.config import ServerArgs
+from service.core.omp import on_passing_thread
 from service.engine import engine as engine_module
-from service.engine.cpu_threads import on_passing_thread
 from service.engine.engine import SyncClient
 
 
@@ -58,7 +58,7 @@ def test_a_thread_beside_the_forward_runs_its_ops_on_a_team_of_one():
 
     import torch
 
-    from service.engine.cpu_threads import serial_cpu_ops_on_this_thread
+    from service.core.omp import serial_cpu_ops_on_this_thread
 
     if not torch.backends.openmp.is_available():
         pytest.skip("torch without OpenMP")

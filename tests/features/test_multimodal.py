@@ -518,3 +518,27 @@ def test_a_slow_image_holds_up_nobody(loop, tiny_llava_dir, tok):
     finally:
         gate.set()
         c.close()
+
+
+def test_cpu_encoder_calls_run_on_threads_that_exit(tiny_llava_dir, tok):
+    """A vision thread that kept the OpenMP team of its encoder calls beside the forward's made libgomp
+    throttle the forward team's spin-wait (text batches ~10x slower once an image had been encoded, in
+    the normal loop): on CPU each call runs on a thread that exits, taking its team with it."""
+    import threading
+
+    c = client(tiny_llava_dir, loop="normal")
+    f = c.engine.features.features[MM]
+    seen: list[threading.Thread] = []
+    encode = f.encoder
+
+    def spy(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return encode(*args, **kwargs)
+
+    f.encoder = spy
+    try:
+        out = collect(c.generate([tok.encode("Look: <image>")], GREEDY, [mm(IMAGES[1])])[0])
+        assert out[2].error is None and seen
+        assert all(not t.is_alive() and t.name.startswith("zerogap-vision-call") for t in seen)
+    finally:
+        c.close()

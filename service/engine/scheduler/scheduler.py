@@ -27,10 +27,10 @@ import torch
 from features.registry import FeatureRegistry, support_of
 from service.core.feature import OverlapSupport
 from service.core.forward_batch import BatchResult
+from service.core.omp import serial_cpu_ops_on_this_thread
 from service.core.request import FinishReason, OutputSink, Req, RequestError
 from service.engine.cache_manager import PrefixCacheManager
 from service.engine.chunking import PrefillChunker, run_chunk_hooks
-from service.engine.cpu_threads import serial_cpu_ops_on_this_thread
 from service.engine.future_map import FutureMap, FutureMapFull
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.model_worker import ModelWorker
