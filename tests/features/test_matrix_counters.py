@@ -102,8 +102,9 @@ def test_prefix_cache_row_counts_the_batches_that_hit(tiny_llama_dir):
         client.generate([shared + [40]], params)
         row = {r.feature: r for r in client.engine.features.matrix()}["prefix_cache"]
         assert row.batches_overlapped == 0
-        client.generate([shared + [41], shared + [42]], params)  # one prefill batch, two hits
+        client.generate([shared + [41], shared + [42]], params)  # two hits, in one prefill batch or two
         row = {r.feature: r for r in client.engine.features.matrix()}["prefix_cache"]
     finally:
         client.close()
-    assert row.batches_overlapped == 1 and row.batches_synced == row.batches_fallback == 0
+    # The second request may arrive after the first's prefill was formed (a loaded machine): two batches.
+    assert row.batches_overlapped in (1, 2) and row.batches_synced == row.batches_fallback == 0

@@ -154,7 +154,7 @@ def hf_reference(hf, prompt: list[int]):
 
 
 def output_entries(extras: list) -> list:
-    return [e for x in extras if x for e in x.get("output", [])]
+    return [e for x in extras if x for e in x.output]
 
 
 def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], int]:
@@ -201,7 +201,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(family):
         for k, (tok, lp, top, _) in enumerate(out_entries):
             assert abs(lp - float(out_rows[k, tok])) < TOL
             assert all(abs(v - float(out_rows[k, t])) < TOL for t, v, _ in top)
-        inputs = extras[0]["input"]
+        inputs = extras[0].input
         assert [e[0] for e in inputs] == prompt[1:]
         for k, (tok, lp, _, _) in enumerate(inputs):
             assert abs(lp - float(in_rows[k, tok])) < TOL

@@ -137,10 +137,10 @@ def _run(model_dir: Path, prompts=PROMPTS, **args) -> list:
 
 def _logprobs(outs) -> tuple[list[float], list[float]]:
     """(input logprobs, output logprobs) of one request's deltas."""
-    entries = [o.extras.get("logprobs", {}) for o in outs]
+    fields = [f for f in (o.extras.get("logprobs") for o in outs) if f is not None]
     return (
-        [e[1] for x in entries for e in x.get("input", [])],
-        [e[1] for x in entries for e in x.get("output", [])],
+        [e[1] for f in fields for e in f.input or []],
+        [e[1] for f in fields for e in f.output],
     )
 
 
