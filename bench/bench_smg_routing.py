@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT / "clients" / "python"))
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
-from service import protos
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 SYSTEM = (
     "You are a careful assistant for a public library. Answer questions about books, authors, opening "
     "hours and lending rules. Keep every answer short, factual and polite; when unsure, say so and "

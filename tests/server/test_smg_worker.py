@@ -16,12 +16,12 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from service import protos
 from service.config import ServerArgs
 from service.server import BackgroundServer
 from tests.helpers import wait_until
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 PROMPT = [1, 450, 4996, 338, 263, 1243, 310, 278, 3186, 29889, 739, 338]
 
 

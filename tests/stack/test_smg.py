@@ -20,10 +20,10 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
-from service import protos
 from tests.helpers import NEEDS, free_port, wait_until
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
-pb2, pb2_grpc = protos.load()
 ROOT = Path(__file__).resolve().parents[2]
 LONG = {"ignore_eos": True}  # SMG's extension: the burst's requests stay in flight together
 SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise for anything at all."
