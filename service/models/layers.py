@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.core.forward_batch import ForwardBatch
-from service.models.linear import PackedLinear, pack_linear, packed_if_exact
+from service.models.linear import PackedLinear, pack_linear, packed_twin
 from service.models.moe import MoEBlock, MoEShape
 from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table
@@ -190,7 +190,7 @@ class DecoderLayer(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> None:
-    """Replace each nn.Linear below `module` by its packed twin where that is exact."""
+    """Replace each nn.Linear below `module` by its packed twin where there is one (service/models/linear.py)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
             setattr(module, name, pack_linear(child))
@@ -225,7 +225,7 @@ class CausalLM(nn.Module):
         """Lay the linear weights out once for oneDNN where that is exact (bf16 on CPU)."""
         pack_linears(self.layers)
         # A packed copy of the head (tied: the embedding keeps its own table for lookups).
-        self.packed_head = packed_if_exact(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        self.packed_head = packed_twin(self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn) -> torch.Tensor:

@@ -1,14 +1,17 @@
-"""Linear layers with weights laid out once for oneDNN (bf16 on CPU).
+"""Linear layers with weights laid out once for oneDNN (CPU).
 
-`F.linear` re-blocks a bf16 weight for AMX / AVX-512 BF16 on every call;
-oneDNN can do that once at load time (`_reorder_linear_weight`) and then run
-`_linear_pointwise` on the packed copy — the same arithmetic (bit-identical
-results), 1.3-2x faster at decode batch sizes. Float32 weights stay as they
-are (packing them changes the accumulation order and buys little).
+`F.linear` runs a float32 weight through MKL's sgemm and re-blocks a bf16 weight for AMX /
+AVX-512 BF16 on every call. oneDNN can lay a weight out once at load time
+(`_reorder_linear_weight`) and then run `_linear_pointwise` on the packed copy:
 
-oneDNN packs bf16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT and raises
-elsewhere (an AMD Zen 3, say): there the layers stay plain `nn.Linear`s, whose bf16 matmuls
-torch runs on any x86-64 CPU (emulated, so slower).
+- bf16: the same arithmetic as `F.linear` (bit-identical results), 1.3-2x faster at decode batch
+  sizes. oneDNN packs bf16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT and raises
+  elsewhere (an AMD Zen 3, say): there the layers stay plain `nn.Linear`s, whose bf16 matmuls torch
+  runs on any x86-64 CPU (emulated, so slower).
+- float32: oneDNN's kernels stream a weight that is not in cache (every layer's, at each step)
+  about twice as fast as sgemm at 1-64 rows on an AVX2 Zen 3 (docs/benchmarks.md, "Float32
+  linears"); they sum in another order, so results differ from `F.linear` by rounding only
+  (relative ~1e-6). A packed twin is kept only where it matches `F.linear` to that.
 """
 
 from __future__ import annotations
@@ -21,15 +24,15 @@ from service.models.cpu_features import cpu_features
 
 # Batch-size hint for oneDNN's weight layout; measured equally good from 1 to 2,624 rows.
 PACK_BATCH_HINT = 64
+FLOAT32_REL_TOL = 1e-5  # a packed float32 twin's largest error, relative to the output's scale
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and cpu_features().onednn_packs_bf16
-    )
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return cpu_features().onednn_packs_bf16
+    return weight.dtype == torch.float32
 
 
 class PackedLinear(nn.Module):
@@ -45,19 +48,25 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def packed_if_exact(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
-    """A packed twin of (weight, bias) where oneDNN runs it with the same results, else None."""
+def packed_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
+    """A packed twin of (weight, bias) where oneDNN runs it with `F.linear`'s results (bf16: the
+    same bits; float32: up to rounding), else None."""
     if not can_pack(weight):
         return None
     try:
         packed = PackedLinear(weight, bias)
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        same = torch.equal(packed(x), F.linear(x, weight, bias))
+        got, want = packed(x), F.linear(x, weight, bias)
     except RuntimeError:  # a CPU oneDNN refuses that the flags did not tell apart: stay plain
         return None
-    return packed if same else None  # never trade exactness for speed
+    if weight.dtype == torch.bfloat16:
+        same = torch.equal(got, want)  # never trade bf16 exactness for speed
+    else:
+        same = bool((got - want).abs().max() <= FLOAT32_REL_TOL * want.abs().max().clamp_min(1e-30))
+    return packed if same else None
 
 
-def pack_linear(layer: nn.Linear) -> nn.Module:
-    """The packed twin of `layer`, or the layer itself."""
-    return packed_if_exact(layer.weight, layer.bias) or layer
+def pack_linear(layer: nn.Module) -> nn.Module:
+    """The packed twin of `layer` (an `nn.Linear`), or the layer itself."""
+    assert isinstance(layer, nn.Linear)
+    return packed_twin(layer.weight, layer.bias) or layer

@@ -20,7 +20,7 @@ from service.engine.engine import SyncClient, collect
 from service.models import cpu_kernels, ops
 from service.models.attention import TorchAttention, sdpa
 from service.models.cpu_features import cpu_features
-from service.models.linear import packed_if_exact
+from service.models.linear import packed_twin
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.available(), reason="needs cc (the native kernels are built with it): apt-get install gcc"
@@ -154,14 +154,26 @@ def test_fused_layer_ops_match_eager(dtype):
 def test_packed_linear_is_bit_identical():
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(48, 32, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
-    packed = packed_if_exact(w, b)
+    packed = packed_twin(w, b)
     if not cpu_features().onednn_packs_bf16:  # an AVX2-only CPU: oneDNN would raise; the layer stays plain
         assert packed is None
         return
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 32, generator=g).bfloat16()
         assert torch.equal(packed(x), F.linear(x, w, b))
-    assert packed_if_exact(w.float()) is None  # float32 weights stay as they are
+
+
+def test_float32_linears_pack_on_every_cpu_and_match_to_rounding():
+    """Float32 weights are packed for oneDNN on any x86-64 CPU (AVX2 included): its kernels stream
+    uncached weights faster than sgemm; they round differently, by ~1e-6 of the output's scale."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    packed = packed_twin(w, b)
+    assert packed is not None
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 32, generator=g)
+        want = F.linear(x, w, b)
+        torch.testing.assert_close(packed(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def test_extend_attention_costs_what_its_tokens_cost():
