@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
             self.rope[key] = (cos.to(device), sin.to(device))
 
     def pack_weights(self) -> None:
-        """Lay the linear weights out once for oneDNN where that is exact (bf16 on CPU)."""
+        """Lay the linear weights out once for oneDNN where it runs them (service/models/linear.py)."""
         pack_linears(self.layers)
         # A packed copy of the head (tied: the embedding keeps its own table for lookups).
         self.packed_head = packed_twin(self.embed.weight if self.lm_head is None else self.lm_head.weight)

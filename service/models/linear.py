@@ -10,7 +10,7 @@ AVX-512 BF16 on every call. oneDNN can lay a weight out once at load time
   runs on any x86-64 CPU (emulated, so slower).
 - float32: oneDNN's kernels stream a weight that is not in cache (every layer's, at each step)
   about twice as fast as sgemm at 1-64 rows on an AVX2 Zen 3 (docs/benchmarks.md, "Float32
-  linears"); they sum in another order, so results differ from `F.linear` by rounding only
+  linears and the realistic load"); they sum in another order, so results differ from `F.linear` by rounding only
   (relative ~1e-6). A packed twin is kept only where it matches `F.linear` to that.
 """
 
@@ -62,11 +62,10 @@ def packed_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     if weight.dtype == torch.bfloat16:
         same = torch.equal(got, want)  # never trade bf16 exactness for speed
     else:
-        same = bool((got - want).abs().max() <= FLOAT32_REL_TOL * want.abs().max().clamp_min(1e-30))
+        same = torch.allclose(got, want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
     return packed if same else None
 
 
-def pack_linear(layer: nn.Module) -> nn.Module:
-    """The packed twin of `layer` (an `nn.Linear`), or the layer itself."""
-    assert isinstance(layer, nn.Linear)
+def pack_linear(layer: nn.Linear) -> nn.Module:
+    """The packed twin of `layer`, or the layer itself."""
     return packed_twin(layer.weight, layer.bias) or layer

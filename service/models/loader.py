@@ -30,7 +30,7 @@ def load_model(
     pack: bool = True,
 ) -> CausalLM:
     """Build the model on the meta device, then fill it from safetensors (or with
-    seeded random weights: load_format="dummy") and move it to `device`; on CPU, lay bf16 linears out for oneDNN (`pack`)."""
+    seeded random weights: load_format="dummy") and move it to `device`; on CPU, lay the linears out for oneDNN (`pack`)."""
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     tensors: dict[str, torch.Tensor] = {}
