@@ -85,6 +85,37 @@ def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few
 
 
 @needs_kernels
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (6, 1, 80), (40, 8, 64)])
+def test_float32_paged_attention_rows_alone_and_in_a_batch_give_the_same_bits(hq, hkv, d):
+    """Many query rows take one work item per row (a token's K/V rows for all heads streamed at
+    once), a lone row one item per (row, kv head): in float32 each head's arithmetic is the same
+    either way, so a request's attention does not change with the batch it is in. (bf16 paths
+    may round apart; both are checked against the reference above.)"""
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(d)
+    pool, bs, n = 4096, 12, 300
+    k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(pool, generator=g)[: bs * n].view(bs, n).contiguous()  # scattered rows
+    req_of = torch.arange(bs)
+    pos_of = torch.tensor([n - 1 - 17 * r for r in range(bs)])  # across the 256-key blocks
+    q = torch.randn(bs, hq, d, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = cpu_kernels.paged_attention(q, k_cache, v_cache, table, req_of, pos_of, 0.125, None)
+        alone = [
+            cpu_kernels.paged_attention(
+                q[r : r + 1], k_cache, v_cache, table, req_of[r : r + 1], pos_of[r : r + 1], 0.125, None
+            )
+            for r in range(bs)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, torch.cat(alone))
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_rows_matches_torch_including_ties_and_nan(dtype):
     g = torch.Generator().manual_seed(1)

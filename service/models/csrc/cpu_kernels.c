@@ -9,9 +9,11 @@
  * pos_of[i]; it attends to kv positions max(0, pos-window+1) .. pos (causal;
  * window <= 0: no window). Decode is the case of one query row per request.
  *
- * bf16 with AVX-512 BF16 and many query rows: one work item per query row
- * (all heads; see bf16_rows_attention). Otherwise work items are (query row,
- * kv head): the g = hq / hkv query heads of a group share each K/V row load. Scores are computed block by block with an
+ * Many query rows (4 per thread of the engine's team, or more): one work item
+ * per query row, all heads (bf16 with AVX-512 BF16: bf16_rows_attention; else
+ * the generic item over every kv head, unless an AVX-512 (row, head) item fits).
+ * Otherwise work items are (query row, kv head): the g = hq / hkv query heads of
+ * a group share each K/V row load. Scores are computed block by block with an
  * online softmax in float32. Element type: bf16 (uint16 bits) or float32.
  * OpenMP threads come from the runtime torch already loaded (libgomp).
  */
@@ -24,6 +26,8 @@
 #define MAX_D 256
 #define MAX_G 16
 #define PREFETCH 8 /* rows ahead: the pool rows of a request are scattered */
+#define ITEM_HEADS 32    /* query heads of one work item at most (a row item: hq) */
+#define ITEM_FLOATS 4096 /* query heads x d of one work item at most (MAX_G * MAX_D) */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t x = (uint32_t)h << 16;
@@ -74,6 +78,12 @@ static inline float online_softmax_block(float *s, int64_t n, float *m, float *l
     *m = bm;
     *l = *l * corr + sum;
     return corr;
+}
+
+/* Prefetch every cache line of bytes [p, p + n): a pool row's head slice spans several lines
+ * (64 float32s: 4), and the rows of a request lie scattered in the pool. */
+static inline void prefetch_span(const void *p, int64_t n) {
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
 #define LOAD_F32(x) (x)
@@ -184,8 +194,10 @@ DEFINE_AVX512_ITEMS(avx512_f32, float, LOADV_F32, LOAD_F32)
 AVX512_DISPATCH(avx512_bf16)
 AVX512_DISPATCH(avx512_f32)
 #define AVX512_ITEM(PREFIX, ...) PREFIX##_dispatch(__VA_ARGS__)
+#define AVX512_HAS(d, g) (((d) == 64 || (d) == 128) && ((g) <= 4 || (g) == 8))
 #else
 #define AVX512_ITEM(PREFIX, ...) 0
+#define AVX512_HAS(d, g) 0
 #endif
 
 
@@ -336,56 +348,80 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
 #endif
 #define ROWS_f32(...) 0
 
-/* One work item: query row i, kv head h; `d` is a compile-time constant in the
- * specialised calls (64, 128), so the inner loops unroll into whole vectors. */
+/* One work item: query row i, kv heads h0 .. h1-1 (their g = hq / hkv query heads each); `d` is a
+ * compile-time constant in the specialised calls (64, 128), so the inner loops unroll into whole
+ * vectors. Tokens go block by block; within a block, token by token, every head of the item uses
+ * the token's K (V) rows, which for all heads are one contiguous run: a row item (all heads, taken
+ * when there are rows enough for every thread) streams each token's rows once, prefetched whole.
+ * A head's arithmetic does not depend on which other heads share its item (float32: a row item
+ * and the (row, kv head) items give the same bits; tests/models/test_cpu_speed_paths.py). */
 #define DEFINE_ATTENTION(NAME, T, LOAD, STORE, AVX, ROWS)                                                              \
     static inline __attribute__((always_inline)) void NAME##_item(                                          \
         const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
-        int64_t pos, int64_t i, int64_t h, int64_t hq, int64_t hkv, int64_t g, const int64_t d, float scale, \
-        T *out) {                                                                                           \
-        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], m[MAX_G], l[MAX_G];                                      \
-        float s[MAX_G][BLOCK], kf[MAX_D];                                                                   \
-        for (int64_t a = 0; a < g; a++) {                                                                   \
-            const T *qa = q + i * q_stride + (h * g + a) * d;                                               \
-            for (int64_t e = 0; e < d; e++) { qf[a][e] = LOAD(qa[e]) * scale; acc[a][e] = 0.f; }            \
+        int64_t pos, int64_t i, int64_t h0, int64_t h1, int64_t hq, int64_t hkv, int64_t g, const int64_t d, \
+        float scale, T *out) {                                                                              \
+        float qf[ITEM_FLOATS], acc[ITEM_FLOATS], m[ITEM_HEADS], l[ITEM_HEADS];                              \
+        float s[ITEM_HEADS][BLOCK], kf[MAX_D];                                                              \
+        const int64_t na = (h1 - h0) * g;                 /* query heads of the item, from h0 * g on */     \
+        const int64_t span = (h1 - h0) * d * sizeof(T);   /* bytes of a token's K (V) rows for them */      \
+        for (int64_t a = 0; a < na; a++) {                                                                  \
+            const T *qa = q + i * q_stride + (h0 * g + a) * d;                                              \
+            for (int64_t e = 0; e < d; e++) { qf[a * d + e] = LOAD(qa[e]) * scale; acc[a * d + e] = 0.f; }  \
             m[a] = -INFINITY;                                                                               \
             l[a] = 0.f;                                                                                     \
         }                                                                                                   \
         for (int64_t j0 = start; j0 <= pos; j0 += BLOCK) {                                                  \
             const int64_t n = (pos + 1 - j0) < BLOCK ? (pos + 1 - j0) : BLOCK;                              \
+            for (int64_t j = 0; j < PREFETCH && j < n; j++) prefetch_span(k + (rows[j0 + j] * hkv + h0) * d, span); \
             for (int64_t j = 0; j < n; j++) {                                                               \
-                if (j + PREFETCH < n) {                                                                     \
-                    __builtin_prefetch(k + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
-                    __builtin_prefetch(v + (rows[j0 + j + PREFETCH] * hkv + h) * d);                        \
-                }                                                                                           \
-                const T *kr = k + (rows[j0 + j] * hkv + h) * d;                                             \
-                for (int64_t e = 0; e < d; e++) kf[e] = LOAD(kr[e]);                                        \
-                for (int64_t a = 0; a < g; a++) {                                                           \
-                    float dot = 0.f;                                                                        \
-                    _Pragma("omp simd reduction(+ : dot)")                                                  \
-                    for (int64_t e = 0; e < d; e++) dot += qf[a][e] * kf[e];                                \
-                    s[a][j] = dot;                                                                          \
+                if (j + PREFETCH < n) prefetch_span(k + (rows[j0 + j + PREFETCH] * hkv + h0) * d, span);    \
+                for (int64_t h = h0; h < h1; h++) {                                                         \
+                    const T *kr = k + (rows[j0 + j] * hkv + h) * d;                                         \
+                    for (int64_t e = 0; e < d; e++) kf[e] = LOAD(kr[e]);                                    \
+                    for (int64_t a = (h - h0) * g; a < (h - h0 + 1) * g; a++) {                             \
+                        const float *qa = qf + a * d;                                                       \
+                        float dot = 0.f;                                                                    \
+                        _Pragma("omp simd reduction(+ : dot)")                                              \
+                        for (int64_t e = 0; e < d; e++) dot += qa[e] * kf[e];                               \
+                        s[a][j] = dot;                                                                      \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
-            for (int64_t a = 0; a < g; a++) {                                                               \
+            for (int64_t a = 0; a < na; a++) {                                                              \
                 const float corr = online_softmax_block(s[a], n, &m[a], &l[a]);                             \
-                for (int64_t e = 0; e < d; e++) acc[a][e] *= corr;                                          \
+                for (int64_t e = 0; e < d; e++) acc[a * d + e] *= corr;                                     \
             }                                                                                               \
+            for (int64_t j = 0; j < PREFETCH && j < n; j++) prefetch_span(v + (rows[j0 + j] * hkv + h0) * d, span); \
             for (int64_t j = 0; j < n; j++) {                                                               \
-                const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                             \
-                for (int64_t e = 0; e < d; e++) kf[e] = LOAD(vr[e]);                                        \
-                for (int64_t a = 0; a < g; a++) {                                                           \
-                    const float p = s[a][j];                                                                \
-                    _Pragma("omp simd")                                                                     \
-                    for (int64_t e = 0; e < d; e++) acc[a][e] += p * kf[e];                                 \
+                if (j + PREFETCH < n) prefetch_span(v + (rows[j0 + j + PREFETCH] * hkv + h0) * d, span);    \
+                for (int64_t h = h0; h < h1; h++) {                                                         \
+                    const T *vr = v + (rows[j0 + j] * hkv + h) * d;                                         \
+                    for (int64_t e = 0; e < d; e++) kf[e] = LOAD(vr[e]);                                    \
+                    for (int64_t a = (h - h0) * g; a < (h - h0 + 1) * g; a++) {                             \
+                        float *aa = acc + a * d;                                                            \
+                        const float p = s[a][j];                                                            \
+                        _Pragma("omp simd")                                                                 \
+                        for (int64_t e = 0; e < d; e++) aa[e] += p * kf[e];                                 \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
-        for (int64_t a = 0; a < g; a++) {                                                                   \
-            T *o = out + (i * hq + h * g + a) * d;                                                          \
+        for (int64_t a = 0; a < na; a++) {                                                                  \
+            T *o = out + (i * hq + h0 * g + a) * d;                                                         \
             const float inv = 1.f / l[a];                                                                   \
-            for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a][e] * inv);                                  \
+            for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a * d + e] * inv);                             \
         }                                                                                                   \
+    }                                                                                                       \
+    static inline __attribute__((always_inline)) void NAME##_heads(                                         \
+        const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
+        int64_t pos, int64_t i, int64_t h0, int64_t h1, int64_t hq, int64_t hkv, int64_t g, int64_t d,     \
+        float scale, T *out) {                                                                              \
+        if (d == 64)                                                                                        \
+            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, 64, scale, out);        \
+        else if (d == 128)                                                                                  \
+            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, 128, scale, out);       \
+        else                                                                                                \
+            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, d, scale, out);         \
     }                                                                                                       \
     int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *table, int64_t table_stride,         \
              const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
@@ -401,6 +437,17 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
         if (ROWS(q, q_stride, k, v, table, table_stride, req_of, pos_of, n_q, hq, hkv, d, scale, window, out, nthreads, row_min)) \
             return 0;                                                                                       \
         const int64_t g = hq / hkv;                                                                         \
+        if (n_q >= row_min && !AVX512_HAS(d, g) && hq <= ITEM_HEADS && hq * d <= ITEM_FLOATS) {            \
+            /* Rows enough for every thread (row_min): one item per query row, all heads. */               \
+            _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")                         \
+            for (int64_t i = 0; i < n_q; i++) {                                                             \
+                const int64_t pos = pos_of[i];                                                              \
+                const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;          \
+                NAME##_heads(q, q_stride, k, v, table + req_of[i] * table_stride, start, pos, i, 0, hkv, hq, \
+                             hkv, g, d, scale, out);                                                        \
+            }                                                                                               \
+            return 0;                                                                                       \
+        }                                                                                                   \
         const int64_t items = n_q * hkv;                                                                    \
         _Pragma("omp parallel for schedule(dynamic, 4) num_threads(nthreads)")                             \
         for (int64_t it = 0; it < items; it++) {                                                            \
@@ -410,12 +457,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;              \
             if (AVX512_ITEM(AVX, q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out))    \
                 continue;                                                                                   \
-            if (d == 64)                                                                                    \
-                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, 64, scale, out);                   \
-            else if (d == 128)                                                                              \
-                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, 128, scale, out);                  \
-            else                                                                                            \
-                NAME##_item(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out);                    \
+            NAME##_heads(q, q_stride, k, v, rows, start, pos, i, h, h + 1, hq, hkv, g, d, scale, out);     \
         }                                                                                                   \
         return 0;                                                                                           \
     }
