@@ -26,7 +26,9 @@ from service.models.cpu_features import cpu_features
 # Batch-size hint for oneDNN's weight layout; measured equally good from 1 to 2,624 rows.
 PACK_BATCH_HINT = 64
 FLOAT32_REL_TOL = 1e-5  # a packed float32 twin's largest error, relative to the output's scale
-PANEL_MAX_ROWS = 6  # one 6-row tile: each weight streamed once (measured faster than oneDNN up to here, AVX2 Zen 3)
+PANEL_MAX_ROWS = (
+    6  # one 6-row tile: each weight streamed once (measured faster than oneDNN up to here, AVX2 Zen 3)
+)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
