@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.core.forward_batch import ForwardBatch
-from service.models.linear import fast_twin, pack_linear
+from service.models.linear import fast_twin, pack_linear, panels_fit
 from service.models.moe import MoEBlock, MoEShape
 from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table
@@ -189,13 +189,13 @@ class DecoderLayer(nn.Module):
         return h, add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
 
 
-def pack_linears(module: nn.Module) -> None:
+def pack_linears(module: nn.Module, panels: bool = True) -> None:
     """Replace each nn.Linear below `module` by its packed twin where there is one (service/models/linear.py)."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, pack_linear(child))
+            setattr(module, name, pack_linear(child, panels))
         else:
-            pack_linears(child)
+            pack_linears(child, panels)
 
 
 class CausalLM(nn.Module):
@@ -223,9 +223,12 @@ class CausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Lay the linear weights out once for the fastest kernels this CPU has (service/models/linear.py)."""
-        pack_linears(self.layers)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        linears = [m.weight for m in self.layers.modules() if isinstance(m, nn.Linear)] + [head]
+        panels = panels_fit(sum(w.numel() * w.element_size() for w in linears))
+        pack_linears(self.layers, panels)
         # A packed copy of the head (tied: the embedding keeps its own table for lookups).
-        self.packed_head = fast_twin(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        self.packed_head = fast_twin(head, panels=panels)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn) -> torch.Tensor:

@@ -16,6 +16,8 @@ AVX-512 BF16 on every call. oneDNN can lay a weight out once at load time
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,11 +117,24 @@ def panel_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelL
     return twin if _matches(twin(x), F.linear(x, weight, bias)) else None
 
 
-def fast_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module | None:
-    """The fastest twin of (weight, bias) this CPU has (panels, else oneDNN's packing), or None."""
-    return panel_twin(weight, bias) or packed_twin(weight, bias)
+def fast_twin(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, panels: bool = True
+) -> nn.Module | None:
+    """The fastest twin of (weight, bias) this CPU has (panels, unless `panels` is False, else
+    oneDNN's packing), or None."""
+    return (panel_twin(weight, bias) if panels else None) or packed_twin(weight, bias)
 
 
-def pack_linear(layer: nn.Linear) -> nn.Module:
+def pack_linear(layer: nn.Linear, panels: bool = True) -> nn.Module:
     """The fastest twin of `layer`, or the layer itself."""
-    return fast_twin(layer.weight, layer.bias) or layer
+    return fast_twin(layer.weight, layer.bias, panels) or layer
+
+
+def panels_fit(weight_bytes: int) -> bool:
+    """Panel twins keep a second copy of the float32 weights beside oneDNN's: only while both
+    copies take at most a quarter of the memory available now."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return False
+    return 2 * weight_bytes <= available // 4

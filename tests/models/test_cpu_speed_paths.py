@@ -20,7 +20,7 @@ from service.engine.engine import SyncClient, collect
 from service.models import cpu_kernels, ops
 from service.models.attention import TorchAttention, sdpa
 from service.models.cpu_features import cpu_features
-from service.models.linear import PANEL_MAX_ROWS, PanelLinear, fast_twin, packed_twin
+from service.models.linear import PANEL_MAX_ROWS, PanelLinear, fast_twin, packed_twin, panels_fit
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.available(), reason="needs cc (the native kernels are built with it): apt-get install gcc"
@@ -249,6 +249,16 @@ def test_fast_twin_uses_panels_for_few_rows_where_measured_and_onednn_for_more()
     )
     many = torch.randn(PANEL_MAX_ROWS + 1, 32, generator=g)
     assert torch.equal(twin(many), twin.large(many))
+
+
+def test_panel_twins_are_kept_only_while_two_copies_of_the_weights_fit():
+    """Panels are a second copy of the float32 weights beside oneDNN's: a model too large for
+    both keeps oneDNN's alone (no panel twins), rather than running the host out of memory."""
+    assert panels_fit(64 << 20)
+    assert not panels_fit(1 << 50)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 32, generator=g)
+    assert not isinstance(fast_twin(w, panels=False), PanelLinear)
 
 
 def test_extend_attention_costs_what_its_tokens_cost():
