@@ -71,10 +71,6 @@ def _build() -> ctypes.CDLL:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
             _fns[name, dtype] = fn
-    for name, (restype, argtypes) in _F32_SIGNATURES.items():
-        fn = getattr(lib, f"{name}_f32")
-        fn.restype, fn.argtypes = restype, argtypes
-        _fns[name, torch.float32] = fn
     return lib
 
 
@@ -97,10 +93,6 @@ _SIGNATURES = {  # each has a _bf16 and an _f32 variant
     "apply_token_bitmask": (None, [_P, _I64, _P, _I64, _P, _I64, _I64, _INT]),
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_F32_SIGNATURES = {  # float32 only
-    "pack_panels": (None, [_P, _I64, _I64, _P]),
-    "panel_linear": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]),
-}
 
 
 def load() -> ctypes.CDLL | None:
@@ -237,46 +229,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), min(torch.get_num_threads(), x.shape[0])
     )
     return out
-
-
-PANEL = 16  # weight rows per panel (PANEL in the C source)
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 weight [N, K] laid out for `panel_linear` (16-row panels), or None where the
-    kernel does not run (no C compiler, or a build without AVX2 + FMA)."""
-    if load() is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
-    n, k = weight.shape
-    panels = torch.empty((n + PANEL - 1) // PANEL * PANEL * k)
-    _fns["pack_panels", torch.float32](weight.detach().contiguous().data_ptr(), n, k, panels.data_ptr())
-    probe, out = torch.zeros(1, k), torch.empty(1, n)  # both held while the kernel writes
-    rc = _fns["panel_linear", torch.float32](
-        probe.data_ptr(), k, 1, k, panels.data_ptr(), n, None, out.data_ptr(), 1
-    )
-    if rc != 0:
-        return None
-    return panels
-
-
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 (rows may be strided) times the packed weight: [M, n]; for few rows."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    y = torch.empty(m, n)
-    _fns["panel_linear", torch.float32](
-        x.data_ptr(),
-        x.stride(0),
-        m,
-        k,
-        panels.data_ptr(),
-        n,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return y
 
 
 def fused_ok(*tensors: torch.Tensor) -> bool:

@@ -16,21 +16,15 @@ AVX-512 BF16 on every call. oneDNN can lay a weight out once at load time
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.models import cpu_kernels
 from service.models.cpu_features import cpu_features
 
 # Batch-size hint for oneDNN's weight layout; measured equally good from 1 to 2,624 rows.
 PACK_BATCH_HINT = 64
 FLOAT32_REL_TOL = 1e-5  # a packed float32 twin's largest error, relative to the output's scale
-PANEL_MAX_ROWS = (
-    6  # one 6-row tile: each weight streamed once (measured faster than oneDNN up to here, AVX2 Zen 3)
-)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -54,16 +48,6 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
-    if want.dtype == torch.bfloat16:
-        return torch.equal(got, want)  # never trade bf16 exactness for speed
-    return torch.allclose(got, want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
-
-
-def _probe(weight: torch.Tensor) -> torch.Tensor:
-    return torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-
-
 def packed_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
     """A packed twin of (weight, bias) where oneDNN runs it with `F.linear`'s results (bf16: the
     same bits; float32: up to rounding), else None."""
@@ -71,70 +55,17 @@ def packed_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
         return None
     try:
         packed = PackedLinear(weight, bias)
-        x = _probe(weight)
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         got, want = packed(x), F.linear(x, weight, bias)
     except RuntimeError:  # a CPU oneDNN refuses that the flags did not tell apart: stay plain
         return None
-    return packed if _matches(got, want) else None
+    if weight.dtype == torch.bfloat16:
+        same = torch.equal(got, want)  # never trade bf16 exactness for speed
+    else:
+        same = torch.allclose(got, want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
+    return packed if same else None
 
 
-class PanelLinear(nn.Module):
-    """Float32 y = x W^T + b with W in the native panel layout (`cpu_kernels.panel_linear`):
-    up to PANEL_MAX_ROWS rows (decode steps) through the panel kernel, more (prefills) through
-    oneDNN's packed copy where there is one. Not a Parameter: `.to()` leaves it alone."""
-
-    def __init__(
-        self, panels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, large: nn.Module | None
-    ):
-        super().__init__()
-        self.panels = panels
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.out_features, self.in_features = weight.shape
-        self.large = large
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if rows > PANEL_MAX_ROWS and self.large is not None:
-            return self.large(x)
-        y = cpu_kernels.panel_linear(
-            x.reshape(rows, self.in_features), self.panels, self.out_features, self.bias
-        )
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def panel_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelLinear | None:
-    """A float32 twin of (weight, bias) for few rows through the panel kernel (and more through
-    oneDNN), where it was measured faster (AVX2 CPUs without AVX-512: docs/benchmarks.md,
-    "Decode linears on an AVX2 Zen 3") and matches `F.linear` to rounding; else None."""
-    cpu = cpu_features()
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not cpu.avx2 or cpu.avx512:
-        return None
-    panels = cpu_kernels.pack_panels(weight)
-    if panels is None:
-        return None
-    twin = PanelLinear(panels, weight, bias, packed_twin(weight, bias))
-    x = _probe(weight)
-    return twin if _matches(twin(x), F.linear(x, weight, bias)) else None
-
-
-def fast_twin(
-    weight: torch.Tensor, bias: torch.Tensor | None = None, panels: bool = True
-) -> nn.Module | None:
-    """The fastest twin of (weight, bias) this CPU has (panels, unless `panels` is False, else
-    oneDNN's packing), or None."""
-    return (panel_twin(weight, bias) if panels else None) or packed_twin(weight, bias)
-
-
-def pack_linear(layer: nn.Linear, panels: bool = True) -> nn.Module:
-    """The fastest twin of `layer`, or the layer itself."""
-    return fast_twin(layer.weight, layer.bias, panels) or layer
-
-
-def panels_fit(weight_bytes: int) -> bool:
-    """Panel twins keep a second copy of the float32 weights beside oneDNN's: only while both
-    copies take at most a quarter of the memory available now."""
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return False
-    return 2 * weight_bytes <= available // 4
+def pack_linear(layer: nn.Linear) -> nn.Module:
+    """The packed twin of `layer`, or the layer itself."""
+    return packed_twin(layer.weight, layer.bias) or layer

@@ -20,7 +20,7 @@ from service.engine.engine import SyncClient, collect
 from service.models import cpu_kernels, ops
 from service.models.attention import TorchAttention, sdpa
 from service.models.cpu_features import cpu_features
-from service.models.linear import PANEL_MAX_ROWS, PanelLinear, fast_twin, packed_twin, panels_fit
+from service.models.linear import packed_twin
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.available(), reason="needs cc (the native kernels are built with it): apt-get install gcc"
@@ -205,60 +205,6 @@ def test_float32_linears_pack_on_every_cpu_and_match_to_rounding():
         x = torch.randn(rows, 32, generator=g)
         want = F.linear(x, w, b)
         torch.testing.assert_close(packed(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
-
-
-@needs_kernels
-@pytest.mark.parametrize("n,k", [(48, 32), (37, 19), (200, 576)])
-def test_panel_linear_matches_to_rounding_and_a_row_does_not_depend_on_its_batch(n, k):
-    """The float32 panel kernel (few-row linears on AVX2 CPUs): F.linear's results to rounding for
-    any N (not a multiple of its 16-row panels), K (not of its 8-float vectors) and rows (not of
-    its 6-row tiles); each output summed over k in order, so a row's results are the same bits
-    alone and in any batch."""
-    g = torch.Generator().manual_seed(n + k)
-    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    panels = cpu_kernels.pack_panels(w)
-    if panels is None:
-        assert not cpu_features().avx2
-        pytest.skip("the panel kernel needs AVX2 + FMA")
-    x = torch.randn(13, k, generator=g)
-    for bias in (b, None):
-        got = cpu_kernels.panel_linear(x, panels, n, bias)
-        want = F.linear(x, w, bias)
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
-        for r in range(13):
-            assert torch.equal(cpu_kernels.panel_linear(x[r : r + 1], panels, n, bias)[0], got[r])
-    strided = torch.randn(5, k + 7, generator=g)[:, :k]  # a view: rows strided, as in a fused output
-    assert torch.equal(
-        cpu_kernels.panel_linear(strided, panels, n, b),
-        cpu_kernels.panel_linear(strided.contiguous(), panels, n, b),
-    )
-
-
-def test_fast_twin_uses_panels_for_few_rows_where_measured_and_onednn_for_more():
-    g = torch.Generator().manual_seed(6)
-    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
-    twin = fast_twin(w, b)
-    cpu = cpu_features()
-    if not cpu_kernels.available() or not cpu.avx2 or cpu.avx512:
-        assert not isinstance(twin, PanelLinear)  # measured on AVX2 CPUs only: oneDNN elsewhere
-        return
-    assert isinstance(twin, PanelLinear) and twin.large is not None
-    few = torch.randn(2, 3, 32, generator=g)  # any leading shape
-    assert torch.equal(
-        twin(few), cpu_kernels.panel_linear(few.view(6, 32), twin.panels, 48, twin.bias).view(2, 3, 48)
-    )
-    many = torch.randn(PANEL_MAX_ROWS + 1, 32, generator=g)
-    assert torch.equal(twin(many), twin.large(many))
-
-
-def test_panel_twins_are_kept_only_while_two_copies_of_the_weights_fit():
-    """Panels are a second copy of the float32 weights beside oneDNN's: a model too large for
-    both keeps oneDNN's alone (no panel twins), rather than running the host out of memory."""
-    assert panels_fit(64 << 20)
-    assert not panels_fit(1 << 50)
-    g = torch.Generator().manual_seed(7)
-    w = torch.randn(48, 32, generator=g)
-    assert not isinstance(fast_twin(w, panels=False), PanelLinear)
 
 
 def test_extend_attention_costs_what_its_tokens_cost():
