@@ -194,6 +194,7 @@ DEFINE_AVX512_ITEMS(avx512_f32, float, LOADV_F32, LOAD_F32)
 AVX512_DISPATCH(avx512_bf16)
 AVX512_DISPATCH(avx512_f32)
 #define AVX512_ITEM(PREFIX, ...) PREFIX##_dispatch(__VA_ARGS__)
+/* The shapes PREFIX##_dispatch has an item for (its switch cases): keep the two in step. */
 #define AVX512_HAS(d, g) (((d) == 64 || (d) == 128) && ((g) <= 4 || (g) == 8))
 #else
 #define AVX512_ITEM(PREFIX, ...) 0
