@@ -413,7 +413,9 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
             for (int64_t e = 0; e < d; e++) o[e] = STORE(acc[a * d + e] * inv);                             \
         }                                                                                                   \
     }                                                                                                       \
-    static inline __attribute__((always_inline)) void NAME##_heads(                                         \
+    /* One compiled body for both the row items and the (row, kv head) items: copies inlined into  \
+     * each loop could be vectorised differently, and then their float32 bits would differ. */      \
+    static __attribute__((noinline)) void NAME##_heads(                                                     \
         const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
         int64_t pos, int64_t i, int64_t h0, int64_t h1, int64_t hq, int64_t hkv, int64_t g, int64_t d,     \
         float scale, T *out) {                                                                              \
