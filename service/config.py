@@ -45,6 +45,7 @@ class ServerArgs:
     )
     adapt_cpu_team: bool = True  # shrink the forward's OpenMP team to one thread while the CPUs are contended
     trace_file: str | None = None
+    log_level: str = "info"  # debug | info | warning | error
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
@@ -228,6 +229,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=d.adapt_cpu_team,
         help="while other processes contend for the granted CPUs, run the forward on one thread (CPU)",
+    )
+    p.add_argument(
+        "--log-level",
+        default=d.log_level,
+        choices=["debug", "info", "warning", "error"],
+        help="server log level (debug: also the CPU team's probes and their outcomes)",
     )
     p.add_argument(
         "--trace-file",

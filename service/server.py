@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__
 from service.config import ServerArgs
+from service.core.omp import serial_cpu_ops_on_this_thread
 from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
 from service.engine.engine import Engine
 from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_tokens, open_service_names
@@ -147,7 +148,11 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         self.router = router
         self.model_path = model_path
         self.draining = False
-        self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerogap-input")
+        # Their torch ops (if any: a processor's, a feature's payload) run serially: a worker with a team
+        # of its own would slow every forward (service/core/omp.py).
+        self.executor = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="zerogap-input", initializer=serial_cpu_ops_on_this_thread
+        )
         self.limits = InputLimits.from_args(engine.args)
 
     # ---- helpers ---------------------------------------------------------------------
@@ -536,7 +541,7 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
 
 def serve(args: ServerArgs) -> int:
     """Run until SIGTERM/SIGINT; then drain within the grace period and exit 0."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def main() -> None:
         running = await start_server(args)

@@ -48,6 +48,9 @@ def serial_cpu_ops_on_this_thread() -> bool:
     lib = _libgomp()
     if lib is None or not torch.backends.openmp.is_available():
         return False
-    torch.zeros(2).add_(1)  # torch's per-thread OpenMP set-up first (it would set the team size back)
+    # torch's per-thread OpenMP set-up first: it runs lazily, at this thread's first parallel region
+    # or get_num_threads(), and sets the team back to torch's process-wide count (a tiny op opens
+    # no region, so it does not run it)
+    torch.get_num_threads()
     lib.omp_set_num_threads(1)
     return True

@@ -141,6 +141,13 @@ class AdaptiveTeam:
         if self.full > 1 and self._probing_from is None:
             due = now >= self._next_probe and (self._want_probe or (self.size == 1 and bool(self._recent)))
             if due or (self._new_class and now >= self._last_probe + self.NEW_CLASS_SPACING_S):
+                log.debug(
+                    "forward team probe: %d -> %d threads (CPU share %.0f%%, new size class: %s)",
+                    self.size,
+                    self.full if self.size == 1 else 1,
+                    100 * (self.last_share or 0),
+                    self._new_class,
+                )
                 self._want_probe = self._new_class = False
                 self._probing_from = self.size
                 self._resize(self.full if self.size == 1 else 1)
@@ -188,6 +195,12 @@ class AdaptiveTeam:
                 self._recent.setdefault(k, t)
             self._probe_s = self.PROBE_FIRST_S
         else:
+            log.debug(
+                "forward team stays at %d threads: %d threads' decode steps took %.0f%% of the time",
+                before,
+                self.size,
+                100 * ratio,
+            )
             self._resize(before)
             self._probe_s = min(2 * self._probe_s, self.PROBE_MAX_S)
         self._want_probe = self._new_class = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -66,18 +67,31 @@ def test_a_thread_beside_the_forward_runs_its_ops_on_a_team_of_one():
         gomp = ctypes.CDLL("libgomp.so.1")
     except OSError:
         pytest.skip("no libgomp.so.1 to load")
+    old = torch.get_num_threads()
+    torch.set_num_threads(max(2, old))  # as the engine does: new threads take it at their first region
     before = gomp.omp_get_max_threads()
     seen: dict[str, object] = {}
+
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
 
     def scheduler_like() -> None:
         seen["changed"] = serial_cpu_ops_on_this_thread()
         seen["team"] = gomp.omp_get_max_threads()
+        threads = os_threads()
         x = torch.arange(1 << 18, dtype=torch.float32)  # large enough for a parallel region
         seen["sum"] = float((x * 2).sum())
+        torch.repeat_interleave(torch.arange(1 << 16), torch.full((1 << 16,), 2))  # the scheduler's
+        # torch's lazy per-thread set-up at the first parallel region must not set the team back:
+        # it did (a bs-1 decode step went from 24 to 43 ms after the first 64-row batch)
+        seen["team_after"] = gomp.omp_get_max_threads()
+        seen["new_threads"] = os_threads() - threads
 
     t = threading.Thread(target=scheduler_like)
     t.start()
     t.join()
+    torch.set_num_threads(old)
     assert seen["changed"] is True and seen["team"] == 1
+    assert seen["team_after"] == 1 and seen["new_threads"] == 0, seen
     assert seen["sum"] == float(torch.arange(1 << 18, dtype=torch.float64).sum() * 2)
     assert gomp.omp_get_max_threads() == before
