@@ -541,7 +541,9 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
 
 def serve(args: ServerArgs) -> int:
     """Run until SIGTERM/SIGINT; then drain within the grace period and exit 0."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     async def main() -> None:
         running = await start_server(args)
