@@ -102,6 +102,9 @@ def main() -> None:
     p.add_argument("--backend", default="torch")
     p.add_argument("--no-pack", action="store_true", help="plain F.linear weights (no oneDNN packing)")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--prefill-repeats", type=int, default=1,
+                   help="time the prefill this many times (the first includes one-time set-up), median")  # fmt: skip
+    p.add_argument("--profile-prefill", action="store_true", help="print the operators of a warm prefill too")
     args = p.parse_args()
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
@@ -118,9 +121,17 @@ def main() -> None:
 
     with torch.no_grad():
         fb = extend_batch(bs, n, table, kv, s.vocab_size)
-        t0 = time.perf_counter()
-        logits = model(fb, fb.input_ids, kv, attn)
-        print(f"prefill {bs}x{n}: {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        times = []
+        for _ in range(max(1, args.prefill_repeats)):
+            t0 = time.perf_counter()
+            logits = model(fb, fb.input_ids, kv, attn)
+            times.append(time.perf_counter() - t0)
+        warm = f", warm median {statistics.median(times[1:]) * 1e3:.1f} ms" if len(times) > 1 else ""
+        print(f"prefill {bs}x{n}: first {times[0] * 1e3:.1f} ms{warm}")
+        if args.profile_prefill:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(fb, fb.input_ids, kv, attn)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
         ids = sampler.sample(logits, fb.sampling)
         fwd, smp = [], []
         pos = n

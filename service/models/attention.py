@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.models import cpu_kernels
+from service.models.cpu_features import cpu_features
 from service.models.capped_attention import allowed, capped_attention, extend_rows
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
@@ -225,21 +226,24 @@ def sdpa(
     (scores materialised, then where/all/isneginf passes over them): a 1,024-token prompt cost
     102 ms per layer that way (a 246-token chunk over 740 keys, 9.4 ms). ATen's CPU flash kernel
     works blockwise on 4-D inputs, skipping the masked-out blocks of a causal prompt: 23 ms
-    (3.2 ms). It runs here in float32 (its bf16 variant rounds the probabilities to bf16: a chunked
-    prompt then drifted past the tolerance from the same prompt in one piece), so a prompt's
-    attention is the same computation whole or in chunks."""
+    (3.2 ms). It runs in float32, except bf16 on AMX: its bf16 variant on AVX-512 without AMX (and
+    AVX2) rounds so that a chunked prompt drifted past the tolerance from the same prompt in one
+    piece (tests/engine/test_extend_rows.py), on AMX it stays within it, at half the time."""
     if (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     ):
+        # bf16 in place where AMX runs it (2x faster than float32 at 1,400 tokens, and within the
+        # chunked-vs-whole tolerance there); float32 elsewhere (AVX-512 or AVX2's bf16 variant drifts)
+        t = q.dtype if q.dtype is torch.bfloat16 and cpu_features().amx_bf16 else torch.float32
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.float().unsqueeze(0),
-            k.float().unsqueeze(0),
-            v.float().unsqueeze(0),
+            q.to(t).unsqueeze(0),
+            k.to(t).unsqueeze(0),
+            v.to(t).unsqueeze(0),
             0.0,
             causal,
-            attn_mask=None if additive_mask is None else additive_mask[None, None],
+            attn_mask=None if additive_mask is None else additive_mask.to(t)[None, None],
             scale=scale,
         )[0]
         return out[0].to(q.dtype)
