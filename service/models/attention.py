@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.models import cpu_kernels
-from service.models.cpu_features import cpu_features
 from service.models.capped_attention import allowed, capped_attention, extend_rows
+from service.models.cpu_features import cpu_features
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
 # with tokens x context; SDPA's blocked matmuls win for long chunks).
