@@ -102,7 +102,10 @@ def default_loop(device_type: str) -> str:
     schedules); normal on CPU, where the forward already uses every core, so the scheduler and
     gRPC threads running beside it slow it about as much as overlapping saves (through gRPC on a
     2-core Sapphire Rapids, overlap/normal across six runs: 0.74x-1.19x at 64 streams,
-    0.75x-1.02x on one stream)."""
+    0.75x-1.02x on one stream). Re-measured on a 2-core AMX Xeon once the scheduler thread's second
+    OpenMP team was gone (service/core/omp.py): overlap/normal 1.03x on a 64-stream burst, 1.08x on
+    one stream, but the realistic load's TTFT p50 1.11x worse at 1 request/s and 1.33x worse at 3/s
+    (a new prompt waits for the step already formed), so CPU stays on the normal loop."""
     return "overlap" if device_type == "cuda" else "normal"
 
 
