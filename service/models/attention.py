@@ -228,14 +228,13 @@ def sdpa(
     works blockwise on 4-D inputs, skipping the masked-out blocks of a causal prompt: 23 ms
     (3.2 ms). It runs in float32, except bf16 on AMX: its bf16 variant on AVX-512 without AMX (and
     AVX2) rounds so that a chunked prompt drifted past the tolerance from the same prompt in one
-    piece (tests/engine/test_extend_rows.py), on AMX it stays within it, at half the time."""
+    piece (tests/engine/test_extend_rows.py), on AMX it stays within it, at half the time
+    (1 x 1,400 tokens: 375 -> 141 ms over 30 layers)."""
     if (
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.bfloat16)
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     ):
-        # bf16 in place where AMX runs it (2x faster than float32 at 1,400 tokens, and within the
-        # chunked-vs-whole tolerance there); float32 elsewhere (AVX-512 or AVX2's bf16 variant drifts)
         t = q.dtype if q.dtype is torch.bfloat16 and cpu_features().amx_bf16 else torch.float32
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.to(t).unsqueeze(0),
