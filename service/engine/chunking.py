@@ -1,9 +1,13 @@
 """Chunked prefill and mixed batches: one token budget per step.
 
 With `--chunked-prefill-size N` a step carries at most N prompt tokens: the
-continuing chunk of the request part-way through its prompt first, then new
-prompts in admission order; the first that does not fit whole is cut at the
-budget and continues next step. A cut request keeps its slot and its KV rows
+continuing chunk of the request part-way through its prompt, then new prompts
+in admission order; the first that does not fit whole is cut at the budget and
+continues next step. New prompts shorter than what the one part-way has left
+go whole before its chunk, as long as the chunk keeps a quarter of the budget
+(`ChunkStep.overtakes`): a short prompt that arrives while a long one is cut
+into chunks gets its first token after one step, not after the long one's last
+chunk, and the long one still advances every step. A cut request keeps its slot and its KV rows
 between chunks (they are in the request-to-token table, the next chunk extends
 them with `prefix_len` = tokens done), and is not decodable — nor in
 `Scheduler.running` — until its last chunk is launched. The token sampled after
@@ -68,13 +72,29 @@ class ChunkStep:
     """One step's token budget while the scheduler admits requests into it."""
 
     budget: int  # tokens the step may carry (0: a decode turn, no prefill)
-    rows: list[ExtendRow] = field(default_factory=list)  # prefill rows: continuing chunk first
+    rows: list[ExtendRow] = field(default_factory=list)  # prefill rows, in the order they were added
     decodes: list[Req] = field(default_factory=list)  # mixed: running requests as one-token rows
     used: int = 0
     split: bool = False  # a prompt was cut at the budget: nothing is admitted after it
+    pending: Req | None = None  # part-way through its prompt: its chunk goes in after the overtakers
+    floor: int = 0  # tokens the pending chunk keeps however many prompts overtake it
 
     def room(self) -> bool:
         return not self.split and self.used < self.budget
+
+    def overtakes(self, tokens: int) -> bool:
+        """A new prompt of `tokens` goes whole before the pending chunk: shorter than what the pending
+        request has left, and it fits beside the chunk's floor."""
+        if self.pending is None:
+            return False
+        left = len(self.pending.prefill_ids) - self.pending.kv_len
+        return tokens < left and self.used + tokens + min(left, self.floor) <= self.budget
+
+    def resume(self) -> None:
+        """The pending chunk takes what the budget leaves now."""
+        if self.pending is not None:
+            req, self.pending = self.pending, None
+            self.add(req, req.kv_len, fresh=False)
 
     def add(self, req: Req, start: int, fresh: bool) -> None:
         """The request's prompt from `start` on (tokens before it are in its KV: earlier chunks, or a
@@ -105,8 +125,8 @@ class PrefillChunker:
         return 1 if self.partial is not None and not self.partial.finished else 0
 
     def begin_step(self, running: list[Req], free_rows: int) -> ChunkStep:
-        """This step's budget (at most the KV rows free now): the decodes' share (mixed) and the
-        continuing chunk are taken first."""
+        """This step's budget (at most the KV rows free now): the decodes' share (mixed) is taken first;
+        the continuing chunk is pending (`ChunkStep.resume` adds it after the prompts that overtake it)."""
         if self.partial is not None and self.partial.finished:
             self.partial = None  # aborted or failed mid-prefill: finish() freed its KV and slot
         decodable = [r for r in running if not r.finished and r.launched < r.max_new_tokens]
@@ -119,7 +139,7 @@ class PrefillChunker:
             step.decodes = decodable
             step.used = len(decodable)
         if self.partial is not None and step.room():
-            step.add(self.partial, self.partial.kv_len, fresh=False)
+            step.pending, step.floor = self.partial, max(1, step.budget // 4)
         return step
 
     def build(
@@ -131,6 +151,7 @@ class PrefillChunker:
         device: Device,
     ) -> tuple[ScheduleBatch | None, list[Req]]:
         """(the step's batch, the requests whose whole prompt is now launched: they start decoding)."""
+        step.resume()
         if not step.rows:
             return None, []
         cut = [row.req for row in step.rows if row.partial]

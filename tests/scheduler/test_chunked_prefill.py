@@ -231,6 +231,31 @@ def test_abort_during_chunked_prefill_frees_its_kv(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_short_prompt_overtakes_a_long_one_part_way(loop, tiny_llama_dir):
+    """A short prompt that arrives while a long one is cut into chunks goes whole before the long
+    one's next chunk: it finishes while the long one is still part-way through its prompt, and both
+    give what they give alone."""
+    sp_long = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    sp_short = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    long_p, short_p = prompt(15, 400), prompt(16, 2)
+    ref, _ = run(tiny_llama_dir, [long_p, short_p], [sp_long, sp_short], [{}, {}])
+    c = client(tiny_llama_dir, chunked_prefill_size=4, enable_mixed_chunk=True, loop=loop)
+    try:
+        sched = c.engine.scheduler
+        c.submit("long", long_p, sp_long)
+        assert wait_until(lambda: sched.chunker.stats.chunks > 5, 60)
+        c.submit("short", short_p, sp_short)
+        short = collect(c.wait("short"))
+        assert c._outputs.get("long", []) == []  # no token of the long one yet: it was overtaken
+        assert sched.chunker.holding == 1
+        long = collect(c.wait("long"))
+        assert_pools_initial(c)
+    finally:
+        c.close()
+    assert long[0] == ref[0][0] and short[0] == ref[1][0]
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_mixed_batches_have_no_host_sync(loop, tiny_llama_dir):
     """Chunk and decode rows in one batch, placeholders included: no host read of device values."""
     found: list[str] = []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from features.registry import FeatureRegistry
 from service.core.device import Device
 from service.core.request import FinishReason, Req, RequestError
-from service.engine.chunking import PrefillChunker
+from service.engine.chunking import ChunkStep, PrefillChunker
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.schedule_batch import ExtendRow, ScheduleBatch, build_extend_batch
 from service.engine.scheduler.admission import AdmissionPolicy
@@ -73,7 +73,9 @@ class PrefillManager:
             if self.waiting
             else 0
         )
-        for req in list(self.waiting):
+        for req in self._order(step):
+            if step is not None and step.pending is not None and not step.overtakes(len(req.prefill_ids)):
+                step.resume()  # the continuing chunk goes before this one
             if step is not None and not step.room():
                 break
             if len(self.running) + len(admitted) + held >= lim.max_running:
@@ -123,6 +125,15 @@ class PrefillManager:
         )
         self._plan_hits(batch, rows)
         return batch
+
+    def _order(self, step: ChunkStep | None) -> list[Req]:
+        """Admission order: arrival, except that prompts short enough to overtake the chunk of the one
+        part-way through its prompt come first (service/engine/chunking.py)."""
+        order = list(self.waiting)
+        if step is None or step.pending is None:
+            return order
+        short = [r for r in order if step.overtakes(len(r.prefill_ids))]
+        return short + [r for r in order if not step.overtakes(len(r.prefill_ids))]
 
     def _plan_hits(self, batch: ScheduleBatch, rows: list[ExtendRow]) -> None:
         """The prefix cache's matrix row counts the batches whose prefills start from a cached prefix."""
