@@ -14,7 +14,9 @@ attends over each request's rows of the pool (`fb.kv_indices`).
   short rows (a mixed batch's decode rows, short prompts) still go through the
   kernel, in one call;
 - without a C compiler: gather + one masked SDPA for decode, per-request SDPA
-  for extend.
+  for extend;
+- soft-capped scores (Gemma-2): the kernel caps them where it runs; the rest
+  (long extends, no C compiler) goes to `capped_attention.py`, as SDPA cannot.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class AttentionMeta:
     group: int
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
-    softcap: float | None = None  # scores soft-capped (Gemma-2): capped_attention, no kernel
+    softcap: float | None = None  # scores soft-capped (Gemma-2): the kernel caps them; else capped_attention
     kernel: cpu_kernels.PagedAttention | None = None  # the batch's kernel calls, arguments converted once
     # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
     # short rows' queries (packed indices; `short_kernel` knows their requests and positions), SDPA the long rows.
@@ -94,8 +96,6 @@ class TorchAttention:
         softcap: float | None = None,
     ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
-        if softcap is not None:
-            return AttentionMeta(fb, group, sliding_window, use_kernel=False, softcap=softcap)
         decode = fb.mode is ForwardMode.DECODE
         short = decode or max(fb.extend_lens or [0]) <= KERNEL_MAX_EXTEND
         on_cpu = fb.kv_indices.device.type == "cpu"
@@ -106,7 +106,7 @@ class TorchAttention:
             and group <= cpu_kernels.MAX_GROUP
             and cpu_kernels.available()
         )
-        meta = AttentionMeta(fb, group, sliding_window, use_kernel)
+        meta = AttentionMeta(fb, group, sliding_window, use_kernel, softcap=softcap)
         if use_kernel:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
@@ -114,10 +114,11 @@ class TorchAttention:
                 rows if decode else torch.repeat_interleave(rows, torch.tensor(lens), output_size=sum(lens))
             )
             meta.kernel = cpu_kernels.PagedAttention(
-                fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc, team=self.team
+                fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc, softcap, team=self.team
             )
         elif (
-            self.use_kernel
+            softcap is None
+            and self.use_kernel
             and on_cpu
             and not decode
             and group <= cpu_kernels.MAX_GROUP
@@ -154,12 +155,12 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
-        if meta.softcap is not None:
-            return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window)
         if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             assert meta.kernel is not None
             out = meta.kernel(q, k_cache, v_cache, scale, k, v)
             return out.view(q.shape[0], -1)
+        if meta.softcap is not None:  # SDPA does not cap scores
+            return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window)
         k_cache[fb.out_cache_loc] = k
         v_cache[fb.out_cache_loc] = v
         if fb.mode is ForwardMode.DECODE:

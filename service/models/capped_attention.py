@@ -1,10 +1,11 @@
 """Attention with soft-capped scores (Gemma-2) over the paged KV pool, in plain torch ops.
 
 scores = cap * tanh(q.k * scale / cap), masked (causal, sliding window), softmax, times V — the
-op order of transformers' eager Gemma-2 attention, accumulated in float32. Neither the native CPU
-kernel nor SDPA nor the Triton kernels cap scores, so both backends route a capped layer here
-(any device). Decode is one batched computation over each request's pool rows with no host read
-(CUDA-graph safe); an extend runs one request at a time, like the torch backend's SDPA path.
+op order of transformers' eager Gemma-2 attention, accumulated in float32. The native CPU kernel
+and the Triton kernels cap scores themselves; SDPA cannot, so the torch backend routes here what
+its kernel does not take (long extends; every capped layer without a C compiler). Decode is one
+batched computation over each request's pool rows with no host read (CUDA-graph safe); an extend
+runs one request at a time, like the torch backend's SDPA path.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ _SIGNATURES = {  # each has a _bf16 and an _f32 variant
         + [_I64]
         + [_P] * 2
         + [_I64] * 4
-        + [_F32, _I64, _P, _INT]
+        + [_F32, _I64, _F32, _P, _INT]
         + [_P, _P, _I64, _P, _I64, _I64],
     ),
     "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
@@ -135,6 +135,7 @@ class PagedAttention:
         pos_of: torch.Tensor,  # [n] int64 absolute position of each query
         window: int | None,
         new_loc: torch.Tensor | None = None,  # [m] int64: where this step's K/V rows go
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma-2)
         team: int
         | None = None,  # the engine's full team size (default: this thread's); the bf16 row items need
         # 4 query rows per thread of it (a fixed choice: the results do not change when the team shrinks)
@@ -145,6 +146,7 @@ class PagedAttention:
         self.m = 0 if new_loc is None else new_loc.shape[0]
         self._batch_args = (table.data_ptr(), table.stride(0), req_of.data_ptr(), pos_of.data_ptr(), self.n)
         self._window = window or 0
+        self._softcap = softcap or 0.0
         self._new_loc = new_loc.data_ptr() if self.m else None
         self._threads = torch.get_num_threads()
         self._row_min = 4 * (team or self._threads)
@@ -184,6 +186,7 @@ class PagedAttention:
             d,
             scale,
             self._window,
+            self._softcap,
             out.data_ptr(),
             self._threads,
             k_new.data_ptr() if m else None,
@@ -212,9 +215,11 @@ def paged_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     new_loc: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One call of `PagedAttention` (a batch used once)."""
-    return PagedAttention(table, req_of, pos_of, window, new_loc)(q, k_cache, v_cache, scale, k_new, v_new)
+    kernel = PagedAttention(table, req_of, pos_of, window, new_loc, softcap)
+    return kernel(q, k_cache, v_cache, scale, k_new, v_new)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

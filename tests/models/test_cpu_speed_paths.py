@@ -28,8 +28,9 @@ needs_kernels = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _reference_attention(q, k_cache, v_cache, table, lens, positions_per_req, window):
-    """Per query row: softmax(q K^T) V over its request's rows up to its position (float64)."""
+def _reference_attention(q, k_cache, v_cache, table, lens, positions_per_req, window, softcap=None):
+    """Per query row: softmax(q K^T) V over its request's rows up to its position (float64);
+    softcap: scores -> softcap * tanh(scores / softcap) first (Gemma-2)."""
     hq, hkv = q.shape[1], k_cache.shape[1]
     out, row = [], 0
     for r, _n in enumerate(lens):
@@ -39,6 +40,8 @@ def _reference_attention(q, k_cache, v_cache, table, lens, positions_per_req, wi
             k = k_cache[rows].double().repeat_interleave(hq // hkv, dim=1)  # [L, Hq, D]
             v = v_cache[rows].double().repeat_interleave(hq // hkv, dim=1)
             s = torch.einsum("hd,lhd->hl", q[row].double(), k) * 0.125
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
             out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v))
             row += 1
     return torch.stack(out)
@@ -49,10 +52,11 @@ def _reference_attention(q, k_cache, v_cache, table, lens, positions_per_req, wi
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (4, 4, 128), (40, 8, 64)])
 @pytest.mark.parametrize("few_rows", [False, True])
-def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few_rows):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few_rows, softcap):
     """Both bf16 code paths: one work item per query row (many rows; all heads of a token's row
     read at once, q.k on bf16 pairs) and one per (row, kv head) (few rows, or more heads than the
-    row item holds)."""
+    row item holds); scores soft-capped or not (the cap of 2 bends most of these scores)."""
     g = torch.Generator().manual_seed(hq * d)
     pool, bs = 700, 5
     k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
@@ -76,10 +80,12 @@ def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernel picks its path by rows per thread
     try:
-        out = cpu_kernels.paged_attention(q, k_cache, v_cache, table, req_of, pos_of, 0.125, window)
+        out = cpu_kernels.paged_attention(
+            q, k_cache, v_cache, table, req_of, pos_of, 0.125, window, softcap=softcap
+        )
     finally:
         torch.set_num_threads(threads)
-    ref = _reference_attention(q, k_cache, v_cache, table, lens, positions, window)
+    ref = _reference_attention(q, k_cache, v_cache, table, lens, positions, window, softcap)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 

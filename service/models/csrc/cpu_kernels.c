@@ -8,6 +8,8 @@
  * Query row i belongs to request req_of[i] and sits at absolute position
  * pos_of[i]; it attends to kv positions max(0, pos-window+1) .. pos (causal;
  * window <= 0: no window). Decode is the case of one query row per request.
+ * softcap > 0 caps the scores, softcap * tanh(scores / softcap) (Gemma-2),
+ * before the softmax; 0: uncapped.
  *
  * Many query rows (4 per thread of the engine's team, or more): one work item
  * per query row, all heads (bf16 with AVX-512 BF16: bf16_rows_attention; else
@@ -80,6 +82,11 @@ static inline float online_softmax_block(float *s, int64_t n, float *m, float *l
     return corr;
 }
 
+/* Soft-capped scores (Gemma-2): s = tanh(s / cap) * cap in place, transformers' op order. */
+static inline void cap_scores(float *s, int64_t n, float cap) {
+    for (int64_t j = 0; j < n; j++) s[j] = tanhf(s[j] / cap) * cap;
+}
+
 /* Prefetch every cache line of bytes [p, p + n): a pool row's head slice spans several lines
  * (64 float32s: 4), and the rows of a request lie scattered in the pool. */
 static inline void prefetch_span(const void *p, int64_t n) {
@@ -101,7 +108,7 @@ static inline void prefetch_span(const void *p, int64_t n) {
 #define DEFINE_AVX512_ITEM(NAME, T, LOADV, STORE, G, DV)                                                    \
     static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows,            \
                      int64_t start, int64_t pos, int64_t i, int64_t h, int64_t hq, int64_t hkv, float scale, \
-                     T *out) {                                                                              \
+                     float softcap, T *out) {                                                               \
         const int64_t d = DV * 16;                                                                          \
         __m512 qv[G][DV], acc[G][DV];                                                                       \
         float m[G], l[G], s[G][BLOCK];                                                                      \
@@ -131,6 +138,7 @@ static inline void prefetch_span(const void *p, int64_t n) {
                 }                                                                                           \
             }                                                                                               \
             for (int a = 0; a < G; a++) {                                                                   \
+                if (softcap > 0.f) cap_scores(s[a], n, softcap);                                            \
                 const __m512 corr = _mm512_set1_ps(online_softmax_block(s[a], n, &m[a], &l[a]));            \
                 for (int x = 0; x < DV; x++) acc[a][x] = _mm512_mul_ps(acc[a][x], corr);                    \
             }                                                                                               \
@@ -171,19 +179,20 @@ static inline void prefetch_span(const void *p, int64_t n) {
 #define AVX512_DISPATCH(PREFIX)                                                                             \
     static int PREFIX##_dispatch(const void *q, int64_t q_stride, const void *k, const void *v,            \
                                  const int64_t *rows, int64_t start, int64_t pos, int64_t i, int64_t h,     \
-                                 int64_t hq, int64_t hkv, int64_t g, int64_t d, float scale, void *out) {   \
+                                 int64_t hq, int64_t hkv, int64_t g, int64_t d, float scale, float softcap, \
+                                 void *out) {                                                               \
         _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wincompatible-pointer-types\"")   \
         switch (d * 16 + g) {                                                                               \
-            case 64 * 16 + 1: PREFIX##_g1_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 64 * 16 + 2: PREFIX##_g2_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 64 * 16 + 3: PREFIX##_g3_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 64 * 16 + 4: PREFIX##_g4_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 64 * 16 + 8: PREFIX##_g8_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 128 * 16 + 1: PREFIX##_g1_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 128 * 16 + 2: PREFIX##_g2_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 128 * 16 + 3: PREFIX##_g3_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 128 * 16 + 4: PREFIX##_g4_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
-            case 128 * 16 + 8: PREFIX##_g8_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, out); return 1; \
+            case 64 * 16 + 1: PREFIX##_g1_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 64 * 16 + 2: PREFIX##_g2_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 64 * 16 + 3: PREFIX##_g3_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 64 * 16 + 4: PREFIX##_g4_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 64 * 16 + 8: PREFIX##_g8_d64(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 128 * 16 + 1: PREFIX##_g1_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 128 * 16 + 2: PREFIX##_g2_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 128 * 16 + 3: PREFIX##_g3_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 128 * 16 + 4: PREFIX##_g4_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
+            case 128 * 16 + 8: PREFIX##_g8_d128(q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, scale, softcap, out); return 1; \
         }                                                                                                   \
         _Pragma("GCC diagnostic pop")                                                                       \
         return 0;                                                                                           \
@@ -256,7 +265,8 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
 
 #define DEFINE_ROW_ITEM(NAME, DV)                                                                             \
     static void NAME(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *rows,         \
-                     int64_t start, int64_t pos, int64_t hq, int64_t hkv, float scale, uint16_t *out) {       \
+                     int64_t start, int64_t pos, int64_t hq, int64_t hkv, float scale, float softcap,        \
+                     uint16_t *out) {                                                                       \
         enum { D = DV * 32, PV_HEADS = DV == 2 ? 4 : 2 };                                                \
         const int64_t g = hq / hkv, row_elems = hkv * D;                                                    \
         __m512bh qv[ROW_MAX_HQ][DV];                                                                        \
@@ -298,6 +308,7 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
                 }                                                                                           \
             }                                                                                               \
             for (int64_t a = 0; a < hq; a++) {                                                              \
+                if (softcap > 0.f) cap_scores(s[a], n, softcap);                                            \
                 const __m512 corr = _mm512_set1_ps(online_softmax_block(s[a], n, &m[a], &l[a]));            \
                 for (int x = 0; x < D / 16; x++)                                                            \
                     _mm512_storeu_ps(&acc[a][16 * x], _mm512_mul_ps(_mm512_loadu_ps(&acc[a][16 * x]), corr)); \
@@ -327,7 +338,8 @@ DEFINE_ROW_ITEM(bf16_row_item_d128, 4)
 static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                                const int64_t *table, int64_t table_stride, const int64_t *req_of,
                                const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d,
-                               float scale, int64_t window, uint16_t *out, int nthreads, int64_t row_min) {
+                               float scale, int64_t window, float softcap, uint16_t *out, int nthreads,
+                               int64_t row_min) {
     /* row_min (4 rows per thread of the engine's full team, so the choice, and so the rounding,
      * does not change when the team shrinks): fewer rows take the (row, head) items. */
     if ((d != 64 && d != 128) || hq > ROW_MAX_HQ || n_q < row_min) return 0;
@@ -337,9 +349,9 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
         const int64_t *rows = table + req_of[i] * table_stride;
         const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
         if (d == 64)
-            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, out + i * hq * d);
+            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, softcap, out + i * hq * d);
         else
-            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, out + i * hq * d);
+            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, softcap, out + i * hq * d);
     }
     return 1;
 }
@@ -360,7 +372,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
     static inline __attribute__((always_inline)) void NAME##_item(                                          \
         const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
         int64_t pos, int64_t i, int64_t h0, int64_t h1, int64_t hq, int64_t hkv, int64_t g, const int64_t d, \
-        float scale, T *out) {                                                                              \
+        float scale, float softcap, T *out) {                                                               \
         float qf[ITEM_FLOATS], acc[ITEM_FLOATS], m[ITEM_HEADS], l[ITEM_HEADS];                              \
         float s[ITEM_HEADS][BLOCK], kf[MAX_D];                                                              \
         const int64_t na = (h1 - h0) * g;                 /* query heads of the item, from h0 * g on */     \
@@ -389,6 +401,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
                 }                                                                                           \
             }                                                                                               \
             for (int64_t a = 0; a < na; a++) {                                                              \
+                if (softcap > 0.f) cap_scores(s[a], n, softcap);                                            \
                 const float corr = online_softmax_block(s[a], n, &m[a], &l[a]);                             \
                 for (int64_t e = 0; e < d; e++) acc[a * d + e] *= corr;                                     \
             }                                                                                               \
@@ -418,17 +431,17 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
     static __attribute__((noinline)) void NAME##_heads(                                                     \
         const T *q, int64_t q_stride, const T *k, const T *v, const int64_t *rows, int64_t start,            \
         int64_t pos, int64_t i, int64_t h0, int64_t h1, int64_t hq, int64_t hkv, int64_t g, int64_t d,     \
-        float scale, T *out) {                                                                              \
+        float scale, float softcap, T *out) {                                                               \
         if (d == 64)                                                                                        \
-            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, 64, scale, out);        \
+            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, 64, scale, softcap, out);        \
         else if (d == 128)                                                                                  \
-            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, 128, scale, out);       \
+            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, 128, scale, softcap, out);       \
         else                                                                                                \
-            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, d, scale, out);         \
+            NAME##_item(q, q_stride, k, v, rows, start, pos, i, h0, h1, hq, hkv, g, d, scale, softcap, out); \
     }                                                                                                       \
     int NAME(const T *q, int64_t q_stride, T *k, T *v, const int64_t *table, int64_t table_stride,         \
              const int64_t *req_of, const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d, \
-             float scale, int64_t window, T *out, int nthreads, const T *k_new, const T *v_new,             \
+             float scale, int64_t window, float softcap, T *out, int nthreads, const T *k_new, const T *v_new, \
              int64_t new_stride, const int64_t *new_loc, int64_t n_new, int64_t row_min) {                  \
         if (d > MAX_D || hq % hkv != 0 || hq / hkv > MAX_G) return -1;                                      \
         /* Store this step's K/V rows first (the barrier at the loop's end orders it before reads). */      \
@@ -437,7 +450,8 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
             memcpy(k + new_loc[r] * hkv * d, k_new + r * new_stride, hkv * d * sizeof(T));                  \
             memcpy(v + new_loc[r] * hkv * d, v_new + r * new_stride, hkv * d * sizeof(T));                  \
         }                                                                                                   \
-        if (ROWS(q, q_stride, k, v, table, table_stride, req_of, pos_of, n_q, hq, hkv, d, scale, window, out, nthreads, row_min)) \
+        if (ROWS(q, q_stride, k, v, table, table_stride, req_of, pos_of, n_q, hq, hkv, d, scale, window, softcap, out, \
+                 nthreads, row_min))                                                                        \
             return 0;                                                                                       \
         const int64_t g = hq / hkv;                                                                         \
         if (n_q >= row_min && !AVX512_HAS(d, g) && hq <= ITEM_HEADS && hq * d <= ITEM_FLOATS) {            \
@@ -447,7 +461,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
                 const int64_t pos = pos_of[i];                                                              \
                 const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;          \
                 NAME##_heads(q, q_stride, k, v, table + req_of[i] * table_stride, start, pos, i, 0, hkv, hq, \
-                             hkv, g, d, scale, out);                                                        \
+                             hkv, g, d, scale, softcap, out);                                               \
             }                                                                                               \
             return 0;                                                                                       \
         }                                                                                                   \
@@ -458,9 +472,9 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
             const int64_t pos = pos_of[i];                                                                  \
             const int64_t *rows = table + req_of[i] * table_stride;                                         \
             const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;              \
-            if (AVX512_ITEM(AVX, q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, out))    \
+            if (AVX512_ITEM(AVX, q, q_stride, k, v, rows, start, pos, i, h, hq, hkv, g, d, scale, softcap, out)) \
                 continue;                                                                                   \
-            NAME##_heads(q, q_stride, k, v, rows, start, pos, i, h, h + 1, hq, hkv, g, d, scale, out);     \
+            NAME##_heads(q, q_stride, k, v, rows, start, pos, i, h, h + 1, hq, hkv, g, d, scale, softcap, out); \
         }                                                                                                   \
         return 0;                                                                                           \
     }
