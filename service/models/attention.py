@@ -236,7 +236,7 @@ def sdpa(
         and q.dtype in (torch.float32, torch.bfloat16)
         and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     ):
-        t = q.dtype if q.dtype is torch.bfloat16 and cpu_features().amx_bf16 else torch.float32
+        t = q.dtype if q.dtype is torch.bfloat16 and cpu_features().onednn_amx_bf16 else torch.float32
         out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.to(t).unsqueeze(0),
             k.to(t).unsqueeze(0),

@@ -74,6 +74,14 @@ class CpuFeatures:
         return self.avx512_bf16 or self.amx_bf16
 
     @property
+    def onednn_amx_bf16(self) -> bool:
+        """oneDNN's kernels (ATen's CPU flash attention among them) may use AMX for bf16: the CPU has
+        it and ONEDNN_MAX_CPU_ISA does not cap below it."""
+        if self.onednn_cap and _ONEDNN_ISAS.index(self.onednn_cap) < _ONEDNN_ISAS.index("AVX10_1_512_AMX"):
+            return False
+        return self.amx_bf16
+
+    @property
     def onednn_packs_bf16(self) -> bool:
         """oneDNN can lay bf16 weights out for its own kernels (`_reorder_linear_weight`)."""
         if self.onednn_cap and _ONEDNN_ISAS.index(self.onednn_cap) < _ONEDNN_ISAS.index("AVX512_CORE"):

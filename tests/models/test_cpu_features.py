@@ -47,6 +47,10 @@ def test_caps_remove_what_they_name():
     assert "-mno-avx512bf16" in as_icelake.compile_flags()
     assert not features(SPR, onednn="AVX2").onednn_packs_bf16  # oneDNN capped below AVX512_CORE
     assert features(SPR, onednn="AVX512_CORE").onednn_packs_bf16
+    # bf16 prefill attention only where oneDNN may use AMX (else it rounds past the tolerance)
+    assert features(SPR).onednn_amx_bf16 and features(SPR, onednn="AVX10_1_512_AMX").onednn_amx_bf16
+    assert not features(SPR, onednn="AVX512_CORE_BF16").onednn_amx_bf16
+    assert not features(SPR, "avx512").onednn_amx_bf16 and not features(ZEN4).onednn_amx_bf16
     assert features(
         {"avx2", "fma", "avx_ne_convert"}
     ).onednn_packs_bf16  # Intel client CPUs with AVX-NE-CONVERT
