@@ -2,8 +2,9 @@
 
 tests/test_stack.py checks the same files without Docker; this module builds the
 image (Dockerfile), brings docker-compose.yml up with Docker Engine and Compose
-(v2 `docker compose`, or v1.29 `docker-compose --compatibility`, Debian
-bookworm's), and talks to it from the host:
+— the plain stack with both Compose v2 (`docker compose`) and v1.29
+(`docker-compose --compatibility`, Debian bookworm's), the TLS stack with v2 —
+and talks to it from the host:
 
 * health through the LB; gRPC Generate and GenerateStream through the LB reach
   both replicas (the LB's access log names the upstream of every call);
@@ -14,7 +15,9 @@ bookworm's), and talks to it from the host:
   the replicas (a replica refuses a client without a certificate), the gateway
   over TLS.
 
-Base images that no registry supplies are made by .ci/base-images.sh (Debian
+Compose v2 where no Docker repository supplies it: .ci/compose-v2.sh (Debian
+trixie's package, unpacked beside v1). Base images that no registry supplies are
+made by .ci/base-images.sh (Debian
 bookworm via debootstrap, tagged python:3.11-slim and nginx:1.27). A
 torch-2.13.0+cpu wheel found in $PIP_FIND_LINKS or /opt/wheels is linked into
 .wheels/ so that the build needs no access to the CPU wheel index.
@@ -51,6 +54,10 @@ TORCH_WHEEL = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
 BUILD_TIMEOUT_S = 2400  # a cold build on 2 busy cores: deps, model conversion
 UP_TIMEOUT_S = 600  # two replicas loading the model on 2 cores, then the LB and the gateway
 INSTALL = "apt-get install docker.io docker-compose (.ci/run installs them and starts dockerd)"
+INSTALL_COMPOSE = {
+    "v1": "apt-get install docker-compose (Debian bookworm's Compose 1.29)",
+    "v2": "the `docker compose` plugin: Docker's docker-compose-plugin, or .ci/compose-v2.sh (as root)",
+}
 HI = [{"role": "user", "content": "Say hi."}]
 
 _timings: dict[str, float] = {}
@@ -76,20 +83,24 @@ def _run(
     return r
 
 
-def _compose_command() -> list[str] | None:
-    """`docker compose` (v2) if the plugin is there, else `docker-compose` (v1 gets --compatibility:
-    deploy.replicas)."""
+def _compose_commands() -> dict[str, list[str]]:
+    """The Compose CLIs installed, by major version: "v2" (the `docker compose` plugin, or a v2
+    `docker-compose`), "v1" (`docker-compose` 1.x, given --compatibility: deploy.replicas)."""
+    found: dict[str, list[str]] = {}
     if _run(["docker", "compose", "version"], 30, check=False).returncode == 0:
-        return ["docker", "compose"]
+        found["v2"] = ["docker", "compose"]
     exe = shutil.which("docker-compose")
-    if exe is None:
-        return None
-    out = _run([exe, "version", "--short"], 30, check=False).stdout.strip()
-    return [exe, "--compatibility"] if out.startswith("1.") else [exe]
+    if exe is not None:
+        out = _run([exe, "version", "--short"], 30, check=False).stdout.strip()
+        if out.startswith("1."):
+            found["v1"] = [exe, "--compatibility"]
+        else:
+            found.setdefault("v2", [exe])
+    return found
 
 
 @pytest.fixture(scope="module")
-def compose_cmd() -> list[str]:
+def compose_cmds() -> dict[str, list[str]]:
     _need(shutil.which("docker") is not None, f"docker not installed: {INSTALL}")
     info = _run(["docker", "info", "--format", "{{.ServerVersion}}"], 30, check=False)
     if info.returncode != 0:
@@ -97,9 +108,15 @@ def compose_cmd() -> list[str]:
         if shutil.which("dockerd") is None:
             _need(False, f"no Docker daemon answers and none is installed: {INSTALL} [{why}]")
         _need(False, f"no Docker daemon answers: start it as root (`dockerd &`; .ci/run does) [{why}]")
-    cmd = _compose_command()
-    _need(cmd is not None, f"neither `docker compose` nor docker-compose installed: {INSTALL}")
-    return cmd
+    cmds = _compose_commands()
+    _need(bool(cmds), f"neither `docker compose` nor docker-compose installed: {INSTALL}")
+    return cmds
+
+
+@pytest.fixture(scope="module")
+def compose_cmd(compose_cmds) -> list[str]:
+    """The Compose that builds the image and runs the TLS stack: v2 where there is one."""
+    return compose_cmds.get("v2") or compose_cmds["v1"]
 
 
 @pytest.fixture(scope="module")
@@ -242,17 +259,20 @@ def timings(request):
             tr.write_line("\ncompose stack: " + ", ".join(f"{k} {v:.0f} s" for k, v in _timings.items()))
 
 
-@pytest.fixture(scope="module")
-def stack(compose_cmd, image, timings):
+@pytest.fixture(scope="module", params=["v2", "v1"])
+def stack(request, compose_cmds, image, timings):
+    """The plain stack, once with each Compose (one project at a time)."""
+    version = request.param
+    _need(version in compose_cmds, f"Compose {version} not installed: {INSTALL_COMPOSE[version]}")
     lb, gw = free_port(), free_port()
     s = Stack(
-        compose_cmd,
-        f"zgtest{os.getpid()}",
+        compose_cmds[version],
+        f"zgtest{os.getpid()}{version}",
         ["docker-compose.yml"],
         {"ZEROGAP_LB_PORT": f"127.0.0.1:{lb}", "ZEROGAP_GATEWAY_PORT": f"127.0.0.1:{gw}"},
     )
     s.lb_port, s.gw_port = lb, gw
-    _bring_up(s, lb, gw, healthcheck.Security(), "stack")
+    _bring_up(s, lb, gw, healthcheck.Security(), f"stack (Compose {version})")
     try:
         yield s
     finally:
