@@ -2,7 +2,8 @@
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
-prompts again from the prefix cache, give what the normal loop gives on whole prompts."""
+prompts again from the prefix cache, and both loops under a KV pool small enough to retract, give
+what the normal loop gives on whole prompts."""
 
 from __future__ import annotations
 
@@ -157,9 +158,9 @@ def output_entries(extras: list) -> list:
     return [e for x in extras if x for e in x.output]
 
 
-def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], int]:
+def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], object]:
     """Per run (its features): (token ids, logprob extras of every delta) per prompt, and the
-    prefix-cache hit tokens; the pools end as they began."""
+    engine's stats (prefix-cache hits, retractions); the pools end as they began."""
     base = dict(dtype="float32", kv_cache_tokens=1024, max_running_requests=4)
     c = SyncClient(ServerArgs(**{**base, **args}), model_dir)
     forbid_placeholders(c)
@@ -171,11 +172,11 @@ def serve(model_dir: Path, runs: list[dict], **args) -> tuple[list[list], int]:
             for o in outs:
                 assert o[-1].error is None, o[-1].error
             results.append([(collect(o)[0], [d.extras.get("logprobs") for d in o]) for o in outs])
-        hits = c.engine.stats().prefix_cache.hit_tokens
+        stats = c.engine.stats()
         assert_pools_initial(c)
     finally:
         c.close()
-    return results, hits
+    return results, stats
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -212,20 +213,33 @@ def test_overlap_chunked_and_prefix_hits_equal_whole_prompts(family):
     input logprobs too) and the second (the same prompts, output logprobs: prefix hits) give the
     normal loop's whole-prompt results."""
     model_dir, whole = family
-    (miss, hit), hits = serve(
+    (miss, hit), stats = serve(
         model_dir,
         [LOGPROBS, OUTPUT_LOGPROBS],
         loop="overlap",
         chunked_prefill_size=7,
         enable_mixed_chunk=True,
     )
-    assert hits > 0
+    assert stats.prefix_cache.hit_tokens > 0
     for i, (a, b) in enumerate(zip(miss, whole)):
         assert a[0] == b[0], f"miss: request {i}'s tokens differ"
         assert_close(a[1], b[1], f"miss: request {i}'s logprobs")
     for i, (a, b) in enumerate(zip(hit, whole)):
         assert a[0] == b[0], f"hit: request {i}'s tokens differ"
         assert_close(output_entries(a[1]), output_entries(b[1]), f"hit: request {i}'s logprobs")
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_retraction_re_prefills_to_the_same_tokens_and_logprobs(family, loop):
+    """A KV pool that holds two of the three requests but not their outputs: the running ones are
+    retracted and re-prefilled (prompt and kept output, chunked and mixed by default), and every
+    request still gives the whole-prompt run's tokens and logprobs."""
+    model_dir, whole = family
+    (got,), stats = serve(model_dir, [LOGPROBS], loop=loop, kv_cache_tokens=72, disable_prefix_cache=True)
+    assert stats.retractions > 0
+    for i, (a, b) in enumerate(zip(got, whole)):
+        assert a[0] == b[0], f"request {i}'s tokens differ"
+        assert_close(a[1], b[1], f"request {i}'s logprobs")
 
 
 def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path):

@@ -118,7 +118,8 @@ def moe_case(request, smol_dir, tmp_path_factory):
     return model_dir, refs, lps
 
 
-def _run(model_dir: Path, prompts=PROMPTS, **args) -> list:
+def _run(model_dir: Path, prompts=PROMPTS, retracts: bool = False, **args) -> list:
+    """retracts: the run must retract some request (a pool too small for every output)."""
     client = SyncClient(
         ServerArgs(**dict(dict(dtype="float32", kv_cache_tokens=2048, max_running_requests=8), **args)),
         model_dir,
@@ -130,6 +131,7 @@ def _run(model_dir: Path, prompts=PROMPTS, **args) -> list:
             [{"logprobs": dict(return_logprob=True, logprob_start_len=0)}] * len(prompts),
         )
         assert client.engine.kv_all_free()
+        assert (client.engine.stats().retractions > 0) == retracts
         return outs
     finally:
         client.close()
@@ -164,6 +166,14 @@ def test_chunks_of_7_in_overlap_loop_match_transformers(moe_case):
     model_dir, refs, lps = moe_case
     outs = _run(model_dir, loop="overlap", chunked_prefill_size=7, enable_mixed_chunk=True)
     _check_against_reference(outs, refs, lps)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_retraction_re_prefills_to_transformers_tokens(moe_case, loop):
+    """A pool that holds two requests' prompts but not their outputs: requests are retracted and
+    re-prefilled (prompt and kept output), and every one still matches transformers."""
+    model_dir, refs, lps = moe_case
+    _check_against_reference(_run(model_dir, retracts=True, loop=loop, kv_cache_tokens=70), refs, lps)
 
 
 def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
