@@ -7,16 +7,19 @@ what the normal loop gives on whole prompts."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
 from service.config import ServerArgs
-from service.core.request import SamplingParams
+from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES
 from tests.features.test_features import assert_close
@@ -29,6 +32,12 @@ TOL = 1e-4
 LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}}
 OUTPUT_LOGPROBS = {"logprobs": {"return_logprob": True, "top_logprobs_num": 2}}  # reuses cached prefixes
 ROOT = Path(__file__).resolve().parents[2]
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "boolean"}, "b": {"enum": ["x", "y"]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -240,6 +249,48 @@ def test_retraction_re_prefills_to_the_same_tokens_and_logprobs(family, loop):
     for i, (a, b) in enumerate(zip(got, whole)):
         assert a[0] == b[0], f"request {i}'s tokens differ"
         assert_close(a[1], b[1], f"request {i}'s logprobs")
+
+
+CONSTRAINTS = [  # (payload, the finished text is in its language)
+    (
+        {"kind": "regex", "text": r"[a-z]{2,6}( [0-9]{1,3})?"},
+        lambda t: re.fullmatch(r"[a-z]{2,6}( [0-9]{1,3})?", t),
+    ),
+    (
+        {"kind": "json_schema", "text": json.dumps(SMALL_SCHEMA)},
+        lambda t: jsonschema.validate(json.loads(t), SMALL_SCHEMA) is None,
+    ),
+]
+
+
+def test_constraints_hold_and_both_loops_agree(family):
+    check_constraints(family[0])
+
+
+def check_constraints(model_dir: Path) -> None:
+    """A regex and a JSON schema: every output finishes in its grammar's language (constraint_result
+    satisfied), and the overlap loop (masks filled while the forward runs, chunks of 7 with decodes)
+    gives the normal loop's tokens."""
+    pytest.importorskip("xgrammar")
+    feats = [{"constrained": payload} for payload, _ in CONSTRAINTS] * 2
+    by_loop = {}
+    for loop, chunk in (("normal", 0), ("overlap", 7)):
+        c = SyncClient(
+            ServerArgs(dtype="float32", kv_cache_tokens=1024, loop=loop, chunked_prefill_size=chunk),
+            model_dir,
+        )
+        try:
+            outs = c.generate(
+                (prompts() * 2)[: len(feats)], SamplingParams(temperature=0, max_new_tokens=32), feats
+            )
+            assert_pools_initial(c)
+        finally:
+            c.close()
+        by_loop[loop] = [collect(o) for o in outs]
+    for (payload, in_language), (_ids, text, last) in zip(CONSTRAINTS * 2, by_loop["normal"]):
+        assert last.error is None and last.finish_reason is FinishReason.STOP, (payload, text, last.error)
+        assert last.extras["constrained"].satisfied and in_language(text), (payload, text)
+    assert [r[0] for r in by_loop["overlap"]] == [r[0] for r in by_loop["normal"]]
 
 
 def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path):

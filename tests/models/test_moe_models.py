@@ -19,6 +19,7 @@ from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES, hf_greedy
+from tests.models.test_families import check_constraints
 
 N_NEW = 32
 TOL = 1e-4
@@ -174,6 +175,10 @@ def test_retraction_re_prefills_to_transformers_tokens(moe_case, loop):
     re-prefilled (prompt and kept output), and every one still matches transformers."""
     model_dir, refs, lps = moe_case
     _check_against_reference(_run(model_dir, retracts=True, loop=loop, kv_cache_tokens=70), refs, lps)
+
+
+def test_constraints_hold_and_both_loops_agree(moe_case):
+    check_constraints(moe_case[0])
 
 
 def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
