@@ -7,16 +7,18 @@ attends over each request's rows of the pool (`fb.kv_indices`).
 
 `torch` (the CPU backend):
 - decode, and extends whose chunks are short: the native paged kernel
-  (`cpu_kernels.py`) reads the pool rows in place — no gather, no padding;
-- extends with a long chunk: one SDPA per request over that request's rows
-  (gathered with index_select), so a prefill costs what its tokens cost
-  whatever the mix of prompt lengths (no padding to the longest); the batch's
-  short rows (a mixed batch's decode rows, short prompts) still go through the
-  kernel, in one call;
+  (`cpu_kernels.PagedAttention`) reads the pool rows in place — no gather, no padding;
+- extends with a long chunk: the native extend kernel (`cpu_kernels.ExtendAttention`)
+  takes the long rows, blocked like a GEMM over the pool in place, so a prefill costs
+  what its tokens cost whatever the mix of prompt lengths, and a row gives the same
+  bits whichever chunk it is in; the batch's short rows (a mixed batch's decode rows,
+  short prompts) still go through the paged kernel, in one call;
+- where the extend kernel is not built (no AVX2 + FMA) or has no variant for the head
+  size: one SDPA per request over that request's rows (gathered with index_select);
 - without a C compiler: gather + one masked SDPA for decode, per-request SDPA
   for extend;
-- soft-capped scores (Gemma-2): the kernel caps them where it runs; the rest
-  (long extends, no C compiler) goes to `capped_attention.py`, as SDPA cannot.
+- soft-capped scores (Gemma-2): both kernels cap them; without them
+  `capped_attention.py` does, as SDPA cannot.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class AttentionMeta:
     # short rows' queries (packed indices; `short_kernel` knows their requests and positions), SDPA the long rows.
     short_q: torch.Tensor | None = None
     short_kernel: cpu_kernels.PagedAttention | None = None
+    extend_kernel: cpu_kernels.ExtendAttention | None = None  # the long rows, where the kernel is built
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # extend_mask's, per forward
 
     @cached_property
@@ -117,14 +120,21 @@ class TorchAttention:
                 fb.kv_indices, req_of, fb.positions, sliding_window, fb.out_cache_loc, softcap, team=self.team
             )
         elif (
-            softcap is None
-            and self.use_kernel
+            self.use_kernel
             and on_cpu
             and not decode
             and group <= cpu_kernels.MAX_GROUP
             and cpu_kernels.available()
         ):
-            self._split_short_rows(meta, self.team)
+            if cpu_kernels.extend_isa():
+                long = [
+                    (r, start, n, length)
+                    for r, (length, n, start) in enumerate(meta.extend_rows)
+                    if n > KERNEL_MAX_EXTEND
+                ]
+                meta.extend_kernel = cpu_kernels.ExtendAttention(fb.kv_indices, long, sliding_window, softcap)
+            if softcap is None or meta.extend_kernel is not None:
+                self._split_short_rows(meta, self.team)
         return meta
 
     @staticmethod
@@ -141,6 +151,7 @@ class TorchAttention:
             req_of,
             meta.fb.positions.index_select(0, meta.short_q),
             meta.sliding_window,
+            softcap=meta.softcap,
             team=team,
         )
 
@@ -159,6 +170,13 @@ class TorchAttention:
             assert meta.kernel is not None
             out = meta.kernel(q, k_cache, v_cache, scale, k, v)
             return out.view(q.shape[0], -1)
+        if meta.extend_kernel is not None and cpu_kernels.has_extend_kernel(q.dtype, q.shape[-1]):
+            k_cache[fb.out_cache_loc] = k
+            v_cache[fb.out_cache_loc] = v
+            out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+            meta.extend_kernel(q, k_cache, v_cache, scale, out)
+            self._short_rows(q, k_cache, v_cache, meta, scale, out)
+            return out
         if meta.softcap is not None:  # SDPA does not cap scores
             return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window)
         k_cache[fb.out_cache_loc] = k
@@ -166,11 +184,16 @@ class TorchAttention:
         if fb.mode is ForwardMode.DECODE:
             return self._decode_gathered(q, k_cache, v_cache, meta, scale)
         out = self._extend_per_request(q, k_cache, v_cache, meta, scale, long_only=meta.short_q is not None)
+        self._short_rows(q, k_cache, v_cache, meta, scale, out)
+        return out
+
+    @staticmethod
+    def _short_rows(q, k_cache, v_cache, meta: AttentionMeta, scale: float, out: torch.Tensor) -> None:
+        """A long extend's short rows (decode rows, short prompts) through the paged kernel, into out."""
         if meta.short_kernel is not None and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             idx = meta.short_q
             short = meta.short_kernel(q.index_select(0, idx), k_cache, v_cache, scale)
             out.index_copy_(0, idx, short.view(idx.shape[0], -1))
-        return out
 
     @staticmethod
     def _decode_gathered(q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:

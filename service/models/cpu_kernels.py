@@ -1,8 +1,10 @@
 """Native CPU kernels (plain C, built once with the system compiler, loaded with ctypes).
 
-`csrc/cpu_kernels.c`: paged attention that reads the KV pool in place, a
-row argmax for greedy sampling, the fused elementwise ops of a decoder layer
-and the grammar-mask apply of constrained decoding. It is compiled on
+`csrc/cpu_kernels.c`: paged attention that reads the KV pool in place (decode rows,
+short chunks), a row argmax for greedy sampling, the fused elementwise ops of a decoder
+layer and the grammar-mask apply of constrained decoding. `csrc/extend_attention.c`:
+the attention of long extends (prompts, chunks) over the pool in place, blocked like a
+GEMM. Both are compiled into one library on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
 (less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
 source, the flags and the CPU's feature flags, so a cache copied to another CPU
@@ -30,7 +32,9 @@ from service.models.cpu_features import cpu_features
 
 log = logging.getLogger("zerogap.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "extend_attention.c"]
+HEADERS = [CSRC / "kernel_math.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # + the target flags of cpu_features()
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -51,7 +55,9 @@ def _build() -> ctypes.CDLL:
     cpu = cpu_features()
     flags = [*cpu.compile_flags(), *FLAGS]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(flags).encode() + " ".join(sorted(cpu.flags)).encode()
+        b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+        + " ".join(flags).encode()
+        + " ".join(sorted(cpu.flags)).encode()
     ).hexdigest()[:16]
     out = _cache_dir() / f"cpu_kernels-{key}.so"
     if not out.exists():
@@ -59,7 +65,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             subprocess.run(
-                [compiler, *flags, str(SOURCE), "-o", str(tmp_out), "-lm"],
+                [compiler, *flags, *map(str, SOURCES), "-o", str(tmp_out), "-lm"],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -71,6 +77,9 @@ def _build() -> ctypes.CDLL:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.restype, fn.argtypes = restype, argtypes
             _fns[name, dtype] = fn
+    lib.extend_attention_isa.restype = ctypes.c_int
+    lib.extend_attention_scratch_bytes.restype = ctypes.c_int64
+    lib.extend_attention_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -85,6 +94,13 @@ _SIGNATURES = {  # each has a _bf16 and an _f32 variant
         + [_I64] * 4
         + [_F32, _I64, _F32, _P, _INT]
         + [_P, _P, _I64, _P, _I64, _I64],
+    ),
+    "extend_attention": (
+        _INT,
+        [_P, _I64, _P, _P, _P, _I64, _I64]
+        + [_P] * 4
+        + [_I64] * 3
+        + [_F32, _I64, _F32, _P, _I64, _P, _I64, _INT],
     ),
     "argmax_rows": (None, [_P, _I64, _I64, _P, _INT]),
     "rms_norm": (None, [_P, _P, _P, _F32, _I64, _I64, _P, _P, _INT]),
@@ -201,6 +217,92 @@ class PagedAttention:
                 f"paged_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}"
             )
         return out
+
+
+def extend_isa() -> int:
+    """The extend kernel's vector path: 0 not built (no AVX2 + FMA), 8 AVX2, 16 AVX-512F, 32 AVX-512 BF16."""
+    lib = load()
+    return 0 if lib is None else lib.extend_attention_isa()
+
+
+def has_extend_kernel(dtype: torch.dtype, head_dim: int) -> bool:
+    return extend_isa() > 0 and dtype in _SUFFIX and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+
+
+class ExtendAttention:
+    """One batch's long extends (`csrc/extend_attention.c`): per request its table row, first packed
+    query row, new rows and kv length, converted once; every layer then passes its own tensors.
+    Each new row attends over its request's pool rows up to its position (causal, optional sliding
+    window and soft-capping); this step's K/V rows must be in the pool already."""
+
+    def __init__(
+        self,
+        table: torch.Tensor,  # [bs, L] int64 pool rows per kv position
+        rows: list[tuple[int, int, int, int]],  # (table row, first packed query row, new rows, kv length)
+        window: int | None,
+        softcap: float | None = None,
+    ):
+        assert load() is not None and table.dtype == torch.int64 and table.stride(1) == 1
+        self.rows = rows
+        cols = torch.tensor(rows, dtype=torch.int64).view(-1, 4).t().contiguous()  # req_row, q_start, n, len
+        self._keep = (table, cols)  # the pointers below stay valid while this lives
+        self._batch_args = (
+            table.data_ptr(),
+            table.stride(0),
+            len(rows),
+            *(cols[i].data_ptr() for i in range(4)),
+        )
+        self._max_len = max((r[3] for r in rows), default=0)
+        self._window = window or 0
+        self._softcap = softcap or 0.0
+        self._threads = torch.get_num_threads()
+        self._scratch: dict[int, torch.Tensor] = {}  # per head_dim: packed K/V of a head, items' buffers
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hq, D] the batch's packed query rows (row stride free)
+        k_cache: torch.Tensor,  # [pool, Hkv, D]
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq * D]: the rows of these requests are written
+    ) -> None:
+        _, hq, d = q.shape
+        if not has_extend_kernel(q.dtype, d):
+            raise ValueError(f"extend_attention: no kernel for {q.dtype} with head_dim {d}")
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        assert (
+            out.is_contiguous()
+            and out.dtype == q.dtype
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        )
+        scratch = self._scratch.get(d)
+        if scratch is None:
+            size = load().extend_attention_scratch_bytes(self._max_len, d, self._threads)
+            scratch = self._scratch[d] = torch.empty(size, dtype=torch.uint8)
+        rc = _fns["extend_attention", q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            *self._batch_args,
+            hq,
+            k_cache.shape[1],
+            d,
+            scale,
+            self._window,
+            self._softcap,
+            out.data_ptr(),
+            out.stride(0),
+            scratch.data_ptr(),
+            scratch.numel(),
+            self._threads,
+        )
+        if rc != 0:
+            raise ValueError(
+                f"extend_attention: unsupported shape q={tuple(q.shape)} kv={tuple(k_cache.shape)}"
+            )
 
 
 def paged_attention(

@@ -90,6 +90,84 @@ def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+needs_extend_kernel = pytest.mark.skipif(
+    not cpu_kernels.extend_isa(),
+    reason="needs cc and a CPU with AVX2 + FMA (the extend kernel's vector paths)",
+)
+
+
+def _extend_case(dtype, hq, hkv, d, lens, news, seed=0):
+    """A pool with each request's rows scattered in it, and the new query rows of each request
+    (its last `news[r]` positions) packed one request after another."""
+    g = torch.Generator().manual_seed(seed)
+    pool = 2 * sum(lens) + 1
+    k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    perm = torch.randperm(pool - 1, generator=g) + 1
+    for r, n in enumerate(lens):
+        table[r, :n] = perm[sum(lens[:r]) : sum(lens[:r]) + n]
+    q = torch.randn(sum(news), hq, d, generator=g).to(dtype)
+    rows = [(r, sum(news[:r]), n, length) for r, (length, n) in enumerate(zip(lens, news))]
+    return q, k_cache, v_cache, table, rows
+
+
+def _extend(q, k_cache, v_cache, table, rows, window=None, softcap=None, scale=0.125):
+    out = torch.zeros(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    cpu_kernels.ExtendAttention(table, rows, window, softcap)(q, k_cache, v_cache, scale, out)
+    return out.view(q.shape)
+
+
+@needs_extend_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq,hkv,d,window,softcap",
+    [
+        (9, 3, 64, None, None),
+        (9, 3, 64, 37, 2.0),
+        (4, 4, 128, 37, None),
+        (12, 4, 96, None, 2.0),
+        (8, 1, 16, None, None),
+        (32, 8, 128, None, None),
+        (6, 6, 80, 37, None),
+    ],
+)
+def test_extend_attention_kernel_matches_reference(dtype, hq, hkv, d, window, softcap):
+    """Long extends (prompts whole and chunks over a prefix, of lengths across the 64-key blocks
+    and the work items' row counts) against float64 attention; scattered pool rows."""
+    lens, news = [300, 129, 70, 65], [300, 65, 70, 1]
+    q, k_cache, v_cache, table, rows = _extend_case(dtype, hq, hkv, d, lens, news, seed=hq * d)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = _extend(q, k_cache, v_cache, table, rows, window, softcap)
+    finally:
+        torch.set_num_threads(threads)
+    positions = [list(range(length - n, length)) for length, n in zip(lens, news)]
+    ref = _reference_attention(q, k_cache, v_cache, table, lens, positions, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@needs_extend_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,window", [(9, 3, 64, None), (8, 2, 128, 50), (5, 5, 80, None)])
+def test_extend_attention_rows_give_the_same_bits_in_any_chunk(dtype, hq, hkv, d, window):
+    """A row's arithmetic depends on its query, its position and the keys only: a prompt cut into
+    chunks (any cuts, any team size) gives the bits of the prompt in one piece, in bf16 too."""
+    q, k_cache, v_cache, table, rows = _extend_case(dtype, hq, hkv, d, [500], [500], seed=d)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = _extend(q, k_cache, v_cache, table, rows, window)
+        for t, (a, b) in enumerate([(0, 100), (100, 357), (357, 500), (65, 130), (499, 500)]):
+            torch.set_num_threads(1 + t % 2)
+            chunk = _extend(q[a:b], k_cache, v_cache, table, [(0, 0, b - a, b)], window)
+            assert torch.equal(chunk, whole[a:b]), (a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (6, 1, 80), (40, 8, 64)])
 def test_float32_paged_attention_rows_alone_and_in_a_batch_give_the_same_bits(hq, hkv, d):
@@ -213,9 +291,11 @@ def test_float32_linears_pack_on_every_cpu_and_match_to_rounding():
         torch.testing.assert_close(packed(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
-def test_extend_attention_costs_what_its_tokens_cost():
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
     """A long prompt beside many one-token prompts runs per request (no padding to the longest):
-    the batch's attention equals each request's own."""
+    the batch's attention equals each request's own, through SDPA per request or the native
+    kernels (the extend kernel for the long prompt, the paged kernel for the one-token rows)."""
     g = torch.Generator().manual_seed(4)
     hq, hkv, d, pool = 4, 2, 16, 200
     lens = [1, 120, 1, 1]
@@ -240,9 +320,12 @@ def test_extend_attention_costs_what_its_tokens_cost():
         extend_lens=lens,
         extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
     )
-    backend = TorchAttention(use_kernel=False)
+    backend = TorchAttention(use_kernel=use_kernel)
     meta = backend.prepare(fb, hq, hkv, None)
     assert [length for length, _, _ in meta.extend_rows] == lens  # per request, not a padded [bs, 120] block
+    if use_kernel and cpu_kernels.extend_isa():
+        assert meta.extend_kernel is not None and meta.extend_kernel.rows == [(1, 1, 120, 120)]
+        assert meta.short_q is not None and meta.short_q.tolist() == [0, 121, 122]
     out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     row = 0
     for _r, n in enumerate(lens):

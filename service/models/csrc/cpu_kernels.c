@@ -24,48 +24,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 #define BLOCK 256
 #define MAX_D 256
 #define MAX_G 16
 #define PREFETCH 8 /* rows ahead: the pool rows of a request are scattered */
 #define ITEM_HEADS 32    /* query heads of one work item at most (a row item: hq) */
 #define ITEM_FLOATS 4096 /* query heads x d of one work item at most (MAX_G * MAX_D) */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t x = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &x, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* NaN stays NaN */
-    x += 0x7fffu + ((x >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(x >> 16);
-}
-
-/* exp(x), vectorizable (no libm call): 2^(x log2 e) split into 2^n * 2^f,
- * f in [-0.5, 0.5], with a degree-6 polynomial (relative error ~2e-7, a few
- * float ulps). Below -87 it returns 0; above 88 it saturates at ~2^127. */
-static inline float exp_approx(float x) {
-    float t = x * 1.44269504088896341f;
-    t = t < -126.f ? -126.f : (t > 127.f ? 127.f : t);
-    const float n = (t + 12582912.f) - 12582912.f; /* round to nearest: 1.5 * 2^23 trick, vectorizes */
-    const float f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.f ? 0.f : p * scale;
-}
 
 /* One block of an online softmax: scores s[0..n) -> exp(s - new max) in place; the running max
  * m and sum l move to the new max. Returns the factor the accumulators must be scaled by

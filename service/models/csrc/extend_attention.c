@@ -1,0 +1,515 @@
+/* Extend attention on CPU: the new query rows of a prompt (or of a chunk of one) over their
+ * request's rows of the paged KV pool, read in place (no gather into a contiguous copy, no
+ * repeat of the kv heads for their query heads). Causal, optional sliding window and score
+ * soft-capping (Gemma-2). What the extends of more than a few rows take; decode rows and
+ * short chunks go to paged_attention (cpu_kernels.c).
+ *
+ * Layouts (contiguous unless a stride is given):
+ *   q     [T, hq, d], row stride q_stride   the batch's packed query rows
+ *   k, v  [pool, hkv, d]                    the layer's KV pool (this step's rows already stored)
+ *   table [bs, table_stride]                pool row of each request's kv position
+ *   out   [T, hq, d], row stride out_stride
+ * Request r (req_row[r] in the table) has kv_len[r] positions; its n_new[r] query rows start
+ * at packed row q_start[r] and sit at positions kv_len - n_new .. kv_len - 1.
+ *
+ * Per request and kv head: the head's K rows are packed once into key blocks of KB positions
+ * (blocks at fixed positions: block b holds keys b*KB .. b*KB+KB-1) and its V rows widened to
+ * float32; then work items of up to R_MAX rows (consecutive query positions x the g query heads
+ * of the kv head, which share every K/V load) run in parallel. An item takes the blocks its rows
+ * reach: the scores of the block for its rows are a small GEMM (bf16 pairs with vdpbf16ps on
+ * AVX-512 BF16, exact products summed in float32; float32 FMAs elsewhere, AVX-512F or AVX2),
+ * then an online softmax per row and P.V in float32, register-blocked over rows.
+ *
+ * A row's arithmetic depends only on its query, its position and the keys (a block a row does
+ * not reach is skipped for it, the keys it must not see weigh exactly 0): the same row gives the
+ * same bits whichever item, chunk or batch it is computed in, so a prompt in chunks equals the
+ * prompt in one piece. Needs AVX2 + FMA at least (extend_attention_isa() == 0: not built);
+ * head_dim a multiple of 16, at most 256.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernel_math.h"
+
+#define KB 64    /* keys per block */
+#define R_MAX 64 /* rows (query positions x group heads) per work item */
+#define EXT_MAX_D 256
+#define EXT_MAX_G 16
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#include <omp.h>
+#define EXTEND_BUILT 1
+
+#if defined(__AVX512F__)
+#define VL 16
+#define QK_NR 4 /* rows x 4 vectors of accumulators in a score tile */
+#define PV_NR 4 /* rows x 4 vectors of accumulators in a P.V tile */
+typedef __m512 vf;
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vzero _mm512_setzero_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
+#define vfma _mm512_fmadd_ps
+static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }
+static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#define EXP2_MIN -150.f /* 2^-150 rounds to 0: a weight below it is exactly 0 */
+static inline vf vtimes_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p * 2^n, n integral */
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#else
+#define VL 8
+#define QK_NR 2 /* AVX2 has 16 vector registers: 2 x 4 accumulators, 4 operands, a broadcast */
+#define PV_NR 2
+typedef __m256 vf;
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vzero _mm256_setzero_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
+#define vfma _mm256_fmadd_ps
+static inline float vhmax(vf x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+static inline float vhsum(vf x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#define EXP2_MIN -127.f /* n = -127 builds the bits of 0.0: a weight below 2^-126 is exactly 0 */
+static inline vf vtimes_pow2(vf p, vf n) { /* p * 2^n, n integral in [-127, 0] */
+    return vmul(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
+}
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+#define QK_NV 4 /* vectors of keys in a score tile */
+#define PV_NV 4 /* vectors of head_dim in a P.V tile */
+
+/* 2^t for t <= 0 (a softmax weight): exp_approx's split into 2^n * 2^f and its polynomial;
+ * t below EXP2_MIN (a key the row must not see: -inf) gives exactly 0. */
+static inline vf vexp2(vf t) {
+    t = vmax(vset1(EXP2_MIN), t);
+    const vf n = vround(t), f = vsub(t, n);
+    vf p = vset1(1.5403530e-4f);
+    p = vfma(p, f, vset1(1.3333558e-3f));
+    p = vfma(p, f, vset1(9.6181291e-3f));
+    p = vfma(p, f, vset1(5.5504109e-2f));
+    p = vfma(p, f, vset1(2.4022651e-1f));
+    p = vfma(p, f, vset1(6.9314718e-1f));
+    p = vfma(p, f, vset1(1.0f));
+    return vtimes_pow2(p, n);
+}
+
+/* The paths: float32 scores of float32 inputs, or of bf16 inputs widened (where vdpbf16ps is
+ * missing), or bf16 scores by vdpbf16ps, whose lanes sum two exact products of bf16 pairs into
+ * float32. Weights and P.V are float32 in every path: the same precision as paged_attention, so
+ * a row computed by one kernel or the other rounds to the same bf16 but rarely apart. */
+enum { PATH_F32 = 0, PATH_BF16_INPUT = 1, PATH_BF16_DP = 2 };
+
+typedef struct {
+    const void *q;
+    int64_t q_stride;
+    const void *k, *v;
+    const int64_t *rows; /* the request's table row */
+    int64_t kv_len, n_new, q_start, p0;
+    int64_t hq, hkv, g, d, h;
+    float scale, softcap;
+    int64_t window;
+    void *out;
+    int64_t out_stride;
+    int path;
+    int64_t b_lo; /* first block packed */
+    void *kpack, *vpack;
+} Job;
+
+static inline int64_t row_start(const Job *j, int64_t pos) {
+    return (j->window > 0 && pos - j->window + 1 > 0) ? pos - j->window + 1 : 0;
+}
+
+/* Element e of key j's row (kv head h) as float32; 0 past kv_len. */
+static inline float kv_at(const Job *jb, const void *pool, int64_t j, int64_t e) {
+    if (j >= jb->kv_len) return 0.f;
+    const int64_t off = (jb->rows[j] * jb->hkv + jb->h) * jb->d + e;
+    return jb->path == PATH_F32 ? ((const float *)pool)[off] : bf16_to_f32(((const uint16_t *)pool)[off]);
+}
+
+/* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
+ * or bf16 pairs [d/2][KB] (bits copied), V widened to float32 [KB][d] (a head_dim element per
+ * lane of the P.V tile); keys past kv_len are zeros. */
+static void pack_block(const Job *jb, int64_t b) {
+    const int64_t d = jb->d, slot = b - jb->b_lo;
+    float *vb = (float *)jb->vpack + slot * KB * d;
+    for (int64_t t = 0; t < KB; t++)
+        for (int64_t e = 0; e < d; e++) vb[t * d + e] = kv_at(jb, jb->v, b * KB + t, e);
+    if (jb->path != PATH_BF16_DP) {
+        float *kb = (float *)jb->kpack + slot * KB * d;
+        for (int64_t t = 0; t < KB; t++)
+            for (int64_t e = 0; e < d; e++) kb[e * KB + t] = kv_at(jb, jb->k, b * KB + t, e);
+        return;
+    }
+    uint32_t *kb = (uint32_t *)jb->kpack + slot * KB * (d / 2);
+    for (int64_t t = 0; t < KB; t++) {
+        const int64_t j = b * KB + t;
+        const uint16_t *kr = (const uint16_t *)jb->k + (jb->rows[j < jb->kv_len ? j : 0] * jb->hkv + jb->h) * d;
+        for (int64_t e2 = 0; e2 < d / 2; e2++) {
+            uint32_t pair = 0;
+            if (j < jb->kv_len) memcpy(&pair, kr + 2 * e2, 4);
+            kb[e2 * KB + t] = pair;
+        }
+    }
+}
+
+/* Scores of nr rows (q float32, row stride d) over QK_NV * VL keys of a [d][KB] block. */
+static inline __attribute__((always_inline)) void qk_f32_tile(const int nr, const float *q, int64_t d,
+                                                              const float *kt, float *s) {
+    vf c[QK_NR][QK_NV];
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < QK_NV; x++) c[r][x] = vzero();
+    for (int64_t e = 0; e < d; e++) {
+        vf kx[QK_NV];
+        for (int x = 0; x < QK_NV; x++) kx[x] = vload(kt + e * KB + x * VL);
+        for (int r = 0; r < nr; r++) {
+            const vf qb = vset1(q[r * d + e]);
+            for (int x = 0; x < QK_NV; x++) c[r][x] = vfma(qb, kx[x], c[r][x]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < QK_NV; x++) vstore(s + r * KB + x * VL, c[r][x]);
+}
+
+static void qk_f32(const float *q, int64_t nrows, int64_t d, const float *kt, float *s) {
+    for (int64_t r0 = 0; r0 < nrows; r0 += QK_NR) {
+        const int64_t nr = nrows - r0 < QK_NR ? nrows - r0 : QK_NR;
+        for (int64_t c0 = 0; c0 < KB; c0 += QK_NV * VL) {
+            const float *qr = q + r0 * d;
+            float *sr = s + r0 * KB + c0;
+            switch (nr) {
+                case 1: qk_f32_tile(1, qr, d, kt + c0, sr); break;
+#if QK_NR > 2
+                case 2: qk_f32_tile(2, qr, d, kt + c0, sr); break;
+                case 3: qk_f32_tile(3, qr, d, kt + c0, sr); break;
+#endif
+                default: qk_f32_tile(QK_NR, qr, d, kt + c0, sr); break;
+            }
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* Scores of nr rows (q bf16, row stride d) over a block's KB = 4 x 16 keys, bf16 pairs [d/2][KB]. */
+static inline __attribute__((always_inline)) void qk_bf16_tile(const int nr, const uint16_t *q, int64_t d,
+                                                               const uint32_t *kp, float *s) {
+    __m512 c[4][4];
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < 4; x++) c[r][x] = _mm512_setzero_ps();
+    for (int64_t e2 = 0; e2 < d / 2; e2++) {
+        __m512bh kx[4];
+        for (int x = 0; x < 4; x++) kx[x] = (__m512bh)_mm512_loadu_si512(kp + e2 * KB + 16 * x);
+        for (int r = 0; r < nr; r++) {
+            int32_t pair;
+            memcpy(&pair, q + r * d + 2 * e2, 4);
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int x = 0; x < 4; x++) c[r][x] = _mm512_dpbf16_ps(c[r][x], qb, kx[x]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + r * KB + 16 * x, c[r][x]);
+}
+
+static void qk_bf16(const uint16_t *q, int64_t nrows, int64_t d, const uint32_t *kp, float *s) {
+    for (int64_t r0 = 0; r0 < nrows; r0 += 4) {
+        const uint16_t *qr = q + r0 * d;
+        float *sr = s + r0 * KB;
+        switch (nrows - r0) {
+            case 1: qk_bf16_tile(1, qr, d, kp, sr); break;
+            case 2: qk_bf16_tile(2, qr, d, kp, sr); break;
+            case 3: qk_bf16_tile(3, qr, d, kp, sr); break;
+            default: qk_bf16_tile(4, qr, d, kp, sr); break;
+        }
+    }
+}
+#endif
+
+/* One row's block of dot products s[KB] (keys j0 ..) -> softmax weights exp(score - new max) in
+ * place (float32), keys outside [lo, hi] weighing exactly 0; score = dot * scale (soft-capped if
+ * softcap). The running max m (in the units s holds: dots, or capped scores) and sum l move on;
+ * returns the factor the row's accumulators take. */
+static inline float softmax_block(float *s, int64_t j0, int64_t lo, int64_t hi, float scale,
+                                  float softcap, float *m, float *l) {
+    float unit = scale; /* score per unit of s */
+    if (softcap > 0.f) {
+        for (int t = 0; t < KB; t++) s[t] = tanhf(s[t] * scale / softcap) * softcap;
+        unit = 1.f;
+    }
+    if (j0 < lo || j0 + KB - 1 > hi)
+        for (int t = 0; t < KB; t++)
+            if (j0 + t < lo || j0 + t > hi) s[t] = -INFINITY;
+    vf mx = vload(s);
+    for (int x = 1; x < KB / VL; x++) mx = vmax(mx, vload(s + x * VL));
+    const float block_max = vhmax(mx), bm = block_max > *m ? block_max : *m;
+    const float corr = exp_approx((*m - bm) * unit);
+    const vf k = vset1(unit * 1.44269504088896341f), kbm = vset1(bm * unit * 1.44269504088896341f);
+    vf sum = vzero();
+    for (int x = 0; x < KB / VL; x++) {
+        const vf p = vexp2(vsub(vmul(vload(s + x * VL), k), kbm));
+        vstore(s + x * VL, p);
+        sum = vadd(sum, p);
+    }
+    *m = bm;
+    *l = *l * corr + vhsum(sum);
+    return corr;
+}
+
+/* acc[nr rows][nv vectors] = acc * corr + P . V over keys 0 .. nk-1 of the block (float32). */
+static inline __attribute__((always_inline)) void pv_tile(const int nr, const int nv, float *acc, int64_t d,
+                                                          const float *p, const float *corr, const float *vb,
+                                                          int64_t nk) {
+    vf a[PV_NR][PV_NV];
+    for (int r = 0; r < nr; r++) {
+        const vf c = vset1(corr[r]);
+        for (int x = 0; x < nv; x++) a[r][x] = vmul(vload(acc + r * d + x * VL), c);
+    }
+    for (int64_t t = 0; t < nk; t++) {
+        vf vv[PV_NV];
+        for (int x = 0; x < nv; x++) vv[x] = vload(vb + t * d + x * VL);
+        for (int r = 0; r < nr; r++) {
+            const vf pb = vset1(p[r * KB + t]);
+            for (int x = 0; x < nv; x++) a[r][x] = vfma(pb, vv[x], a[r][x]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < nv; x++) vstore(acc + r * d + x * VL, a[r][x]);
+}
+
+#if PV_NR > 2
+#define PV_CASES(NV)                                                                                \
+    switch (nr) {                                                                                   \
+        case 1: pv_tile(1, NV, ac, d, pr, cr, vc, nk); break;                                      \
+        case 2: pv_tile(2, NV, ac, d, pr, cr, vc, nk); break;                                      \
+        case 3: pv_tile(3, NV, ac, d, pr, cr, vc, nk); break;                                      \
+        default: pv_tile(PV_NR, NV, ac, d, pr, cr, vc, nk); break;                                 \
+    }
+#else
+#define PV_CASES(NV)                                                                                \
+    switch (nr) {                                                                                   \
+        case 1: pv_tile(1, NV, ac, d, pr, cr, vc, nk); break;                                      \
+        default: pv_tile(PV_NR, NV, ac, d, pr, cr, vc, nk); break;                                 \
+    }
+#endif
+
+/* P.V for rows r0 .. r1-1 of an item; nk_of[r]: keys of the block the row may weigh (past them
+ * its weights are 0, so leaving them out changes no bit). */
+static void pv_rows(float *acc, int64_t d, const float *p, const float *corr, const float *vb, int64_t r0,
+                    int64_t r1, const int64_t *nk_of) {
+    for (int64_t ra = r0; ra < r1; ra += PV_NR) {
+        const int64_t nr = r1 - ra < PV_NR ? r1 - ra : PV_NR;
+        int64_t nk = 0;
+        for (int64_t r = ra; r < ra + nr; r++) nk = nk_of[r] > nk ? nk_of[r] : nk;
+        for (int64_t e0 = 0; e0 < d;) {
+            float *ac = acc + ra * d + e0;
+            const float *pr = p + ra * KB, *cr = corr + ra, *vc = vb + e0;
+            if (d - e0 >= PV_NV * VL) {
+                PV_CASES(PV_NV);
+                e0 += PV_NV * VL;
+            } else {
+                PV_CASES(1);
+                e0 += VL;
+            }
+        }
+    }
+}
+
+/* Per-thread buffers of an item: its queries, scores, accumulators, running max / sum. */
+typedef struct {
+    float *qf;     /* [R_MAX][d] queries as float32 (the float32 path) */
+    uint16_t *qb;  /* [R_MAX][d] queries as bf16 (the vdpbf16ps path; the same memory as qf) */
+    float *s;      /* [R_MAX][KB] a block's scores, then weights */
+    float *acc;    /* [R_MAX][d] */
+    float *m, *l, *corr; /* [R_MAX] running max, running sum, this block's factor */
+    int64_t *nk;   /* [R_MAX] keys of this block a row may weigh */
+} ItemBuffers;
+
+/* The buffers carved out of one thread's region (item_bytes(d) bytes). */
+static ItemBuffers item_buffers(char *at, int64_t d) {
+    ItemBuffers w;
+    w.qf = (float *)at, w.qb = (uint16_t *)at, at += R_MAX * d * sizeof(float);
+    w.s = (float *)at, at += R_MAX * KB * sizeof(float);
+    w.acc = (float *)at, at += R_MAX * d * sizeof(float);
+    w.m = (float *)at, at += R_MAX * sizeof(float);
+    w.l = (float *)at, at += R_MAX * sizeof(float);
+    w.corr = (float *)at, at += R_MAX * sizeof(float);
+    w.nk = (int64_t *)at;
+    return w;
+}
+
+static int64_t item_bytes(int64_t d) {
+    const int64_t bytes = R_MAX * (2 * d * sizeof(float) + KB * sizeof(float) +
+                                   3 * sizeof(float) + sizeof(int64_t));
+    return (bytes + 63) / 64 * 64;
+}
+
+/* Query positions p0 + t0 .. p0 + t0 + nt - 1 of kv head h: rows (t, a) = t * g + a. */
+static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t nt) {
+    const int64_t g = jb->g, d = jb->d, nrows = nt * g;
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t a = 0; a < g; a++) {
+            const int64_t r = t * g + a, src = (jb->q_start + t0 + t) * jb->q_stride + (jb->h * g + a) * d;
+            if (jb->path == PATH_F32)
+                memcpy(w->qf + r * d, (const float *)jb->q + src, d * sizeof(float));
+            else if (jb->path == PATH_BF16_INPUT)
+                for (int64_t e = 0; e < d; e++) w->qf[r * d + e] = bf16_to_f32(((const uint16_t *)jb->q)[src + e]);
+            else
+                memcpy(w->qb + r * d, (const uint16_t *)jb->q + src, d * sizeof(uint16_t));
+            w->m[r] = -INFINITY;
+            w->l[r] = 0.f;
+        }
+    memset(w->acc, 0, nrows * d * sizeof(float));
+    const int64_t pos_lo = jb->p0 + t0, pos_hi = pos_lo + nt - 1;
+    for (int64_t b = row_start(jb, pos_lo) / KB; b <= pos_hi / KB; b++) {
+        const int64_t j0 = b * KB;
+        /* the rows that reach this block: positions >= j0 whose window starts before its end */
+        int64_t ta = j0 - pos_lo > 0 ? j0 - pos_lo : 0, tb = nt;
+        while (tb > ta && row_start(jb, pos_lo + tb - 1) > j0 + KB - 1) tb--;
+        if (ta >= tb) continue;
+        const int64_t ra = ta * g, rb = tb * g, slot = b - jb->b_lo;
+#if defined(__AVX512BF16__)
+        if (jb->path == PATH_BF16_DP)
+            qk_bf16(w->qb + ra * d, rb - ra, d, (const uint32_t *)jb->kpack + slot * KB * (d / 2), w->s + ra * KB);
+        else
+#endif
+            qk_f32(w->qf + ra * d, rb - ra, d, (const float *)jb->kpack + slot * KB * d, w->s + ra * KB);
+        for (int64_t r = ra; r < rb; r++) {
+            const int64_t pos = pos_lo + r / g;
+            w->corr[r] = softmax_block(w->s + r * KB, j0, row_start(jb, pos), pos, jb->scale, jb->softcap,
+                                       &w->m[r], &w->l[r]);
+            w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
+        }
+        pv_rows(w->acc, d, w->s, w->corr, (const float *)jb->vpack + slot * KB * d, ra, rb, w->nk);
+    }
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t a = 0; a < g; a++) {
+            const int64_t r = t * g + a;
+            const int64_t dst = (jb->q_start + t0 + t) * jb->out_stride + (jb->h * g + a) * d;
+            const float inv = 1.f / w->l[r];
+            if (jb->path == PATH_F32)
+                for (int64_t e = 0; e < d; e++) ((float *)jb->out)[dst + e] = w->acc[r * d + e] * inv;
+            else
+                for (int64_t e = 0; e < d; e++) ((uint16_t *)jb->out)[dst + e] = f32_to_bf16(w->acc[r * d + e] * inv);
+        }
+}
+
+/* One request's rows for kv head h: pack its blocks, then the items (the last ones, which reach
+ * the most blocks, first). `threads`: nthreads regions of item_bytes(d) each. */
+static void extend_head(Job *jb, char *threads, int nthreads) {
+    const int64_t qt = R_MAX / jb->g; /* query positions per item */
+    const int64_t items = (jb->n_new + qt - 1) / qt;
+    const int64_t b_hi = (jb->kv_len - 1) / KB;
+    const int64_t d = jb->d;
+    jb->b_lo = row_start(jb, jb->p0) / KB;
+    _Pragma("omp parallel num_threads(nthreads)") {
+        _Pragma("omp for schedule(static)") for (int64_t b = jb->b_lo; b <= b_hi; b++) pack_block(jb, b);
+        const ItemBuffers w = item_buffers(threads + omp_get_thread_num() * item_bytes(d), d);
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t it = items - 1; it >= 0; it--) {
+            const int64_t t0 = it * qt;
+            extend_item(jb, &w, t0, jb->n_new - t0 < qt ? jb->n_new - t0 : qt);
+        }
+    }
+}
+
+static int64_t pack_bytes(int64_t max_len, int64_t d) { return (max_len + KB - 1) / KB * KB * d * 8; }
+
+static int extend_attention(int path, const void *q, int64_t q_stride, const void *k, const void *v,
+                            const int64_t *table, int64_t table_stride, int64_t n_req, const int64_t *req_row,
+                            const int64_t *q_start, const int64_t *n_new, const int64_t *kv_len, int64_t hq,
+                            int64_t hkv, int64_t d, float scale, int64_t window, float softcap, void *out,
+                            int64_t out_stride, void *scratch, int64_t scratch_bytes, int nthreads) {
+    if (d % 16 != 0 || d > EXT_MAX_D || hq % hkv != 0 || hq / hkv > EXT_MAX_G || nthreads < 1) return -1;
+    int64_t max_len = 0;
+    for (int64_t r = 0; r < n_req; r++) max_len = kv_len[r] > max_len ? kv_len[r] : max_len;
+    const int64_t packed = pack_bytes(max_len, d);
+    if (packed + nthreads * item_bytes(d) > scratch_bytes) return -1;
+    for (int64_t r = 0; r < n_req; r++) {
+        if (n_new[r] <= 0) continue;
+        const int64_t blocks = (kv_len[r] + KB - 1) / KB;
+        Job jb = {
+            .q = q, .q_stride = q_stride, .k = k, .v = v, .rows = table + req_row[r] * table_stride,
+            .kv_len = kv_len[r], .n_new = n_new[r], .q_start = q_start[r], .p0 = kv_len[r] - n_new[r],
+            .hq = hq, .hkv = hkv, .g = hq / hkv, .d = d, .scale = scale, .softcap = softcap,
+            .window = window, .out = out, .out_stride = out_stride, .path = path,
+            .kpack = scratch, .vpack = (float *)scratch + blocks * KB * d,
+        };
+        for (int64_t h = 0; h < hkv; h++) {
+            jb.h = h;
+            extend_head(&jb, (char *)scratch + packed, nthreads);
+        }
+    }
+    return 0;
+}
+#else
+#define EXTEND_BUILT 0
+#endif
+
+/* Which vector path was built: 0 none (no AVX2 + FMA: the caller uses its fallback), 8 AVX2, 16
+ * AVX-512F, 32 AVX-512 BF16 (bf16 scores by vdpbf16ps). */
+int extend_attention_isa(void) {
+#if defined(__AVX512BF16__)
+    return 32;
+#elif EXTEND_BUILT
+    return VL;
+#else
+    return 0;
+#endif
+}
+
+/* Scratch bytes for requests of up to max_len kv positions on nthreads threads: one kv head's
+ * packed K and V, and each thread's item buffers. */
+int64_t extend_attention_scratch_bytes(int64_t max_len, int64_t d, int nthreads) {
+#if EXTEND_BUILT
+    return pack_bytes(max_len, d) + nthreads * item_bytes(d);
+#else
+    (void)max_len, (void)d, (void)nthreads;
+    return 0;
+#endif
+}
+
+#if EXTEND_BUILT
+#define DEFINE_EXTEND(NAME, PATH)                                                                   \
+    int NAME(const void *q, int64_t q_stride, const void *k, const void *v, const int64_t *table,  \
+             int64_t table_stride, int64_t n_req, const int64_t *req_row, const int64_t *q_start,   \
+             const int64_t *n_new, const int64_t *kv_len, int64_t hq, int64_t hkv, int64_t d,       \
+             float scale, int64_t window, float softcap, void *out, int64_t out_stride,            \
+             void *scratch, int64_t scratch_bytes, int nthreads) {                                  \
+        return extend_attention(PATH, q, q_stride, k, v, table, table_stride, n_req, req_row,      \
+                                q_start, n_new, kv_len, hq, hkv, d, scale, window, softcap, out,   \
+                                out_stride, scratch, scratch_bytes, nthreads);                      \
+    }
+#if defined(__AVX512BF16__)
+DEFINE_EXTEND(extend_attention_bf16, PATH_BF16_DP)
+#else
+DEFINE_EXTEND(extend_attention_bf16, PATH_BF16_INPUT)
+#endif
+DEFINE_EXTEND(extend_attention_f32, PATH_F32)
+#else
+int extend_attention_bf16(void) { return -1; }
+int extend_attention_f32(void) { return -1; }
+#endif
