@@ -98,12 +98,14 @@ class CpuFeatures:
         return flags
 
     def kernel_variant(self) -> str:
-        """Which paged-attention work items the native kernels use."""
+        """Which paged-attention work items and extend-attention tiles the native kernels use."""
         if self.avx512_bf16:
-            return "avx512-bf16 rows (bf16), avx512 (fp32)"
+            return "avx512-bf16 rows and extend scores (bf16), avx512 (fp32)"
         if self.avx512:
             return "avx512"
-        return "portable C (auto-vectorised" + (", AVX2)" if self.avx2 else ")")
+        if self.avx2:
+            return "portable C (auto-vectorised, AVX2), AVX2 extend tiles"
+        return "portable C (auto-vectorised); long extends on ATen's SDPA"
 
     def describe(self) -> str:
         have = [
