@@ -138,6 +138,16 @@ def has_kernel(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in _SUFFIX and head_dim <= MAX_HEAD_DIM
 
 
+def _attention_args(
+    q, k_cache, v_cache, batch_args: tuple, scale: float, window: int, softcap: float
+) -> tuple:
+    """The leading arguments both attention kernels take: the query rows, the pool, the batch's
+    converted arguments, the head shape, scale, window and cap."""
+    _, hq, d = q.shape
+    return (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *batch_args,
+            hq, k_cache.shape[1], d, scale, window, softcap)  # fmt: skip
+
+
 class PagedAttention:
     """One batch's paged-attention calls: the batch's arguments (its table, each query's request
     row and position, the rows this step writes) converted once; every layer then passes only
@@ -192,17 +202,7 @@ class PagedAttention:
                 and v_new.stride(1) == d
             )
         rc = _fns["paged_attention", q.dtype](
-            q.data_ptr(),
-            q.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            *self._batch_args,
-            hq,
-            k_cache.shape[1],
-            d,
-            scale,
-            self._window,
-            self._softcap,
+            *_attention_args(q, k_cache, v_cache, self._batch_args, scale, self._window, self._softcap),
             out.data_ptr(),
             self._threads,
             k_new.data_ptr() if m else None,
@@ -282,17 +282,7 @@ class ExtendAttention:
             size = load().extend_attention_scratch_bytes(self._max_len, d, self._threads)
             scratch = self._scratch[d] = torch.empty(size, dtype=torch.uint8)
         rc = _fns["extend_attention", q.dtype](
-            q.data_ptr(),
-            q.stride(0),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            *self._batch_args,
-            hq,
-            k_cache.shape[1],
-            d,
-            scale,
-            self._window,
-            self._softcap,
+            *_attention_args(q, k_cache, v_cache, self._batch_args, scale, self._window, self._softcap),
             out.data_ptr(),
             out.stride(0),
             scratch.data_ptr(),
