@@ -537,16 +537,18 @@ def test_mixed_prompt_lengths_give_the_same_tokens(server, stub):
 
 class AttentionWork:
     """Query-key pairs (times query heads) that attention computed, over every path the torch backend
-    takes: the per-request flash call, SDPA (decode without the kernel), the native paged kernel."""
+    takes: the per-request flash call, SDPA (decode without the kernel), the native paged and extend
+    kernels."""
 
     def __init__(self, monkeypatch):
         from service.models import attention, cpu_kernels
 
         self.pairs = 0
-        sdpa, cpu_sdpa, kernel = (
+        sdpa, cpu_sdpa, kernel, extend = (
             attention.F.scaled_dot_product_attention,
             attention.sdpa,
             cpu_kernels.PagedAttention.__call__,
+            cpu_kernels.ExtendAttention.__call__,
         )
 
         def counted_sdpa(q, k, v, *args, **kwargs):
@@ -561,9 +563,14 @@ class AttentionWork:
             self.pairs += q.shape[1] * int((call._keep[2] + 1).sum())  # each query row: its position + 1 keys
             return kernel(call, q, *args, **kwargs)
 
+        def counted_extend(call, q, *args, **kwargs):  # new row i of n over kv length L: L - n + i + 1 keys
+            self.pairs += q.shape[1] * sum(n * (length - n) + n * (n + 1) // 2 for *_, n, length in call.rows)
+            return extend(call, q, *args, **kwargs)
+
         monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted_sdpa)
         monkeypatch.setattr(attention, "sdpa", counted_cpu_sdpa)
         monkeypatch.setattr(cpu_kernels.PagedAttention, "__call__", counted_kernel)
+        monkeypatch.setattr(cpu_kernels.ExtendAttention, "__call__", counted_extend)
 
 
 def test_mixed_prompt_lengths_cost_about_their_tokens(server, stub, monkeypatch):

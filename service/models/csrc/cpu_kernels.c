@@ -15,7 +15,9 @@
  * per query row, all heads (bf16 with AVX-512 BF16: bf16_rows_attention; else
  * the generic item over every kv head, unless an AVX-512 (row, head) item fits).
  * Otherwise work items are (query row, kv head): the g = hq / hkv query heads of
- * a group share each K/V row load. Scores are computed block by block with an
+ * a group share each K/V row load. Which items run never changes a row's bits
+ * (each path is one function for both item kinds): a request's tokens do not
+ * depend on the batch it runs in. Scores are computed block by block with an
  * online softmax in float32. Element type: bf16 (uint16 bits) or float32.
  * OpenMP threads come from the runtime torch already loaded (libgomp).
  */
@@ -178,7 +180,8 @@ AVX512_DISPATCH(avx512_f32)
 
 
 #if defined(__AVX512BF16__)
-/* Decode-shaped bf16 path (AVX-512 BF16): one work item per query row, all its heads.
+/* Decode-shaped bf16 path (AVX-512 BF16): one work item per query row, all its heads (with
+ * fewer rows than row_min: per query row and kv head, the same function on one head's range).
  * A token's K (and V) row for every kv head is one contiguous run of hkv * d values, read
  * once (prefetched whole, PF_ROWS tokens ahead: the rows of a request's decoded tokens lie
  * far apart in the pool); q.k runs on bf16 pairs (vdpbf16ps, float32 sums) and 16 tokens'
@@ -230,15 +233,16 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
     } while (0)
 
 #define DEFINE_ROW_ITEM(NAME, DV)                                                                             \
-    static void NAME(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *rows,         \
-                     int64_t start, int64_t pos, int64_t hq, int64_t hkv, float scale, float softcap,        \
-                     uint16_t *out) {                                                                       \
+    static __attribute__((noinline)) void NAME(                                                            \
+        const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *rows, int64_t start,         \
+        int64_t pos, int64_t h0, int64_t h1, int64_t hq, int64_t hkv, float scale, float softcap,            \
+        uint16_t *out) {                                                                                    \
         enum { D = DV * 32, PV_HEADS = DV == 2 ? 4 : 2 };                                                \
         const int64_t g = hq / hkv, row_elems = hkv * D;                                                    \
         __m512bh qv[ROW_MAX_HQ][DV];                                                                        \
         __m512 part[ROW_MAX_HQ][16];                                                                        \
         float acc[ROW_MAX_HQ][D], m[ROW_MAX_HQ], l[ROW_MAX_HQ], s[ROW_MAX_HQ][ROW_BLOCK];                \
-        for (int64_t a = 0; a < hq; a++) {                                                                  \
+        for (int64_t a = h0 * g; a < h1 * g; a++) {                                                         \
             for (int x = 0; x < DV; x++) qv[a][x] = (__m512bh)_mm512_loadu_si512(q + a * D + 32 * x);      \
             for (int t = 0; t < 16; t++) part[a][t] = _mm512_setzero_ps();                                  \
             for (int e = 0; e < D; e++) acc[a][e] = 0.f;                                                    \
@@ -253,11 +257,11 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
                 for (int64_t t = 0; t < nn; t++) {                                                          \
                     const int64_t j = j0 + jb + t;                                                          \
                     if (j + PF_ROWS <= pos) {                                                               \
-                        prefetch_row(k + rows[j + PF_ROWS] * row_elems, row_elems);                         \
-                        prefetch_row(v + rows[j + PF_ROWS] * row_elems, row_elems);                         \
+                        prefetch_row(k + rows[j + PF_ROWS] * row_elems + h0 * D, (h1 - h0) * D);           \
+                        prefetch_row(v + rows[j + PF_ROWS] * row_elems + h0 * D, (h1 - h0) * D);           \
                     }                                                                                       \
                     const uint16_t *kr = k + rows[j] * row_elems;                                           \
-                    for (int64_t h = 0; h < hkv; h++) {                                                     \
+                    for (int64_t h = h0; h < h1; h++) {                                                     \
                         __m512bh kv[DV];                                                                    \
                         for (int x = 0; x < DV; x++) kv[x] = (__m512bh)_mm512_loadu_si512(kr + h * D + 32 * x); \
                         for (int64_t a = h * g; a < (h + 1) * g; a++) {                                     \
@@ -267,19 +271,19 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
                         }                                                                                   \
                     }                                                                                       \
                 }                                                                                           \
-                for (int64_t a = 0; a < hq; a++) {                                                          \
+                for (int64_t a = h0 * g; a < h1 * g; a++) {                                                 \
                     float tmp[16];                                                                          \
                     _mm512_storeu_ps(tmp, _mm512_mul_ps(reduce16(part[a]), vscale));                       \
                     memcpy(&s[a][jb], tmp, nn * sizeof(float));                                             \
                 }                                                                                           \
             }                                                                                               \
-            for (int64_t a = 0; a < hq; a++) {                                                              \
+            for (int64_t a = h0 * g; a < h1 * g; a++) {                                                     \
                 if (softcap > 0.f) cap_scores(s[a], n, softcap);                                            \
                 const __m512 corr = _mm512_set1_ps(online_softmax_block(s[a], n, &m[a], &l[a]));            \
                 for (int x = 0; x < D / 16; x++)                                                            \
                     _mm512_storeu_ps(&acc[a][16 * x], _mm512_mul_ps(_mm512_loadu_ps(&acc[a][16 * x]), corr)); \
             }                                                                                               \
-            for (int64_t h = 0; h < hkv; h++) {                                                             \
+            for (int64_t h = h0; h < h1; h++) {                                                             \
                 for (int64_t a0 = h * g; a0 < (h + 1) * g; a0 += PV_HEADS) {                                \
                     const int64_t nh = (h + 1) * g - a0 < PV_HEADS ? (h + 1) * g - a0 : PV_HEADS;          \
                     switch (nh) {                                                                           \
@@ -291,7 +295,7 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
-        for (int64_t a = 0; a < hq; a++) {                                                                  \
+        for (int64_t a = h0 * g; a < h1 * g; a++) {                                                         \
             const float inv = 1.f / l[a];                                                                   \
             for (int e = 0; e < D; e++) out[a * D + e] = f32_to_bf16(acc[a][e] * inv);                      \
         }                                                                                                   \
@@ -306,18 +310,24 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
                                const int64_t *pos_of, int64_t n_q, int64_t hq, int64_t hkv, int64_t d,
                                float scale, int64_t window, float softcap, uint16_t *out, int nthreads,
                                int64_t row_min) {
-    /* row_min (4 rows per thread of the engine's full team, so the choice, and so the rounding,
-     * does not change when the team shrinks): fewer rows take the (row, head) items. */
-    if ((d != 64 && d != 128) || hq > ROW_MAX_HQ || n_q < row_min) return 0;
+    /* Rows enough for every thread (row_min: 4 per thread of the engine's full team) take one item
+     * per row, all heads; fewer take one item per (row, kv head). Both call the same function and a
+     * head's arithmetic does not depend on the heads beside it, so a row's bits are the same whatever
+     * the batch: a request's tokens do not depend on how many others run with it. */
+    if ((d != 64 && d != 128) || hq > ROW_MAX_HQ) return 0;
+    const int64_t per_row = n_q >= row_min ? hkv : 1, items = n_q * (hkv / per_row);
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")
-    for (int64_t i = 0; i < n_q; i++) {
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t i = it / (hkv / per_row), h0 = it % (hkv / per_row) * per_row;
         const int64_t pos = pos_of[i];
         const int64_t *rows = table + req_of[i] * table_stride;
         const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
         if (d == 64)
-            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, softcap, out + i * hq * d);
+            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, h0, h0 + per_row, hq, hkv, scale, softcap,
+                              out + i * hq * d);
         else
-            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, hq, hkv, scale, softcap, out + i * hq * d);
+            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, h0, h0 + per_row, hq, hkv, scale, softcap,
+                               out + i * hq * d);
     }
     return 1;
 }
