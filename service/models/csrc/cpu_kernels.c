@@ -16,7 +16,7 @@
  * the generic item over every kv head, unless an AVX-512 (row, head) item fits).
  * Otherwise work items are (query row, kv head): the g = hq / hkv query heads of
  * a group share each K/V row load. Which items run never changes a row's bits
- * (each path is one function for both item kinds): a request's tokens do not
+ * (each path is one function for both item kinds): a row's attention does not
  * depend on the batch it runs in. Scores are computed block by block with an
  * online softmax in float32. Element type: bf16 (uint16 bits) or float32.
  * OpenMP threads come from the runtime torch already loaded (libgomp).
@@ -313,7 +313,7 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
     /* Rows enough for every thread (row_min: 4 per thread of the engine's full team) take one item
      * per row, all heads; fewer take one item per (row, kv head). Both call the same function and a
      * head's arithmetic does not depend on the heads beside it, so a row's bits are the same whatever
-     * the batch: a request's tokens do not depend on how many others run with it. */
+     * the batch (a prompt's last row among its prompt's rows, or alone after a prefix-cache hit). */
     if ((d != 64 && d != 128) || hq > ROW_MAX_HQ) return 0;
     const int64_t per_row = n_q >= row_min ? hkv : 1, items = n_q * (hkv / per_row);
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")
