@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from features.multimodal import ImageInputs
+from features.multimodal import ImageInputs, ImageSplices
 from service.config import ServerArgs
 from service.core.request import RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
@@ -22,6 +22,7 @@ MM = "multimodal"
 VISION_START, IMAGE_PAD, VISION_END = 49152, 49153, 49154
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+SHORT = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)  # the interpreted Triton kernels
 
 # Two Qwen2.5-VL towers: 8-pixel patches, windows of 32 pixels (2x2 merged units), full attention at
 # blocks 1 and 3; 4-pixel patches, windows of 16, full attention at block 2 only, another M-RoPE
@@ -352,3 +353,107 @@ def test_images_ready_together_are_encoded_in_one_call(qwen_dir, tok):
     finally:
         gate.set()
         c.close()
+
+
+# ---- the device path (CUDA's code on CPU: tests/engine/test_device_path.py) ----------------------
+
+
+@pytest.mark.parametrize("qwen_dir", ["p8-w32"], indirect=True)
+@pytest.mark.parametrize(
+    "loop, args", [("normal", dict(chunked_prefill_size=7, enable_mixed_chunk=True)), ("overlap", {})]
+)
+def test_forward_path_has_no_host_sync(loop, args, qwen_dir, tok):
+    """Image splices and M-RoPE positions reach the model without a device -> host read: the offsets
+    were computed at admission and sent with the batch (prompt chunks cut inside images, decodes at
+    index + delta, mixed with running decodes)."""
+    from tests.engine.test_device_path import watch_forward
+    from tests.helpers import before_each_forward
+
+    found: list[str] = []
+    seen: list[tuple[str, bool, bool]] = []  # per forward: mode, image rows spliced, M-RoPE rows moved
+
+    def note(fb) -> None:
+        data = fb.feature_data.get(ImageSplices)
+        seen.append(
+            (fb.mode.value, bool(data and data.splices), data is not None and data.rope_rows is not None)
+        )
+
+    c = client(qwen_dir, loop=loop, disable_prefix_cache=True, **args)
+    watch_forward(c, found)
+    try:
+        with before_each_forward(c.engine.worker, note):
+            got = run(c, [(tok.encode(t), imgs) for t, imgs in CASES])
+        assert all(last.error is None for _, _, last in got)
+    finally:
+        c.close()
+    assert found == [], f"host syncs in the forward path: {sorted(set(found))}"
+    assert ("extend", True, True) in seen and ("decode", False, True) in seen
+
+
+@pytest.mark.parametrize("qwen_dir", ["p8-w32"], indirect=True)
+def test_triton_backend_matches_torch(qwen_dir, tok):
+    """The Triton kernels (interpreted on CPU) under M-RoPE: the same greedy tokens as the torch
+    backend for prompts with 0, 1 and 2 images, in both loops."""
+    import os
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    cases = [(tok.encode(t), imgs) for t, imgs in CASES[:3]]
+    results = {}
+    for backend, loop in (("torch", "normal"), ("triton", "normal"), ("triton", "overlap")):
+        c = client(qwen_dir, loop=loop, attention_backend=backend)
+        try:
+            assert c.engine.worker.attention.name == backend
+            results[(backend, loop)] = [ids for ids, _, _ in run(c, cases, SHORT)]
+        finally:
+            c.close()
+    assert results[("triton", "normal")] == results[("torch", "normal")]
+    assert results[("triton", "overlap")] == results[("torch", "normal")]
+
+
+def submit_ready(c: SyncClient, cases, budgets: list[int]) -> list:
+    """Requests with max_new_tokens budgets[i], submitted together once their images are encoded (so
+    they are admitted in one step)."""
+    reqs = [
+        c.engine.build_request(
+            f"g{i}", ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), mm(*imgs)
+        )
+        for i, ((ids, imgs), n) in enumerate(zip(cases, budgets))
+    ]
+    for r in reqs:
+        payload = r.features.get(MM)
+        for fut in payload.encoded if payload is not None else ():
+            fut.result(timeout=60)
+    c.engine.submit_all(reqs)
+    return reqs
+
+
+@pytest.mark.parametrize("qwen_dir", ["p8-w32"], indirect=True)
+def test_decode_graphs_replay_only_plain_rope_steps(qwen_dir, tok):
+    """CUDA's decode graphs (captured with plain RoPE) on CPU, their replays emulated: a decode step
+    with image rows at index + delta runs eagerly; one of text rows and of an image request whose
+    delta is 0 (a 1 x 2 strip) replays; the tokens equal the eager normal loop's."""
+    from tests.engine.test_graph_safety import emulate_graphs
+    from tests.helpers import before_each_forward
+
+    strip = draw(32, 16, 5)  # one row of two merged units: its tokens take as many positions
+    texts = [CASES[1][0], f"A strip {IMG} here", CASES[0][0]]
+    cases = [(tok.encode(t), imgs) for t, imgs in zip(texts, ([IMAGES[0]], [strip], []))]
+    results = {}
+    for loop in ("normal", "overlap"):
+        decodes: list[bool] = []
+        c = client(qwen_dir, loop=loop, disable_prefix_cache=True)
+        try:
+            graphs = None
+            if loop == "overlap":
+                graphs = emulate_graphs(c.engine.worker, 8, c.engine.context_length, c.engine.vocab_size)
+            with before_each_forward(c.engine.worker, lambda fb: decodes.append(fb.mode.value == "decode")):
+                reqs = submit_ready(c, cases, [4, 8, 12])
+                results[loop] = [collect(c.wait(r.rid))[0] for r in reqs]
+            assert [r.features[MM].rope.delta != 0 for r in reqs[:2]] == [True, False]
+            if graphs is not None:  # the image request's first 3 decodes (4 in overlap: one step late)
+                assert 0 < graphs.replays <= sum(decodes) - 3
+        finally:
+            c.close()
+    assert results["overlap"] == results["normal"]
