@@ -484,7 +484,7 @@ class ConstrainedDecoding(Feature):
     @property
     def token_index(self) -> jt.TokenIndex:
         if self._token_index is None:  # once, built in the background at bind (else on first use)
-            self._token_index = jt.TokenIndex(list(self.backend.info.decoded_vocab))
+            self._token_index = self.backend.tables.token_index
         return self._token_index
 
     def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
