@@ -24,7 +24,9 @@ CHAT_PROMPTS = [
 N_NEW = 24
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: pytest groups the tests by `smol_client`'s loop (a session fixture), interleaving
+# this module with others that use it; a module fixture was torn down in between and recomputed.
+@pytest.fixture(scope="session")
 def prompts_and_refs(hf_smol, hf_tokenizer):
     prompts = [hf_tokenizer.encode(p) for p in PLAIN_PROMPTS]
     prompts += [
