@@ -4,11 +4,13 @@ The workload is a multi-turn chat service: `--conversations` conversations of `-
 one shared system prompt (448 tokens with the template), `--concurrency` conversations open at a
 time (a new one starts when one ends), each conversation's turns sequential with a user's think time
 (exponential, mean `--think-s`) between an answer and the next question. A user turn is either a short
-question (~10-40 tokens) or, with probability 0.35 (0.6 on the first turn), pasted material of
-150-500 tokens with a line asking about it: Python source (the standard library's), a section of the
-Python reference manual (`pydoc_data`) or a service log. Answers are greedy and 64-128 tokens long
-(drawn per turn, `ignore_eos`), and the history grows with them. Every arm replays the same
-conversations (one seed per round), so the arms do the same work, and only the routing differs:
+question (~10-40 tokens) or, with probability `--paste-share` (0.2; twice that on a first turn),
+pasted material of 150-500 tokens with a line asking about it: Python source (the standard
+library's), a section of the Python reference manual (`pydoc_data`) or a service log. With 0.2 a user
+turn averages 64-88 tokens (median 11-13) over the default rounds' seeds, near LMSYS-Chat-1M's 69.5
+tokens per prompt. Answers are greedy and 64-128 tokens long (drawn per turn, `ignore_eos`), and the
+history grows with them. Every arm replays the same conversations (one seed per round), so the arms
+do the same work and only the routing differs:
 
   smg-cache_aware   `smg launch --policy cache_aware` (OpenAI API, streamed)
   smg-round_robin   the same gateway, `--policy round_robin`
@@ -19,7 +21,11 @@ their prefix caches flushed and the frontend restarted before every arm, so a dr
 hits all arms alike. With `--pin` (the default when two or more CPUs are granted) replica i runs on
 CPU i only, as if each had a machine of its own; the gateway, nginx and this client float.
 
-Figures per arm and round: TTFT p50/p99 (to the first streamed token, all turns, and turns 2+ alone),
+smg runs with its own routing defaults (`--smg-args` adds flags); the replicas with the server's
+(`--server-args` adds flags).
+
+Figures per arm and round: TTFT p50/p99 (to the first streamed token, all turns; and the p50 of turns
+2+ with a short question and with a paste, apart: the two modes of the distribution),
 requests/s and output tokens/s over the arm's wall time, prefix hit rate (cached prompt tokens /
 prompt tokens, from each response's usage), the share of turns 2+ that found their previous turn's
 whole prompt cached (only the replica that served that turn holds all of it), prompt tokens computed
@@ -32,7 +38,8 @@ Nothing here asserts a duration.
 
 Usage (heavy: run under the shared lock; about 2-4 minutes per arm with the defaults):
     flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_smg_routing.py [--model DIR] [--rounds 3]
-        [--conversations 24] [--turns 6] [--concurrency 8] [--think-s 1.0] [--arms a,b,c] [--json out]
+        [--conversations 24] [--turns 6] [--concurrency 8] [--think-s 1.0] [--paste-share 0.2]
+        [--arms a,b,c] [--smg-args '...'] [--server-args '...'] [--json out]
 """
 
 from __future__ import annotations
@@ -188,6 +195,7 @@ class Turn:
     user: str
     max_tokens: int
     think_s: float  # the user's pause before sending it (0 for the first turn)
+    paste: bool  # pasted material with a line about it, else a short question
 
 
 class Material:
@@ -236,24 +244,25 @@ class Material:
 
 
 def build_conversations(
-    n: int, turns: int, think_s: float, seed: int, material: Material
+    n: int, turns: int, think_s: float, paste_share: float, seed: int, material: Material
 ) -> list[list[Turn]]:
-    """The same list for the same seed: every arm of a round replays it."""
+    """The same list for the same seed: every arm of a round replays it. A turn is a paste with
+    probability `paste_share`, a first turn with twice that."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         conv = []
         for t in range(turns):
-            if rng.random() < (0.6 if t == 0 else 0.35):
+            paste = rng.random() < min(1.0, paste_share * (2 if t == 0 else 1))
+            if paste:
                 kind = rng.choice(("code", "code", "docs", "logs"))
-                paste = material.paste(kind, rng.randrange(150, 501), rng)
-                user = f"{rng.choice(LEAD_INS[kind])}\n\n{paste}"
+                user = f"{rng.choice(LEAD_INS[kind])}\n\n{material.paste(kind, rng.randrange(150, 501), rng)}"
             elif t == 0:
                 user = rng.choice(OPENERS)
             else:
                 user = rng.choice(FOLLOW_UPS).format(n=rng.randrange(2, 40))
             think = 0.0 if t == 0 else min(rng.expovariate(1 / think_s), 4 * think_s) if think_s > 0 else 0.0
-            conv.append(Turn(user, rng.randrange(64, 129), think))
+            conv.append(Turn(user, rng.randrange(64, 129), think, paste))
         out.append(conv)
     return out
 
@@ -321,13 +330,15 @@ def model_name(port: int) -> str:
         return Path(pb2_grpc.GenerationStub(ch).GetModelInfo(pb2.GetModelInfoRequest()).model_path).name
 
 
-def start_smg(policy: str, ports: list[int], model: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_smg(
+    policy: str, ports: list[int], model: str, tmp: Path, extra: list[str]
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port),
          "--worker-urls", *[f"grpc://127.0.0.1:{p}" for p in ports], "--policy", policy,
-         "--balance-abs-threshold", "1", "--worker-startup-check-interval", "1",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"],
+         "--worker-startup-check-interval", "1", "--prometheus-host", "127.0.0.1",
+         "--prometheus-port", str(free_port()), "--log-level", "warn", *extra],
         stdout=open(tmp / f"smg-{policy}.log", "ab"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -409,6 +420,7 @@ class Record:
     cached: int
     output: int
     previous_prompt: int
+    paste: bool
     replica: str = "?"
 
 
@@ -438,7 +450,9 @@ async def run_workload(make_ask, conversations: list[list[Turn]], concurrency: i
                     print(f"  conversation {c} turn {t}: {type(e).__name__}: {e}", file=sys.stderr)
                     run.errors += 1
                     return
-                run.records.append(Record(c, t, ttft, e2e, prompt, cached, output, previous, replica))
+                run.records.append(
+                    Record(c, t, ttft, e2e, prompt, cached, output, previous, turn.paste, replica)
+                )
                 previous = prompt
                 messages.append({"role": "assistant", "content": text})
 
@@ -530,6 +544,10 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def p50(xs: list[float]) -> float:
+    return 1000 * statistics.median(xs) if xs else float("nan")
+
+
 def summarize(arm: str, rnd: int, run: ArmRun, cpu: dict) -> dict:
     rs = run.records
     later = [r for r in rs if r.turn > 0]
@@ -544,7 +562,9 @@ def summarize(arm: str, rnd: int, run: ArmRun, cpu: dict) -> dict:
         "wall_s": run.wall,
         "ttft_p50_ms": 1000 * statistics.median([r.ttft for r in rs]) if rs else float("nan"),
         "ttft_p99_ms": 1000 * pct([r.ttft for r in rs], 0.99),
-        "ttft_p50_turn2plus_ms": 1000 * statistics.median([r.ttft for r in later]) if later else float("nan"),
+        "ttft_p50_turn2plus_ms": p50([r.ttft for r in later]),
+        "ttft_p50_turn2plus_short_ms": p50([r.ttft for r in later if not r.paste]),
+        "ttft_p50_turn2plus_paste_ms": p50([r.ttft for r in later if r.paste]),
         "e2e_p50_ms": 1000 * statistics.median([r.e2e for r in rs]) if rs else float("nan"),
         "req_per_s": len(rs) / run.wall,
         "out_tok_per_s": sum(r.output for r in rs) / run.wall,
@@ -573,14 +593,15 @@ def split(d: dict) -> str:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'arm':16} {'TTFT p50':>9} {'p99':>7} {'p50 t2+':>8} {'req/s':>6} {'tok/s':>6} {'hit':>5} "
+        f"{'arm':16} {'TTFT p50':>9} {'p99':>7} {'t2+ short':>9} {'t2+ paste':>9} {'req/s':>6} {'tok/s':>6} {'hit':>5} "
         f"{'prev':>5} {'computed a/b':>13} {'new a/b':>8} {'1st wave':>8} {'all a/b':>8} "
         f"{'cpu a/b s':>10} {'other s':>7} {'err':>3}"
     )
     for r in rows:
         cpu = r["replica_cpu_s"]
         print(
-            f"{r['arm']:16} {r['ttft_p50_ms']:9.0f} {r['ttft_p99_ms']:7.0f} {r['ttft_p50_turn2plus_ms']:8.0f} "
+            f"{r['arm']:16} {r['ttft_p50_ms']:9.0f} {r['ttft_p99_ms']:7.0f} "
+            f"{r['ttft_p50_turn2plus_short_ms']:9.0f} {r['ttft_p50_turn2plus_paste_ms']:9.0f} "
             f"{r['req_per_s']:6.2f} {r['out_tok_per_s']:6.1f} {r['prefix_hit_rate']:5.2f} "
             f"{r['turns_with_previous_prompt_cached']:5.2f} {split(r['computed_prompt_tokens']):>13} "
             f"{split(r['new_conversations']):>8} {split(r['new_conversations_first_wave']):>8} "
@@ -590,7 +611,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 NUMERIC = (
-    "ttft_p50_ms", "ttft_p99_ms", "ttft_p50_turn2plus_ms", "e2e_p50_ms", "req_per_s", "out_tok_per_s",
+    "ttft_p50_ms", "ttft_p99_ms", "ttft_p50_turn2plus_ms", "ttft_p50_turn2plus_short_ms",
+    "ttft_p50_turn2plus_paste_ms", "e2e_p50_ms", "req_per_s", "out_tok_per_s",
     "prefix_hit_rate", "turns_with_previous_prompt_cached", "other_cpu_s",
 )  # fmt: skip
 
@@ -602,7 +624,7 @@ def medians(rows: list[dict], arms: list[str]) -> list[dict]:
         m = {k: statistics.median(r[k] for r in mine) for k in NUMERIC}
         for k in ("computed_prompt_tokens", "new_conversations", "new_conversations_first_wave",
                   "requests_per_replica", "replica_cpu_s"):  # fmt: skip
-            m[k] = {x: type(mine[0][k][x])(statistics.median(r[k][x] for r in mine)) for x in ("a", "b")}
+            m[k] = {x: statistics.median_low(r[k][x] for r in mine) for x in ("a", "b")}
         m |= {"arm": arm, "errors": sum(r["errors"] for r in mine), "rounds": len(mine)}
         out.append(m)
     return out
@@ -619,8 +641,15 @@ def main() -> None:
     ap.add_argument(
         "--think-s", type=float, default=1.0, help="mean pause between an answer and the next turn"
     )
+    ap.add_argument(
+        "--paste-share",
+        type=float,
+        default=0.2,
+        help="share of user turns that paste material (first turns: x2)",
+    )
     ap.add_argument("--seed", type=int, default=25)
     ap.add_argument("--arms", default="smg-cache_aware,smg-round_robin,nginx-rr")
+    ap.add_argument("--smg-args", default="", help="extra `smg launch` flags (default: smg's own defaults)")
     ap.add_argument("--server-args", default="", help="extra `service serve` flags for both replicas")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                     help="replica i on CPU i only (default: on when two or more CPUs are granted)")  # fmt: skip
@@ -645,17 +674,20 @@ def main() -> None:
     model = model_name(ports[0])
     shared = shared_prefix_len(tokenizer)
     warm_up(ports, material)
-    rows, records, frontend = [], [], None
+    rows, records, frontend, user_tokens = [], [], None, []
     try:
         for rnd in range(args.rounds):
             conversations = build_conversations(
-                args.conversations, args.turns, args.think_s, args.seed + rnd, material
+                args.conversations, args.turns, args.think_s, args.paste_share, args.seed + rnd, material
             )
+            user_tokens += [len(tokenizer.encode(t.user)) for c in conversations for t in c]
             order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
             for arm in order:
                 flush(ports)
                 if arm.startswith("smg-"):
-                    frontend, url = start_smg(arm.removeprefix("smg-"), ports, model, tmp)
+                    frontend, url = start_smg(
+                        arm.removeprefix("smg-"), ports, model, tmp, args.smg_args.split()
+                    )
                     make_ask = lambda url=url: smg_asker(url, model, replica_of)  # noqa: E731
                 else:
                     frontend, port = start_nginx(ports, tmp)
@@ -698,7 +730,9 @@ def main() -> None:
     prompts = [r["prompt"] for r in records]
     print(
         f"\n{args.conversations} conversations x {args.turns} turns, {args.concurrency} open at a time, think "
-        f"{args.think_s} s mean, answers 64-128 tokens, shared prefix {shared} tokens, prompts "
+        f"{args.think_s} s mean, paste share {args.paste_share} (first turns x2), user turns "
+        f"{statistics.mean(user_tokens):.0f} tokens mean / {statistics.median(user_tokens):.0f} median, answers "
+        f"64-128 tokens, shared prefix {shared} tokens, prompts "
         f"{min(prompts)}-{max(prompts)} tokens (median {statistics.median(prompts):.0f}), model {model}, "
         + (f"replicas pinned to CPUs {cpus}" if pin else "replicas not pinned")
     )
