@@ -293,6 +293,54 @@ def check_constraints(model_dir: Path) -> None:
     assert [r[0] for r in by_loop["overlap"]] == [r[0] for r in by_loop["normal"]]
 
 
+DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slow): 4 decode steps
+
+
+# One config per family, each variant the device kernels have: sliding windows, soft-capping,
+# local/global layers with their rope bases, partial LongRoPE.
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3-window-wide-heads", "gemma2-capped", "gemma3-local-global", "phi4mini-partial-longrope"],
+    indirect=True,
+)
+def test_device_path_gives_the_whole_prompt_tokens(family):
+    model_dir, whole = family
+    got = device_path_tokens(model_dir, prompts(), DEVICE_NEW)
+    assert got == [ids[:DEVICE_NEW] for ids, _ in whole]
+
+
+def device_path_tokens(model_dir: Path, prompt_ids: list[list[int]], n_new: int) -> list[list[int]]:
+    """CUDA's code on CPU: the Triton attention kernels (interpreted: sliding windows and soft-capping
+    included), the overlap loop with prompts in chunks of 7 beside decodes, and decode steps through
+    the CUDA graphs' static buffers (replays emulated eagerly); the greedy tokens per prompt."""
+    import os
+
+    from tests.engine.test_graph_safety import emulate_graphs
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    args = ServerArgs(
+        dtype="float32",
+        kv_cache_tokens=1024,
+        max_running_requests=4,
+        loop="overlap",
+        attention_backend="triton",
+        chunked_prefill_size=7,
+    )
+    c = SyncClient(args, model_dir)
+    try:
+        assert c.engine.worker.attention.name == "triton"
+        graphs = emulate_graphs(c.engine.worker, 4, c.engine.context_length, c.engine.vocab_size)
+        params = SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True)
+        got = [collect(o)[0] for o in c.generate(prompt_ids, params)]
+        assert graphs.replays > 0
+        assert_pools_initial(c)
+    finally:
+        c.close()
+    return got
+
+
 def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path):
     """Refused from config.json alone, before the tokenizer or any weight is read."""
     import transformers

@@ -19,7 +19,7 @@ from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES, hf_greedy
-from tests.models.test_families import check_constraints
+from tests.models.test_families import DEVICE_NEW, check_constraints, device_path_tokens
 
 N_NEW = 32
 TOL = 1e-4
@@ -200,6 +200,12 @@ def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
     assert [collect(o)[0] for o in hit] == refs
     for a, b in zip(miss, hit):
         assert max(abs(x - y) for x, y in zip(_logprobs(a)[1], _logprobs(b)[1])) < TOL
+
+
+@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe"], indirect=True)
+def test_device_path_gives_transformers_tokens(moe_case):
+    model_dir, refs, _ = moe_case
+    assert device_path_tokens(model_dir, PROMPTS, DEVICE_NEW) == [r[:DEVICE_NEW] for r in refs]
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
