@@ -297,7 +297,6 @@ class ConstrainedDecoding(Feature):
         # Fills a batch's masks in one call. One thread: the forward already has both cores here,
         # and a whole batch takes ~1 µs per row.
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
-        self._token_index: jt.TokenIndex | None = None
         self._init_thread: threading.Thread | None = None
 
     def bind(self, ctx: FeatureContext) -> None:
@@ -483,9 +482,7 @@ class ConstrainedDecoding(Feature):
 
     @property
     def token_index(self) -> jt.TokenIndex:
-        if self._token_index is None:  # once, built in the background at bind (else on first use)
-            self._token_index = self.backend.tables.token_index
-        return self._token_index
+        return self.backend.tables.token_index  # built once, in the background at bind (else on first use)
 
     def on_batch_formed(self, batch: BatchView, rows: list[int]) -> None:
         mask = self.backend.allocate_bitmask(len(batch.reqs))

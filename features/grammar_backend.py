@@ -319,7 +319,6 @@ class GrammarBackend:
         self.vocab_size = model_vocab_size
         self.limits = limits or GrammarLimits()
         self.stats = CompileStats()
-        self._info_json = self.tables.info_json
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)  # after a trial
         self._jobs: OrderedDict[tuple[str, str], _Job] = OrderedDict()  # running, queued and compiled (LRU)
         self._queue: list[_Job] = []
@@ -567,7 +566,7 @@ class _WorkerSlot:
             theirs.close()
             self.proc, self.conn = proc, conn
         conn.send(
-            self.backend._info_json
+            self.backend.tables.info_json
         )  # read once the worker imported xgrammar; kill() may close it meanwhile
         while not conn.poll(POLL_S):
             if not proc.is_alive() or self.backend._closed:

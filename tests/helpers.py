@@ -37,6 +37,18 @@ def need_tools(tools: list[str], install: str) -> None:
         pytest.skip(f"{NEEDS}{', '.join(missing)}: {install}")
 
 
+def need_triton() -> None:
+    """Skip unless the Triton kernels can run: a GPU, or the interpreter (tests/conftest.py sets
+    TRITON_INTERPRET=1 before triton is imported)."""
+    import os
+
+    import torch
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+
+
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -7,8 +7,6 @@ torch.cuda.set_sync_debug_mode); here the CPU no-op streams and events go throug
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -18,7 +16,7 @@ from service.core.device import Device, resolve_device
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.models.backends import resolve_attention_backend
-from tests.helpers import before_each_forward
+from tests.helpers import before_each_forward, need_triton
 
 T = torch.Tensor
 # Host reads of device values, and ops whose output size depends on device data.
@@ -229,9 +227,7 @@ def test_submit_all_admits_requests_together(tiny_llama_dir):
 def test_triton_backend_engine_matches_torch(kind, tiny_llama_dir, tiny_mistral_dir):
     """The whole engine with the Triton kernels (interpreted on CPU): the same greedy
     tokens as the torch backend, in both loops (Mistral: sliding window of 8)."""
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    need_triton()
     model = tiny_llama_dir if kind == "llama" else tiny_mistral_dir
     prompts = [[5 + i, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15][: 3 + 4 * i] for i in range(3)]
     sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)

@@ -17,6 +17,7 @@ from service.core.request import RequestError, SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES
 from tests.features.test_multimodal import BAD_IMAGES, draw
+from tests.helpers import need_triton
 
 MM = "multimodal"
 VISION_START, IMAGE_PAD, VISION_END = 49152, 49153, 49154
@@ -394,11 +395,7 @@ def test_forward_path_has_no_host_sync(loop, args, qwen_dir, tok):
 def test_triton_backend_matches_torch(qwen_dir, tok):
     """The Triton kernels (interpreted on CPU) under M-RoPE: the same greedy tokens as the torch
     backend for prompts with 0, 1 and 2 images, in both loops."""
-    import os
-
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    need_triton()
     cases = [(tok.encode(t), imgs) for t, imgs in CASES[:3]]
     results = {}
     for backend, loop in (("torch", "normal"), ("triton", "normal"), ("triton", "overlap")):

@@ -23,6 +23,7 @@ from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES
 from tests.features.test_features import assert_close
+from tests.helpers import need_triton
 from tests.scheduler.test_overlap import assert_pools_initial, forbid_placeholders
 
 VOCAB = 2048
@@ -313,13 +314,9 @@ def device_path_tokens(model_dir: Path, prompt_ids: list[list[int]], n_new: int)
     """CUDA's code on CPU: the Triton attention kernels (interpreted: sliding windows and soft-capping
     included), the overlap loop with prompts in chunks of 7 beside decodes, and decode steps through
     the CUDA graphs' static buffers (replays emulated eagerly); the greedy tokens per prompt."""
-    import os
-
     from tests.engine.test_graph_safety import emulate_graphs
 
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    need_triton()
     args = ServerArgs(
         dtype="float32",
         kv_cache_tokens=1024,

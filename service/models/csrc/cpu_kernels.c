@@ -315,18 +315,19 @@ static int bf16_rows_attention(const uint16_t *q, int64_t q_stride, const uint16
      * head's arithmetic does not depend on the heads beside it, so a row's bits are the same whatever
      * the batch (a prompt's last row among its prompt's rows, or alone after a prefix-cache hit). */
     if ((d != 64 && d != 128) || hq > ROW_MAX_HQ) return 0;
-    const int64_t per_row = n_q >= row_min ? hkv : 1, items = n_q * (hkv / per_row);
+    const int64_t heads = n_q >= row_min ? hkv : 1;  /* kv heads per item */
+    const int64_t per_row = hkv / heads;              /* items per query row */
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(nthreads)")
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t i = it / (hkv / per_row), h0 = it % (hkv / per_row) * per_row;
+    for (int64_t it = 0; it < n_q * per_row; it++) {
+        const int64_t i = it / per_row, h0 = it % per_row * heads;
         const int64_t pos = pos_of[i];
         const int64_t *rows = table + req_of[i] * table_stride;
         const int64_t start = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
         if (d == 64)
-            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, h0, h0 + per_row, hq, hkv, scale, softcap,
+            bf16_row_item_d64(q + i * q_stride, k, v, rows, start, pos, h0, h0 + heads, hq, hkv, scale, softcap,
                               out + i * hq * d);
         else
-            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, h0, h0 + per_row, hq, hkv, scale, softcap,
+            bf16_row_item_d128(q + i * q_stride, k, v, rows, start, pos, h0, h0 + heads, hq, hkv, scale, softcap,
                                out + i * hq * d);
     }
     return 1;
