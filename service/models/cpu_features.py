@@ -1,8 +1,8 @@
 """What this x86 CPU can run, as the engine's CPU paths need to know it.
 
 Three paths depend on instruction-set extensions, and each checks here first:
-- the native kernels (`cpu_kernels`, built with `-march=native`): AVX-512 BF16 row items,
-  AVX-512F items, or the portable C the compiler vectorises for AVX2;
+- the native kernels (`cpu_kernels`, built with `-march=native`): AVX-512 BF16 row items and
+  MoE experts, AVX-512F items, or the portable C the compiler vectorises for AVX2;
 - oneDNN's packed bf16 linears (`linear`): oneDNN packs bf16 weights only with AVX-512
   BW/VL/DQ or AVX-NE-CONVERT, and raises otherwise;
 - `--dtype auto`: bf16 only where matmuls run natively in it (AVX-512 BF16 or AMX), since
@@ -100,7 +100,7 @@ class CpuFeatures:
     def kernel_variant(self) -> str:
         """Which paged-attention work items and extend-attention tiles the native kernels use."""
         if self.avx512_bf16:
-            return "avx512-bf16 rows and extend scores (bf16), avx512 (fp32)"
+            return "avx512-bf16 rows, extend scores and MoE experts (bf16), avx512 (fp32)"
         if self.avx512:
             return "avx512"
         if self.avx2:

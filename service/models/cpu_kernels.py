@@ -4,7 +4,8 @@
 short chunks), a row argmax for greedy sampling, the fused elementwise ops of a decoder
 layer and the grammar-mask apply of constrained decoding. `csrc/extend_attention.c`:
 the attention of long extends (prompts, chunks) over the pool in place, blocked like a
-GEMM. Both are compiled into one library on
+GEMM. `csrc/moe_experts.c`: the routed experts of a mixture-of-experts layer in bf16, one
+parallel region per layer. All are compiled into one library on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
 (less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
 source, the flags and the CPU's feature flags, so a cache copied to another CPU
@@ -33,7 +34,7 @@ from service.models.cpu_features import cpu_features
 log = logging.getLogger("zerogap.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "extend_attention.c"]
+SOURCES = [CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "moe_experts.c"]
 HEADERS = [CSRC / "kernel_math.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # + the target flags of cpu_features()
 _lock = threading.Lock()
@@ -80,6 +81,11 @@ def _build() -> ctypes.CDLL:
     lib.extend_attention_isa.restype = ctypes.c_int
     lib.extend_attention_scratch_bytes.restype = ctypes.c_int64
     lib.extend_attention_scratch_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.moe_experts_isa.restype = ctypes.c_int
+    lib.moe_experts_scratch_bytes.restype = ctypes.c_int64
+    lib.moe_experts_scratch_bytes.argtypes = [ctypes.c_int64] * 5
+    lib.moe_experts_bf16.restype = ctypes.c_int
+    lib.moe_experts_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT]
     return lib
 
 
@@ -312,6 +318,39 @@ def paged_attention(
     """One call of `PagedAttention` (a batch used once)."""
     kernel = PagedAttention(table, req_of, pos_of, window, new_loc, softcap)
     return kernel(q, k_cache, v_cache, scale, k_new, v_new)
+
+
+def has_moe_kernel(x: torch.Tensor) -> bool:
+    """The native experts kernel runs x: bf16 on a CPU with AVX-512 BF16, library built."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return False
+    lib = load()
+    return lib is not None and lib.moe_experts_isa() > 0
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H] bf16
+    w_gate_up: torch.Tensor,  # [E, 2I, H]
+    w_down: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k] float32 routing weights
+    ids: torch.Tensor,  # [T, k] int64 expert ids
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) per token (`csrc/moe_experts.c`): [T, H] bf16."""
+    assert has_moe_kernel(x) and w_gate_up.dtype == w_down.dtype == torch.bfloat16
+    assert w_gate_up.is_contiguous() and w_down.is_contiguous()
+    x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    (t, h), (e, i2, _), k = x.shape, w_gate_up.shape, ids.shape[1]
+    lib = load()
+    scratch = torch.empty(lib.moe_experts_scratch_bytes(t, k, e, h, i2 // 2), dtype=torch.uint8)
+    out = torch.empty(t, h, dtype=x.dtype)
+    rc = lib.moe_experts_bf16(
+        x.data_ptr(), t, h, ids.data_ptr(), weights.data_ptr(), k, w_gate_up.data_ptr(), w_down.data_ptr(),
+        e, i2 // 2, out.data_ptr(), scratch.data_ptr(), scratch.numel(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"moe_experts: refused (rc {rc}) x={tuple(x.shape)} ids={tuple(ids.shape)} E={e}")
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

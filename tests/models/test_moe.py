@@ -13,7 +13,15 @@ import os
 import pytest
 import torch
 
-from service.models.moe import ExpertGroups, experts_dense_reference, experts_torch, route
+from service.models import cpu_kernels
+from service.models.moe import (
+    KERNEL_PAIRS_PER_EXPERT,
+    ExpertGroups,
+    experts_dense_reference,
+    experts_torch,
+    route,
+    run_experts,
+)
 
 
 def _weights(num_experts: int, hidden: int, inter: int, seed: int, dtype=torch.float32):
@@ -82,6 +90,73 @@ def test_all_tokens_on_one_expert_runs_one_matmul_pair(monkeypatch):
     out = experts_torch(x, w_gate_up, w_down, weights, ids)
     assert calls == [(6, 16), (6, 12)]  # one gate_up, one down, over all six tokens
     torch.testing.assert_close(out, experts_dense_reference(x, w_gate_up, w_down, weights, ids))
+
+
+# (logits kind, tokens, experts, top_k, hidden, inter): the native kernel's shapes, with a hidden
+# size and an expert width that are not multiples of the kernel's 32-element steps and 4-row tiles
+NATIVE_CASES = [
+    ("random", 1, 32, 4, 128, 64),
+    ("random", 13, 8, 2, 96, 40),
+    ("ties", 12, 8, 2, 72, 18),
+    ("unused", 11, 16, 4, 64, 32),
+    ("one", 10, 8, 1, 40, 23),
+    ("random", 40, 128, 8, 64, 24),
+]
+
+
+@pytest.mark.parametrize("kind,tokens,experts,top_k,hidden,inter", NATIVE_CASES)
+def test_native_bf16_experts_equal_the_dense_reference(kind, tokens, experts, top_k, hidden, inter):
+    """bf16 on CPU: the native kernel where the CPU has AVX-512 BF16 (float32 sums, a token's experts
+    summed before one rounding) is about as close to a float64 reference as the torch matmuls
+    (their worst errors are a few bf16 roundings of the largest outputs either way); elsewhere
+    `run_experts` is the torch form."""
+    w_gate_up, w_down = _weights(experts, hidden, inter, seed=tokens, dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    weights, ids = route(_logits(kind, tokens, experts, seed=2), top_k, True)
+    ref = experts_dense_reference(x.double(), w_gate_up.double(), w_down.double(), weights.double(), ids)
+    torch_form = experts_torch(x, w_gate_up, w_down, weights, ids)
+    out = run_experts(x, w_gate_up, w_down, weights, ids)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    if not cpu_kernels.has_moe_kernel(x):
+        assert torch.equal(out, torch_form)
+        return
+    err, torch_err = (out.double() - ref).abs().max(), (torch_form.double() - ref).abs().max()
+    assert err <= 1.5 * max(torch_err, 2**-8 * ref.abs().max()), (err, torch_err)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+
+
+def test_native_bf16_experts_give_a_token_the_same_bits_alone_or_in_a_batch():
+    """The kernel's tiles sum each row in one fixed order: a decode token's output does not depend on
+    the tokens beside it (or on how many share its experts)."""
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w_gate_up, w_down = _weights(8, 96, 40, seed=4, dtype=torch.bfloat16)
+    weights, ids = route(_logits("one", 9, 8, seed=5), 2, True)  # every token on experts 3 and 5
+    if not cpu_kernels.has_moe_kernel(x):  # not built for this CPU: the torch form serves
+        assert cpu_kernels.load() is None or cpu_kernels.load().moe_experts_isa() == 0
+        assert torch.equal(
+            run_experts(x, w_gate_up, w_down, weights, ids), experts_torch(x, w_gate_up, w_down, weights, ids)
+        )
+        return
+    batch = cpu_kernels.moe_experts(x, w_gate_up, w_down, weights, ids)
+    for t in range(9):
+        alone = cpu_kernels.moe_experts(x[t : t + 1], w_gate_up, w_down, weights[t : t + 1], ids[t : t + 1])
+        assert torch.equal(alone[0], batch[t])
+
+
+def test_long_prompts_take_the_torch_matmuls(monkeypatch):
+    """Past KERNEL_PAIRS_PER_EXPERT pairs per expert (a long prompt chunk) the experts run as torch
+    matmuls (oneDNN's GEMMs win there); a decode-sized batch takes the kernel where it is built."""
+    import service.models.moe as moe
+
+    used = []
+    monkeypatch.setattr(moe, "experts_torch", lambda *a: used.append("torch") or experts_torch(*a))
+    w_gate_up, w_down = _weights(4, 32, 16, seed=0, dtype=torch.bfloat16)
+    for tokens in (2, KERNEL_PAIRS_PER_EXPERT * 4 // 2 + 1):
+        x = torch.randn(tokens, 32).to(torch.bfloat16)
+        weights, ids = route(_logits("random", tokens, 4, seed=1), 2, True)
+        run_experts(x, w_gate_up, w_down, weights, ids)
+    kernel = cpu_kernels.has_moe_kernel(x)
+    assert used == (["torch"] if kernel else ["torch", "torch"])
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -233,3 +233,17 @@ def test_fused_expert_layout_loads_the_same_weights(name, smol_dir, tmp_path):
         m for m in load_model(fused, torch.float32, 64, pack=False).modules() if hasattr(m, "w_gate_up")
     )
     assert moe.w_gate_up.shape[0] == 8  # the experts are stacked
+
+
+@pytest.mark.parametrize("moe_case", ["qwen3_moe-sparse-step"], indirect=True)
+def test_bf16_engine_tracks_transformers_and_both_loops_agree(moe_case):
+    """bf16 (the native experts kernel where the CPU has AVX-512 BF16, the torch matmuls elsewhere):
+    the prompts' logprobs stay within bf16's reach of transformers' float32 ones, and the overlap
+    loop gives the normal loop's tokens."""
+    model_dir, _, lps = moe_case
+    normal, overlap = (_run(model_dir, dtype="bfloat16", loop=loop) for loop in ("normal", "overlap"))
+    assert [collect(o)[0] for o in normal] == [collect(o)[0] for o in overlap]
+    for p, outs, lp in zip(PROMPTS, normal, lps):
+        want = [float(lp[k - 1, p[k]]) for k in range(1, len(p))]
+        got = _logprobs(outs)[0]
+        assert len(got) == len(want) and max((abs(a - b) for a, b in zip(got, want)), default=0) < 0.25
