@@ -262,6 +262,13 @@ def test_fused_layer_ops_match_eager(dtype):
     )
     assert torch.equal(v, qkv[:, (hq + hkv) * d :].reshape(11, hkv, d))
 
+    qw, kw = (torch.randn(d, generator=g).to(dtype) for _ in range(2))  # per-head q/k norms (Qwen3)
+    normed = ops.norm_qk_heads(qkv, hq, hkv, d, qw, kw, 1e-6)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    want_q = ops.rms_norm_eager(q.reshape(11, hq, d), qw, 1e-6).reshape(11, -1)
+    want_k = ops.rms_norm_eager(k.reshape(11, hkv, d), kw, 1e-6).reshape(11, -1)
+    torch.testing.assert_close(normed, torch.cat([want_q, want_k, v], -1), **tol)
+
     gate_up = torch.randn(11, 2 * 40, generator=g).to(dtype) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, **tol)
