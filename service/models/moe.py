@@ -26,7 +26,6 @@ from torch import nn
 from service.models import cpu_kernels
 from service.models.ops import silu_mul
 
-
 # The native bf16 kernel streams each active expert's weights once per call: it wins while the
 # experts get few rows (decode steps, short chunks: 1.4-2.7x the torch matmuls at 1-16 rows per
 # expert, 32 experts of 512 x 1024); from ~64 rows per expert oneDNN's GEMMs win (compute-bound).
