@@ -5,11 +5,12 @@
    gRPC at 1 and 32 concurrent streams, against transformers `generate` on the same prompts
    (`bench_serving.py` does both; greedy, ignore_eos, exactly --max-new-tokens each).
 2. profile: one MoE block's decode step (32 tokens) with the router forced onto n distinct
-   experts, n = 1 .. 32, for 32 and 128 experts in total: the step's cost follows the experts
-   the tokens chose, not how many the model has (and the dense reference that computes all
-   experts, for scale).
+   experts, n = 4 .. 32, for 32 and 128 experts in total, in the torch form (float32, bf16) and
+   the native bf16 kernel (CPUs with AVX-512 BF16): the step's cost follows the experts the
+   tokens chose, not how many the model has (and the dense reference that computes all experts,
+   for scale).
 
-    flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_moe.py [--parts serving,profile]
+    .venv/bin/python bench/bench_moe.py [--parts serving,profile]
         [--num-prompts 32] [--max-new-tokens 64] [--json out.json]
 """
 
@@ -96,28 +97,44 @@ def _median_ms(fn, repeat: int) -> float:
 
 
 def profile(args: argparse.Namespace) -> list[dict]:
-    """One MoE block (30B-A3B-like experts at hidden 1024: I = 512, top-4) on a 32-token decode step."""
+    """One MoE block (30B-A3B-like experts at hidden 1024: I = 512, top-4) on a 32-token decode step:
+    the torch form in float32 and bf16, and the native bf16 kernel where this CPU has it."""
     import torch
 
+    from service.models import cpu_kernels
     from service.models.moe import experts_dense_reference, experts_torch
 
     torch.manual_seed(0)
     hidden, inter, tokens, top_k = 1024, 512, 32, 4
     x = torch.randn(tokens, hidden)
+    kernel = cpu_kernels.has_moe_kernel(x.bfloat16())
     rows = []
     for total in (32, 128):
         w_gate_up = torch.randn(total, 2 * inter, hidden) * 0.02
         w_down = torch.randn(total, hidden, inter) * 0.02
+        bf = (x.bfloat16(), w_gate_up.bfloat16(), w_down.bfloat16())
         for active in (top_k, 8, 16, 32):
             # token t's k experts: k consecutive ones of the first `active`, so exactly `active` are used
             ids = (torch.arange(tokens).view(-1, 1) * top_k + torch.arange(top_k)) % active
             weights = torch.full((tokens, top_k), 1.0 / top_k)
-            ms = _median_ms(lambda: experts_torch(x, w_gate_up, w_down, weights, ids), args.repeat)
-            rows.append(dict(total_experts=total, active_experts=active, grouped_ms=ms))
-            print(f"  {total:>3} experts, {active:>3} active: grouped {ms:7.2f} ms", flush=True)
+            row = dict(total_experts=total, active_experts=active)
+            row["torch_f32_ms"] = _median_ms(
+                lambda: experts_torch(x, w_gate_up, w_down, weights, ids), args.repeat
+            )
+            row["torch_bf16_ms"] = _median_ms(lambda: experts_torch(*bf, weights, ids), args.repeat)
+            if kernel:
+                row["kernel_bf16_ms"] = _median_ms(
+                    lambda: cpu_kernels.moe_experts(*bf, weights, ids), args.repeat
+                )
+            rows.append(row)
+            print(
+                f"  {total:>3} experts, {active:>3} active: "
+                + ", ".join(f"{k[:-3]} {v:7.2f} ms" for k, v in row.items() if k.endswith("_ms")),
+                flush=True,
+            )
         dense = _median_ms(lambda: experts_dense_reference(x, w_gate_up, w_down, weights, ids), 3)
         rows.append(dict(total_experts=total, active_experts=total, dense_reference_ms=dense))
-        print(f"  {total:>3} experts, dense reference (all experts): {dense:7.2f} ms", flush=True)
+        print(f"  {total:>3} experts, dense reference (all experts, f32): {dense:7.2f} ms", flush=True)
     return rows
 
 
