@@ -35,8 +35,18 @@ from service.models.capped_attention import allowed, capped_attention, extend_ro
 from service.models.cpu_features import cpu_features
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
-# with tokens x context; SDPA's blocked matmuls win for long chunks).
+# with tokens x context; the extend kernel's or SDPA's blocked matmuls win for long chunks).
 KERNEL_MAX_EXTEND = 64
+# With the extend kernel's AVX2 tiles (no AVX-512: a Zen 3) the blocked kernel wins from far
+# fewer rows: 1.1-3.3x the paged kernel at 16-32 rows over 800-4,000 keys, float32, 1 or 2
+# threads (docs/benchmarks.md, "Short chunks on AVX2"). With AVX-512 the paged kernel's items
+# keep up to 64 rows (float32: it is ahead there; bf16: either way by context and threads).
+KERNEL_MAX_EXTEND_AVX2 = 12
+
+
+def kernel_max_extend() -> int:
+    """The most rows of one request's extend the paged kernel takes, on this CPU."""
+    return KERNEL_MAX_EXTEND_AVX2 if cpu_kernels.extend_isa() == 8 else KERNEL_MAX_EXTEND
 
 
 @dataclass
@@ -100,7 +110,7 @@ class TorchAttention:
     ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
         decode = fb.mode is ForwardMode.DECODE
-        short = decode or max(fb.extend_lens or [0]) <= KERNEL_MAX_EXTEND
+        short = decode or max(fb.extend_lens or [0]) <= kernel_max_extend()
         on_cpu = fb.kv_indices.device.type == "cpu"
         use_kernel = (
             self.use_kernel
@@ -130,7 +140,7 @@ class TorchAttention:
                 long = [
                     (r, start, n, length)
                     for r, (length, n, start) in enumerate(meta.extend_rows)
-                    if n > KERNEL_MAX_EXTEND
+                    if n > kernel_max_extend()
                 ]
                 meta.extend_kernel = cpu_kernels.ExtendAttention(fb.kv_indices, long, sliding_window, softcap)
             if softcap is None or meta.extend_kernel is not None:
@@ -140,7 +150,7 @@ class TorchAttention:
     @staticmethod
     def _split_short_rows(meta: AttentionMeta, team: int | None) -> None:
         lens = meta.fb.extend_lens or []
-        short = [r for r, n in enumerate(lens) if n <= KERNEL_MAX_EXTEND]
+        short = [r for r, n in enumerate(lens) if n <= kernel_max_extend()]
         if not short:
             return
         starts = meta.fb.extend_start_loc_cpu or [sum(lens[:r]) for r in range(len(lens))]
@@ -218,7 +228,7 @@ class TorchAttention:
         group = hq // hkv
         out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
         for r, (length, n, start) in enumerate(meta.extend_rows):
-            if long_only and n <= KERNEL_MAX_EXTEND and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+            if long_only and n <= kernel_max_extend() and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
                 continue
             rows = fb.kv_indices[r, :length]
             kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]

@@ -18,7 +18,13 @@ from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.models import cpu_kernels, ops
-from service.models.attention import TorchAttention, sdpa
+from service.models.attention import (
+    KERNEL_MAX_EXTEND,
+    KERNEL_MAX_EXTEND_AVX2,
+    TorchAttention,
+    kernel_max_extend,
+    sdpa,
+)
 from service.models.cpu_features import cpu_features
 from service.models.linear import packed_twin
 
@@ -301,12 +307,13 @@ def test_float32_linears_pack_on_every_cpu_and_match_to_rounding():
 
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
-    """A long prompt beside many one-token prompts runs per request (no padding to the longest):
-    the batch's attention equals each request's own, through SDPA per request or the native
-    kernels (the extend kernel for the long prompt, the paged kernel for the one-token rows)."""
+    """A long prompt beside one-token prompts and a 20-token one runs per request (no padding to
+    the longest): the batch's attention equals each request's own, through SDPA per request or the
+    native kernels (the extend kernel for the long prompt, and for the 20 tokens where its AVX2
+    tiles beat the paged kernel; the paged kernel for the rest)."""
     g = torch.Generator().manual_seed(4)
     hq, hkv, d, pool = 4, 2, 16, 200
-    lens = [1, 120, 1, 1]
+    lens = [1, 120, 1, 20, 1]
     k_cache, v_cache = torch.randn(pool, hkv, d, generator=g), torch.randn(pool, hkv, d, generator=g)
     table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
     start = 1
@@ -332,8 +339,12 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
     meta = backend.prepare(fb, hq, hkv, None)
     assert [length for length, _, _ in meta.extend_rows] == lens  # per request, not a padded [bs, 120] block
     if use_kernel and cpu_kernels.extend_isa():
-        assert meta.extend_kernel is not None and meta.extend_kernel.rows == [(1, 1, 120, 120)]
-        assert meta.short_q is not None and meta.short_q.tolist() == [0, 121, 122]
+        avx2 = cpu_kernels.extend_isa() == 8
+        assert kernel_max_extend() == (KERNEL_MAX_EXTEND_AVX2 if avx2 else KERNEL_MAX_EXTEND)
+        long = [(1, 1, 120, 120)] + ([(3, 122, 20, 20)] if avx2 else [])
+        assert meta.extend_kernel is not None and meta.extend_kernel.rows == long
+        short = [0, 121] + ([] if avx2 else list(range(122, 142))) + [142]
+        assert meta.short_q is not None and meta.short_q.tolist() == short
     out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.25)
     row = 0
     for _r, n in enumerate(lens):
