@@ -38,10 +38,10 @@ from service.models.cpu_features import cpu_features
 # with tokens x context; the extend kernel's or SDPA's blocked matmuls win for long chunks).
 KERNEL_MAX_EXTEND = 64
 # With the extend kernel's AVX2 tiles (no AVX-512: a Zen 3) the blocked kernel wins from far
-# fewer rows: 1.1-3.3x the paged kernel at 16-32 rows over 800-4,000 keys, float32, 1 or 2
+# fewer rows: 1.3-3.7x the paged kernel at 8-64 rows over 800-4,000 keys, float32, 1 or 2
 # threads (docs/benchmarks.md, "Short chunks on AVX2"). With AVX-512 the paged kernel's items
 # keep up to 64 rows (float32: it is ahead there; bf16: either way by context and threads).
-KERNEL_MAX_EXTEND_AVX2 = 12
+KERNEL_MAX_EXTEND_AVX2 = 7
 
 
 def kernel_max_extend() -> int:

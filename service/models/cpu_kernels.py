@@ -320,9 +320,12 @@ def paged_attention(
     return kernel(q, k_cache, v_cache, scale, k_new, v_new)
 
 
-def has_moe_kernel(x: torch.Tensor) -> bool:
+MOE_MAX_TOP_K = 64  # experts per token the experts kernel takes (MOE_MAX_TOP_K in the C source)
+
+
+def has_moe_kernel(x: torch.Tensor, top_k: int = 1) -> bool:
     """The native experts kernel runs x: bf16 on a CPU with AVX-512 BF16, library built."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or top_k > MOE_MAX_TOP_K:
         return False
     lib = load()
     return lib is not None and lib.moe_experts_isa() > 0

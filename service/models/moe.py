@@ -157,7 +157,8 @@ def run_experts(
         from service.models.triton_moe import fused_experts
 
         return fused_experts(x, w_gate_up, w_down, weights, ids)
-    if cpu_kernels.has_moe_kernel(x) and ids.numel() <= KERNEL_PAIRS_PER_EXPERT * w_gate_up.shape[0]:
+    few_rows = ids.numel() <= KERNEL_PAIRS_PER_EXPERT * w_gate_up.shape[0]
+    if few_rows and cpu_kernels.has_moe_kernel(x, ids.shape[1]):
         return cpu_kernels.moe_experts(x, w_gate_up, w_down, weights, ids)
     return experts_torch(x, w_gate_up, w_down, weights, ids)
 

@@ -153,7 +153,9 @@ CAPPED_PASS = [
     "tests/models/test_cpu_features.py",
     "tests/models/test_cpu_speed_paths.py",
     "tests/engine/test_extend_rows.py",
-    "tests/models/test_moe.py",
+    "tests/models/test_moe.py::test_native_bf16_experts_equal_the_dense_reference",
+    "tests/models/test_moe.py::test_native_bf16_experts_give_a_token_the_same_bits_alone_or_in_a_batch",
+    "tests/models/test_moe.py::test_long_prompts_take_the_torch_matmuls",
     "tests/features/test_multimodal.py::test_bfloat16_engine_serves_images",
 ]
 CAPS = {  # ZEROGAP_CPU_ISA -> the environment that makes torch and oneDNN see the same CPU

@@ -421,8 +421,13 @@ static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t
 /* One request's rows for kv head h: pack its blocks, then the items (the last ones, which reach
  * the most blocks, first). `threads`: nthreads regions of item_bytes(d) each. */
 static void extend_head(Job *jb, char *threads, int nthreads) {
-    const int64_t qt = R_MAX / jb->g; /* query positions per item */
-    const int64_t items = (jb->n_new + qt - 1) / qt;
+    /* query positions per item: at most R_MAX rows, and at least one item per thread while there
+     * are rows enough, split evenly (a short chunk of 22 rows on two threads: 11 + 11, not 21 + 1) */
+    const int64_t qt_max = R_MAX / jb->g;
+    int64_t items = (jb->n_new + qt_max - 1) / qt_max;
+    if (items < nthreads) items = nthreads < jb->n_new ? nthreads : jb->n_new;
+    const int64_t qt = (jb->n_new + items - 1) / items;
+    items = (jb->n_new + qt - 1) / qt;
     const int64_t b_hi = (jb->kv_len - 1) / KB;
     const int64_t d = jb->d;
     jb->b_lo = row_start(jb, jb->p0) / KB;

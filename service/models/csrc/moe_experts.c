@@ -34,7 +34,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#define MOE_CB 4 /* weight rows of a register tile (gate_up: 4 gate + 4 up rows) */
+#define MOE_CB 4         /* weight rows of a register tile (gate_up: 4 gate + 4 up rows) */
+#define MOE_MAX_TOP_K 64 /* experts per token at most (published models: 2-10) */
 
 static inline __m512bh load_pairs(const uint16_t *p, __mmask32 m) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
@@ -137,6 +138,7 @@ int moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids
                      uint16_t *out, void *scratch, int64_t scratch_bytes, int nthreads) {
     const int64_t P = T * k;
     if (scratch_bytes < moe_experts_scratch_bytes(T, k, E, H, I) || T <= 0 || k <= 0) return -1;
+    if (k > MOE_MAX_TOP_K) return -4;
     for (int64_t i = 0; i < P; i++)
         if (ids[i] < 0 || ids[i] >= E) return -2;
     int64_t *order = (int64_t *)scratch; /* sorted position -> pair */
@@ -177,8 +179,8 @@ int moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids
         }
         _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < T; t++) {
-            int64_t slot[64]; /* this token's slots by increasing expert (k <= 64) */
-            const int64_t kk = k < 64 ? k : 64;
+            int64_t slot[MOE_MAX_TOP_K]; /* this token's slots by increasing expert */
+            const int64_t kk = k;
             for (int64_t s = 0; s < kk; s++) {
                 int64_t j = s;
                 while (j > 0 && ids[t * k + slot[j - 1]] > ids[t * k + s]) { slot[j] = slot[j - 1]; j--; }
