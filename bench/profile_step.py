@@ -115,7 +115,7 @@ def main() -> None:
     s = model.shape
     kv = TokenToKVPool(bs * ctx + 8, s.num_layers, s.num_kv_heads, s.head_dim, dtype)
     table = ReqToTokenPool(bs, ctx).table
-    attn = get_attention_backend(args.backend)
+    attn = get_attention_backend(args.backend, dtype=dtype)
     sampler = Sampler(bs, s.vocab_size)
     print(f"model {model_dir.name} {dtype} threads={torch.get_num_threads()} bs={bs} prompt={n}")
 

@@ -203,7 +203,7 @@ class Engine:
             self.model,
             self.kv_pool,
             Sampler(args.max_running_requests, self.vocab_size, dev),
-            get_attention_backend(self.attention_backend, cpu_team=self.cpu_threads),
+            get_attention_backend(self.attention_backend, cpu_team=self.cpu_threads, dtype=self.dtype),
             self.timeline,
             self.device,
             cpu_team=AdaptiveTeam(self.cpu_threads) if self.cpu_threads and args.adapt_cpu_team else None,

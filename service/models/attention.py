@@ -39,14 +39,21 @@ from service.models.cpu_features import cpu_features
 KERNEL_MAX_EXTEND = 64
 # With the extend kernel's AVX2 tiles (no AVX-512: a Zen 3) the blocked kernel wins from far
 # fewer rows: 1.3-3.7x the paged kernel at 8-64 rows over 800-4,000 keys, float32, 1 or 2
-# threads (docs/benchmarks.md, "Short chunks on AVX2"). With AVX-512 the paged kernel's items
-# keep up to 64 rows (float32: it is ahead there; bf16: either way by context and threads).
+# threads; in bf16 with AVX-512 BF16 from 32 rows (1.1x on two threads, 1.3-1.5x on one);
+# float32 with AVX-512 keeps the paged kernel's items up to 64 rows (it is ahead there)
+# (docs/benchmarks.md, "Short chunks on AVX2").
 KERNEL_MAX_EXTEND_AVX2 = 7
+KERNEL_MAX_EXTEND_BF16 = 31
 
 
-def kernel_max_extend() -> int:
-    """The most rows of one request's extend the paged kernel takes, on this CPU."""
-    return KERNEL_MAX_EXTEND_AVX2 if cpu_kernels.extend_isa() == 8 else KERNEL_MAX_EXTEND
+def kernel_max_extend(dtype: torch.dtype | None = None) -> int:
+    """The most rows of one request's extend the paged kernel takes, on this CPU, in this dtype."""
+    isa = cpu_kernels.extend_isa()
+    if isa == 8:
+        return KERNEL_MAX_EXTEND_AVX2
+    if isa == 32 and dtype == torch.bfloat16:
+        return KERNEL_MAX_EXTEND_BF16
+    return KERNEL_MAX_EXTEND
 
 
 @dataclass
@@ -57,6 +64,7 @@ class AttentionMeta:
     group: int
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
+    short_max: int = KERNEL_MAX_EXTEND  # a request's extend of at most this many rows: the paged kernel
     softcap: float | None = None  # scores soft-capped (Gemma-2): the kernel caps them; else capped_attention
     kernel: cpu_kernels.PagedAttention | None = None  # the batch's kernel calls, arguments converted once
     # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
@@ -96,9 +104,10 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, use_kernel: bool = True, team: int | None = None):
+    def __init__(self, use_kernel: bool = True, team: int | None = None, dtype: torch.dtype | None = None):
         self.use_kernel = use_kernel
         self.team = team  # the engine's full CPU team: the kernels split work by it, whatever size it runs at
+        self.dtype = dtype  # the model's (the paged/extend split depends on it)
 
     def prepare(
         self,
@@ -110,8 +119,9 @@ class TorchAttention:
     ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
         decode = fb.mode is ForwardMode.DECODE
-        short = decode or max(fb.extend_lens or [0]) <= kernel_max_extend()
         on_cpu = fb.kv_indices.device.type == "cpu"
+        short_max = kernel_max_extend(self.dtype) if self.use_kernel and on_cpu else KERNEL_MAX_EXTEND
+        short = decode or max(fb.extend_lens or [0]) <= short_max
         use_kernel = (
             self.use_kernel
             and on_cpu
@@ -119,7 +129,7 @@ class TorchAttention:
             and group <= cpu_kernels.MAX_GROUP
             and cpu_kernels.available()
         )
-        meta = AttentionMeta(fb, group, sliding_window, use_kernel, softcap=softcap)
+        meta = AttentionMeta(fb, group, sliding_window, use_kernel, short_max, softcap=softcap)
         if use_kernel:
             rows = torch.arange(fb.batch_size)
             lens = fb.extend_lens or []
@@ -140,7 +150,7 @@ class TorchAttention:
                 long = [
                     (r, start, n, length)
                     for r, (length, n, start) in enumerate(meta.extend_rows)
-                    if n > kernel_max_extend()
+                    if n > short_max
                 ]
                 meta.extend_kernel = cpu_kernels.ExtendAttention(fb.kv_indices, long, sliding_window, softcap)
             if softcap is None or meta.extend_kernel is not None:
@@ -150,7 +160,7 @@ class TorchAttention:
     @staticmethod
     def _split_short_rows(meta: AttentionMeta, team: int | None) -> None:
         lens = meta.fb.extend_lens or []
-        short = [r for r, n in enumerate(lens) if n <= kernel_max_extend()]
+        short = [r for r, n in enumerate(lens) if n <= meta.short_max]
         if not short:
             return
         starts = meta.fb.extend_start_loc_cpu or [sum(lens[:r]) for r in range(len(lens))]
@@ -228,7 +238,7 @@ class TorchAttention:
         group = hq // hkv
         out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
         for r, (length, n, start) in enumerate(meta.extend_rows):
-            if long_only and n <= kernel_max_extend() and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
+            if long_only and n <= meta.short_max and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
                 continue
             rows = fb.kv_indices[r, :length]
             kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]

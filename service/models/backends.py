@@ -26,12 +26,13 @@ def resolve_attention_backend(name: str, device: Device) -> str:
     return name
 
 
-def get_attention_backend(name: str, cpu_team: int | None = None) -> Any:
-    """cpu_team: the engine's full CPU team size (the native kernels' work split follows it)."""
+def get_attention_backend(name: str, cpu_team: int | None = None, dtype: Any = None) -> Any:
+    """cpu_team: the engine's full CPU team size (the native kernels' work split follows it);
+    dtype: the model's (which CPU kernel takes a short extend depends on it)."""
     if name in ("torch", "torch-sdpa"):
         from service.models.attention import TorchAttention
 
-        return TorchAttention(use_kernel=name == "torch", team=cpu_team)
+        return TorchAttention(use_kernel=name == "torch", team=cpu_team, dtype=dtype)
     if name == "triton":
         from service.models.triton_attention import TritonAttention
 

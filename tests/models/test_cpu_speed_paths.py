@@ -21,6 +21,7 @@ from service.models import cpu_kernels, ops
 from service.models.attention import (
     KERNEL_MAX_EXTEND,
     KERNEL_MAX_EXTEND_AVX2,
+    KERNEL_MAX_EXTEND_BF16,
     TorchAttention,
     kernel_max_extend,
     sdpa,
@@ -341,6 +342,8 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
     if use_kernel and cpu_kernels.extend_isa():
         avx2 = cpu_kernels.extend_isa() == 8
         assert kernel_max_extend() == (KERNEL_MAX_EXTEND_AVX2 if avx2 else KERNEL_MAX_EXTEND)
+        bf16_max = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_BF16}.get(cpu_kernels.extend_isa(), 64)
+        assert kernel_max_extend(torch.bfloat16) == bf16_max
         long = [(1, 1, 120, 120)] + ([(3, 122, 20, 20)] if avx2 else [])
         assert meta.extend_kernel is not None and meta.extend_kernel.rows == long
         short = [0, 121] + ([] if avx2 else list(range(122, 142))) + [142]
