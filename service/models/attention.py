@@ -39,20 +39,23 @@ from service.models.cpu_features import cpu_features
 KERNEL_MAX_EXTEND = 64
 # With the extend kernel's AVX2 tiles (no AVX-512: a Zen 3) the blocked kernel wins from far
 # fewer rows: 1.3-3.7x the paged kernel at 8-64 rows over 800-4,000 keys, float32, 1 or 2
-# threads; in bf16 with AVX-512 BF16 from 32 rows (1.1x on two threads, 1.3-1.5x on one);
+# threads; in bf16 with AVX-512 BF16 from 32 rows on two threads (1.1x), from 16 on one (1.3x);
 # float32 with AVX-512 keeps the paged kernel's items up to 64 rows (it is ahead there)
 # (docs/benchmarks.md, "Short chunks on AVX2").
 KERNEL_MAX_EXTEND_AVX2 = 7
 KERNEL_MAX_EXTEND_BF16 = 31
+KERNEL_MAX_EXTEND_BF16_ONE_THREAD = 15  # a one-CPU replica: 1.27-1.30x at 16 rows, even at 8
 
 
-def kernel_max_extend(dtype: torch.dtype | None = None) -> int:
-    """The most rows of one request's extend the paged kernel takes, on this CPU, in this dtype."""
+def kernel_max_extend(dtype: torch.dtype | None = None, team: int | None = None) -> int:
+    """The most rows of one request's extend the paged kernel takes, on this CPU, in this dtype,
+    with this many threads in the engine's team (None: this thread's torch team)."""
     isa = cpu_kernels.extend_isa()
     if isa == 8:
         return KERNEL_MAX_EXTEND_AVX2
     if isa == 32 and dtype == torch.bfloat16:
-        return KERNEL_MAX_EXTEND_BF16
+        one = (team or torch.get_num_threads()) == 1
+        return KERNEL_MAX_EXTEND_BF16_ONE_THREAD if one else KERNEL_MAX_EXTEND_BF16
     return KERNEL_MAX_EXTEND
 
 
@@ -120,7 +123,9 @@ class TorchAttention:
         group = num_q_heads // num_kv_heads
         decode = fb.mode is ForwardMode.DECODE
         on_cpu = fb.kv_indices.device.type == "cpu"
-        short_max = kernel_max_extend(self.dtype) if self.use_kernel and on_cpu else KERNEL_MAX_EXTEND
+        short_max = (
+            kernel_max_extend(self.dtype, self.team) if self.use_kernel and on_cpu else KERNEL_MAX_EXTEND
+        )
         short = decode or max(fb.extend_lens or [0]) <= short_max
         use_kernel = (
             self.use_kernel

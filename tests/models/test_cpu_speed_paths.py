@@ -22,6 +22,7 @@ from service.models.attention import (
     KERNEL_MAX_EXTEND,
     KERNEL_MAX_EXTEND_AVX2,
     KERNEL_MAX_EXTEND_BF16,
+    KERNEL_MAX_EXTEND_BF16_ONE_THREAD,
     TorchAttention,
     kernel_max_extend,
     sdpa,
@@ -342,8 +343,11 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
     if use_kernel and cpu_kernels.extend_isa():
         avx2 = cpu_kernels.extend_isa() == 8
         assert kernel_max_extend() == (KERNEL_MAX_EXTEND_AVX2 if avx2 else KERNEL_MAX_EXTEND)
-        bf16_max = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_BF16}.get(cpu_kernels.extend_isa(), 64)
-        assert kernel_max_extend(torch.bfloat16) == bf16_max
+        isa = cpu_kernels.extend_isa()
+        bf16_max = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_BF16}.get(isa, 64)
+        assert kernel_max_extend(torch.bfloat16, team=2) == bf16_max
+        one = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_BF16_ONE_THREAD}.get(isa, 64)
+        assert kernel_max_extend(torch.bfloat16, team=1) == one
         long = [(1, 1, 120, 120)] + ([(3, 122, 20, 20)] if avx2 else [])
         assert meta.extend_kernel is not None and meta.extend_kernel.rows == long
         short = [0, 121] + ([] if avx2 else list(range(122, 142))) + [142]
