@@ -112,6 +112,11 @@ class TorchAttention:
         self.team = team  # the engine's full CPU team: the kernels split work by it, whatever size it runs at
         self.dtype = dtype  # the model's (the paged/extend split depends on it)
 
+    @cached_property
+    def kernel_max_extend(self) -> int:
+        """The most rows of a request's extend the paged kernel takes here (fixed: found once)."""
+        return kernel_max_extend(self.dtype, self.team) if self.use_kernel else KERNEL_MAX_EXTEND
+
     def prepare(
         self,
         fb: ForwardBatch,
@@ -123,9 +128,7 @@ class TorchAttention:
         group = num_q_heads // num_kv_heads
         decode = fb.mode is ForwardMode.DECODE
         on_cpu = fb.kv_indices.device.type == "cpu"
-        short_max = (
-            kernel_max_extend(self.dtype, self.team) if self.use_kernel and on_cpu else KERNEL_MAX_EXTEND
-        )
+        short_max = self.kernel_max_extend if on_cpu else KERNEL_MAX_EXTEND
         short = decode or max(fb.extend_lens or [0]) <= short_max
         use_kernel = (
             self.use_kernel

@@ -82,12 +82,8 @@ def norm_qk_heads(
     """The fused projection with each q and k head RMS-normalised over its d dims (Qwen3, Gemma-3)."""
     t = qkv.shape[0]
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    if cpu_kernels.fused_ok(qkv, q_weight, k_weight):  # each head a row of the fused kernel
-        q = cpu_kernels.rms_norm(q.reshape(t * hq, d), q_weight, eps)[1].view(t, hq * d)
-        k = cpu_kernels.rms_norm(k.reshape(t * hkv, d), k_weight, eps)[1].view(t, hkv * d)
-        return torch.cat([q, k, v], dim=-1)
-    q = rms_norm_eager(q.reshape(t, hq, d), q_weight, eps).reshape(t, hq * d)
-    k = rms_norm_eager(k.reshape(t, hkv, d), k_weight, eps).reshape(t, hkv * d)
+    q = add_rms_norm(q.reshape(t * hq, d), None, q_weight, eps)[1].view(t, hq * d)  # a head per row
+    k = add_rms_norm(k.reshape(t * hkv, d), None, k_weight, eps)[1].view(t, hkv * d)
     return torch.cat([q, k, v], dim=-1)
 
 

@@ -556,7 +556,7 @@ DEFINE_ARGMAX(argmax_rows_f32, float, LOAD_F32)
             T *o = out + r * inter;                                                                   \
             for (int64_t c = 0; c < inter; c++) {                                                     \
                 const float x = LOAD(g[c]);                                                           \
-                o[c] = STORE(LOAD(STORE(x / (1.f + exp_approx(-x)))) * LOAD(u[c]));                        \
+                o[c] = STORE(LOAD(STORE(silu_f32(x))) * LOAD(u[c]));                        \
             }                                                                                         \
         }                                                                                             \
     }

@@ -40,4 +40,7 @@ static inline float exp_approx(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+/* silu(x) = x * sigmoid(x), with exp_approx. */
+static inline float silu_f32(float x) { return x / (1.f + exp_approx(-x)); }
+
 #endif

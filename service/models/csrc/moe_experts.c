@@ -74,12 +74,12 @@ DEFINE_TILE(tile_dn_1, 1, MOE_CB)
 
 static inline float silu_mul_one(float g, float u) {
     const float gb = bf16_to_f32(f32_to_bf16(g)); /* the gate_up linear's output, rounded */
-    const float s = bf16_to_f32(f32_to_bf16(gb / (1.f + exp_approx(-gb))));
+    const float s = bf16_to_f32(f32_to_bf16(silu_f32(gb)));
     return s * bf16_to_f32(f32_to_bf16(u));
 }
 
 /* act rows [n, I] of one expert, columns c0 .. c0 + MOE_CB (fewer at the end). */
-static void gate_up_block(const uint16_t *x, int64_t H, const int64_t *token, int64_t n,
+static void gate_up_block(const uint16_t *x, int64_t T, int64_t H, const int64_t *pair, int64_t n,
                           const uint16_t *w, int64_t I, int64_t c0, uint16_t *act) {
     const int64_t nc = I - c0 < MOE_CB ? I - c0 : MOE_CB;
     const uint16_t *b[2 * MOE_CB];
@@ -90,16 +90,16 @@ static void gate_up_block(const uint16_t *x, int64_t H, const int64_t *token, in
     }
     int64_t r = 0;
     for (; r + 2 <= n; r += 2) {
-        const uint16_t *a[2] = {x + token[r] * H, x + token[r + 1] * H};
+        const uint16_t *a[2] = {x + pair[r] % T * H, x + pair[r + 1] % T * H}; /* pair -> its token's row */
         float acc[2][2 * MOE_CB];
-        tile_gu_2(a, b, H, acc, r ? 0 : MOE_CB * H);
+        tile_gu_2(a, b, H, acc, MOE_CB * H);
         for (int i = 0; i < 2; i++)
             for (int c = 0; c < nc; c++) act[(r + i) * I + c0 + c] = f32_to_bf16(silu_mul_one(acc[i][c], acc[i][MOE_CB + c]));
     }
     for (; r < n; r++) {
-        const uint16_t *a[1] = {x + token[r] * H};
+        const uint16_t *a[1] = {x + pair[r] % T * H};
         float acc[1][2 * MOE_CB];
-        tile_gu_1(a, b, H, acc, r ? 0 : MOE_CB * H);
+        tile_gu_1(a, b, H, acc, MOE_CB * H);
         for (int c = 0; c < nc; c++) act[r * I + c0 + c] = f32_to_bf16(silu_mul_one(acc[0][c], acc[0][MOE_CB + c]));
     }
 }
@@ -114,23 +114,23 @@ static void down_block(const uint16_t *act, int64_t I, int64_t n, const uint16_t
     for (; r + 4 <= n; r += 4) {
         const uint16_t *a[4] = {act + r * I, act + (r + 1) * I, act + (r + 2) * I, act + (r + 3) * I};
         float acc[4][MOE_CB];
-        tile_dn_4(a, b, I, acc, r ? 0 : MOE_CB * I);
+        tile_dn_4(a, b, I, acc, MOE_CB * I);
         for (int i = 0; i < 4; i++)
             for (int c = 0; c < nc; c++) y[pair[r + i] * H + c0 + c] = bf16_to_f32(f32_to_bf16(acc[i][c]));
     }
     for (; r < n; r++) {
         const uint16_t *a[1] = {act + r * I};
         float acc[1][MOE_CB];
-        tile_dn_1(a, b, I, acc, r ? 0 : MOE_CB * I);
+        tile_dn_1(a, b, I, acc, MOE_CB * I);
         for (int c = 0; c < nc; c++) y[pair[r] * H + c0 + c] = bf16_to_f32(f32_to_bf16(acc[0][c]));
     }
 }
 
-/* Scratch: the sorted pairs and their tokens, each expert's first sorted pair, act [P, I] bf16,
+/* Scratch: the sorted pairs, each expert's first sorted pair, the sort's cursors, act [P, I] bf16,
  * y [P, H] float32 (indexed by pair). */
 int64_t moe_experts_scratch_bytes(int64_t T, int64_t k, int64_t E, int64_t H, int64_t I) {
     const int64_t P = T * k;
-    return 2 * P * 8 + (2 * E + 1) * 8 + P * I * 2 + P * H * 4 + 64;
+    return P * 8 + (2 * E + 1) * 8 + P * I * 2 + P * H * 4 + 64;
 }
 
 int moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids, const float *weights,
@@ -142,8 +142,7 @@ int moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids
     for (int64_t i = 0; i < P; i++)
         if (ids[i] < 0 || ids[i] >= E) return -2;
     int64_t *order = (int64_t *)scratch; /* sorted position -> pair */
-    int64_t *token = order + P;          /* sorted position -> token */
-    int64_t *start = token + P;          /* [E + 1] */
+    int64_t *start = order + P;          /* [E + 1] */
     int64_t *fill = start + E + 1;       /* [E] cursors of the sort */
     uint16_t *act = (uint16_t *)(fill + E);
     float *y = (float *)(((uintptr_t)(act + P * I) + 63) & ~(uintptr_t)63);
@@ -157,7 +156,6 @@ int moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids
         for (int64_t t = 0; t < T; t++) {
             const int64_t at = fill[ids[t * k + s]]++;
             order[at] = s * T + t;
-            token[at] = t;
         }
     int64_t active[E > 0 ? E : 1], n_active = 0;
     for (int64_t e = 0; e < E; e++)
@@ -168,7 +166,7 @@ int moe_experts_bf16(const uint16_t *x, int64_t T, int64_t H, const int64_t *ids
         _Pragma("omp for schedule(static)")
         for (int64_t it = 0; it < n_active * gu_blocks; it++) {
             const int64_t e = active[it / gu_blocks], s0 = start[e];
-            gate_up_block(x, H, token + s0, start[e + 1] - s0, w_gate_up + e * 2 * I * H, I,
+            gate_up_block(x, T, H, order + s0, start[e + 1] - s0, w_gate_up + e * 2 * I * H, I,
                           (it % gu_blocks) * MOE_CB, act + s0 * I);
         }
         _Pragma("omp for schedule(static)")
