@@ -146,37 +146,47 @@ static inline int64_t row_start(const Job *j, int64_t pos) {
     return (j->window > 0 && pos - j->window + 1 > 0) ? pos - j->window + 1 : 0;
 }
 
-/* Element e of key j's row (kv head h) as float32; 0 past kv_len. */
-static inline float kv_at(const Job *jb, const void *pool, int64_t j, int64_t e) {
-    if (j >= jb->kv_len) return 0.f;
-    const int64_t off = (jb->rows[j] * jb->hkv + jb->h) * jb->d + e;
-    return jb->path == PATH_F32 ? ((const float *)pool)[off] : bf16_to_f32(((const uint16_t *)pool)[off]);
+/* Key j's row for kv head h in the pool (j < kv_len). */
+static inline const void *kv_row(const Job *jb, const void *pool, int64_t j) {
+    const int64_t off = (jb->rows[j] * jb->hkv + jb->h) * jb->d;
+    return jb->path == PATH_F32 ? (const void *)((const float *)pool + off) : (const void *)((const uint16_t *)pool + off);
 }
 
 /* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
  * or bf16 pairs [d/2][KB] (bits copied), V widened to float32 [KB][d] (a head_dim element per
- * lane of the P.V tile); keys past kv_len are zeros. */
+ * lane of the P.V tile); keys past kv_len are zeros. Rows are read whole, V a vector at a time. */
 static void pack_block(const Job *jb, int64_t b) {
     const int64_t d = jb->d, slot = b - jb->b_lo;
+    const int64_t n = jb->kv_len - b * KB < KB ? jb->kv_len - b * KB : KB; /* keys in the block */
     float *vb = (float *)jb->vpack + slot * KB * d;
-    for (int64_t t = 0; t < KB; t++)
-        for (int64_t e = 0; e < d; e++) vb[t * d + e] = kv_at(jb, jb->v, b * KB + t, e);
+    for (int64_t t = 0; t < n; t++) {
+        const void *vr = kv_row(jb, jb->v, b * KB + t);
+        if (jb->path == PATH_F32)
+            memcpy(vb + t * d, vr, d * sizeof(float));
+        else
+            for (int64_t e = 0; e < d; e += VL) vstore(vb + t * d + e, vload_bf16((const uint16_t *)vr + e));
+    }
+    memset(vb + n * d, 0, (KB - n) * d * sizeof(float));
     if (jb->path != PATH_BF16_DP) {
         float *kb = (float *)jb->kpack + slot * KB * d;
-        for (int64_t t = 0; t < KB; t++)
-            for (int64_t e = 0; e < d; e++) kb[e * KB + t] = kv_at(jb, jb->k, b * KB + t, e);
+        for (int64_t t = 0; t < n; t++) {
+            const void *kr = kv_row(jb, jb->k, b * KB + t);
+            if (jb->path == PATH_F32)
+                for (int64_t e = 0; e < d; e++) kb[e * KB + t] = ((const float *)kr)[e];
+            else
+                for (int64_t e = 0; e < d; e++) kb[e * KB + t] = bf16_to_f32(((const uint16_t *)kr)[e]);
+        }
+        for (int64_t t = n; t < KB; t++)
+            for (int64_t e = 0; e < d; e++) kb[e * KB + t] = 0.f;
         return;
     }
     uint32_t *kb = (uint32_t *)jb->kpack + slot * KB * (d / 2);
-    for (int64_t t = 0; t < KB; t++) {
-        const int64_t j = b * KB + t;
-        const uint16_t *kr = (const uint16_t *)jb->k + (jb->rows[j < jb->kv_len ? j : 0] * jb->hkv + jb->h) * d;
-        for (int64_t e2 = 0; e2 < d / 2; e2++) {
-            uint32_t pair = 0;
-            if (j < jb->kv_len) memcpy(&pair, kr + 2 * e2, 4);
-            kb[e2 * KB + t] = pair;
-        }
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *kr = (const uint16_t *)kv_row(jb, jb->k, b * KB + t);
+        for (int64_t e2 = 0; e2 < d / 2; e2++) memcpy(kb + e2 * KB + t, kr + 2 * e2, 4); /* a bf16 pair */
     }
+    for (int64_t t = n; t < KB; t++)
+        for (int64_t e2 = 0; e2 < d / 2; e2++) kb[e2 * KB + t] = 0;
 }
 
 /* Scores of nr rows (q float32, row stride d) over QK_NV * VL keys of a [d][KB] block. */
