@@ -13,9 +13,9 @@
  * at packed row q_start[r] and sit at positions kv_len - n_new .. kv_len - 1.
  *
  * Per request and kv head: the head's K rows are packed once into key blocks of KB positions
- * (blocks at fixed positions: block b holds keys b*KB .. b*KB+KB-1) and its V rows widened to
- * float32; then work items of up to R_MAX rows (consecutive query positions x the g query heads
- * of the kv head, which share every K/V load) run in parallel. An item takes the blocks its rows
+ * (blocks at fixed positions: block b holds keys b*KB .. b*KB+KB-1), its V rows read in place
+ * (widened to float32 as P.V loads them); then work items of up to R_MAX rows (consecutive query
+ * positions x the g query heads of the kv head, which share every K/V load) run in parallel. An item takes the blocks its rows
  * reach: the scores of the block for its rows are a small GEMM (bf16 pairs with vdpbf16ps on
  * AVX-512 BF16, exact products summed in float32; float32 FMAs elsewhere, AVX-512F or AVX2),
  * then an online softmax per row and P.V in float32, register-blocked over rows.
@@ -152,21 +152,17 @@ static inline const void *kv_row(const Job *jb, const void *pool, int64_t j) {
     return jb->path == PATH_F32 ? (const void *)((const float *)pool + off) : (const void *)((const uint16_t *)pool + off);
 }
 
+/* Zeros standing in for the V rows of keys past kv_len (never weighed: P.V stops at a row's last key). */
+static const float ZERO_ROW[EXT_MAX_D] __attribute__((aligned(64)));
+
 /* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
- * or bf16 pairs [d/2][KB] (bits copied), V widened to float32 [KB][d] (a head_dim element per
- * lane of the P.V tile); keys past kv_len are zeros. Rows are read whole, V a vector at a time. */
+ * or bf16 pairs [d/2][KB] (bits copied), keys past kv_len zeros; V stays in the pool, the block
+ * keeps a pointer to each key's row (P.V widens bf16 rows as it reads them). */
 static void pack_block(const Job *jb, int64_t b) {
     const int64_t d = jb->d, slot = b - jb->b_lo;
     const int64_t n = jb->kv_len - b * KB < KB ? jb->kv_len - b * KB : KB; /* keys in the block */
-    float *vb = (float *)jb->vpack + slot * KB * d;
-    for (int64_t t = 0; t < n; t++) {
-        const void *vr = kv_row(jb, jb->v, b * KB + t);
-        if (jb->path == PATH_F32)
-            memcpy(vb + t * d, vr, d * sizeof(float));
-        else
-            for (int64_t e = 0; e < d; e += VL) vstore(vb + t * d + e, vload_bf16((const uint16_t *)vr + e));
-    }
-    memset(vb + n * d, 0, (KB - n) * d * sizeof(float));
+    const void **vr = (const void **)jb->vpack + slot * KB;
+    for (int64_t t = 0; t < KB; t++) vr[t] = t < n ? kv_row(jb, jb->v, b * KB + t) : (const void *)ZERO_ROW;
     if (jb->path != PATH_BF16_DP) {
         float *kb = (float *)jb->kpack + slot * KB * d;
         for (int64_t t = 0; t < n; t++) {
@@ -291,9 +287,9 @@ static inline float softmax_block(float *s, int64_t j0, int64_t lo, int64_t hi, 
 }
 
 /* acc[nr rows][nv vectors] = acc * corr + P . V over keys 0 .. nk-1 of the block (float32). */
-static inline __attribute__((always_inline)) void pv_tile(const int nr, const int nv, float *acc, int64_t d,
-                                                          const float *p, const float *corr, const float *vb,
-                                                          int64_t nk) {
+static inline __attribute__((always_inline)) void pv_tile(const int nr, const int nv, const int bf16, float *acc,
+                                                          int64_t d, const float *p, const float *corr,
+                                                          const void *const *vr, int64_t e0, int64_t nk) {
     vf a[PV_NR][PV_NV];
     for (int r = 0; r < nr; r++) {
         const vf c = vset1(corr[r]);
@@ -301,7 +297,8 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
     }
     for (int64_t t = 0; t < nk; t++) {
         vf vv[PV_NV];
-        for (int x = 0; x < nv; x++) vv[x] = vload(vb + t * d + x * VL);
+        for (int x = 0; x < nv; x++)
+            vv[x] = bf16 ? vload_bf16((const uint16_t *)vr[t] + e0 + x * VL) : vload((const float *)vr[t] + e0 + x * VL);
         for (int r = 0; r < nr; r++) {
             const vf pb = vset1(p[r * KB + t]);
             for (int x = 0; x < nv; x++) a[r][x] = vfma(pb, vv[x], a[r][x]);
@@ -312,37 +309,45 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
 }
 
 #if PV_NR > 2
-#define PV_CASES(NV)                                                                                \
+#define PV_CASES(NV, BF)                                                                               \
     switch (nr) {                                                                                   \
-        case 1: pv_tile(1, NV, ac, d, pr, cr, vc, nk); break;                                      \
-        case 2: pv_tile(2, NV, ac, d, pr, cr, vc, nk); break;                                      \
-        case 3: pv_tile(3, NV, ac, d, pr, cr, vc, nk); break;                                      \
-        default: pv_tile(PV_NR, NV, ac, d, pr, cr, vc, nk); break;                                 \
+        case 1: pv_tile(1, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
+        case 2: pv_tile(2, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
+        case 3: pv_tile(3, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
+        default: pv_tile(PV_NR, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                 \
     }
 #else
-#define PV_CASES(NV)                                                                                \
+#define PV_CASES(NV, BF)                                                                               \
     switch (nr) {                                                                                   \
-        case 1: pv_tile(1, NV, ac, d, pr, cr, vc, nk); break;                                      \
-        default: pv_tile(PV_NR, NV, ac, d, pr, cr, vc, nk); break;                                 \
+        case 1: pv_tile(1, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
+        default: pv_tile(PV_NR, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                 \
     }
 #endif
 
-/* P.V for rows r0 .. r1-1 of an item; nk_of[r]: keys of the block the row may weigh (past them
- * its weights are 0, so leaving them out changes no bit). */
-static void pv_rows(float *acc, int64_t d, const float *p, const float *corr, const float *vb, int64_t r0,
-                    int64_t r1, const int64_t *nk_of) {
+/* P.V for rows r0 .. r1-1 of an item; vr: the block's V rows (bf16: widened as read); nk_of[r]: keys
+ * of the block the row may weigh (past them its weights are 0, so leaving them out changes no bit). */
+static void pv_rows(float *acc, int64_t d, const float *p, const float *corr, const void *const *vr, int bf16,
+                    int64_t r0, int64_t r1, const int64_t *nk_of) {
     for (int64_t ra = r0; ra < r1; ra += PV_NR) {
         const int64_t nr = r1 - ra < PV_NR ? r1 - ra : PV_NR;
         int64_t nk = 0;
         for (int64_t r = ra; r < ra + nr; r++) nk = nk_of[r] > nk ? nk_of[r] : nk;
         for (int64_t e0 = 0; e0 < d;) {
             float *ac = acc + ra * d + e0;
-            const float *pr = p + ra * KB, *cr = corr + ra, *vc = vb + e0;
+            const float *pr = p + ra * KB, *cr = corr + ra;
             if (d - e0 >= PV_NV * VL) {
-                PV_CASES(PV_NV);
+                if (bf16) {
+                    PV_CASES(PV_NV, 1);
+                } else {
+                    PV_CASES(PV_NV, 0);
+                }
                 e0 += PV_NV * VL;
             } else {
-                PV_CASES(1);
+                if (bf16) {
+                    PV_CASES(1, 1);
+                } else {
+                    PV_CASES(1, 0);
+                }
                 e0 += VL;
             }
         }
@@ -414,7 +419,8 @@ static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t
                                        &w->m[r], &w->l[r]);
             w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
         }
-        pv_rows(w->acc, d, w->s, w->corr, (const float *)jb->vpack + slot * KB * d, ra, rb, w->nk);
+        pv_rows(w->acc, d, w->s, w->corr, (const void *const *)jb->vpack + slot * KB, jb->path != PATH_F32, ra, rb,
+                w->nk);
     }
     for (int64_t t = 0; t < nt; t++)
         for (int64_t a = 0; a < g; a++) {
