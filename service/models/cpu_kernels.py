@@ -34,7 +34,12 @@ from service.models.cpu_features import cpu_features
 log = logging.getLogger("zerogap.kernels")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_kernels.c", CSRC / "extend_attention.c", CSRC / "moe_experts.c"]
+SOURCES = [
+    CSRC / "cpu_kernels.c",
+    CSRC / "extend_attention.c",
+    CSRC / "moe_experts.c",
+    CSRC / "panel_linear.c",
+]
 HEADERS = [CSRC / "kernel_math.h"]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # + the target flags of cpu_features()
 _lock = threading.Lock()
@@ -100,6 +105,10 @@ def _build() -> ctypes.CDLL:
     lib.moe_experts_scratch_bytes.restype = ctypes.c_int64
     lib.moe_experts_scratch_bytes.argtypes = [ctypes.c_int64] * 5
     lib.moe_experts_bf16.restype = ctypes.c_int
+    lib.pack_panels_f32.restype = None
+    lib.pack_panels_f32.argtypes = [_P, _I64, _I64, _P]
+    lib.panel_linear_f32.restype = ctypes.c_int
+    lib.panel_linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
     lib.moe_experts_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT]
     return lib
 
@@ -336,6 +345,38 @@ def paged_attention(
 
 
 MOE_MAX_TOP_K = 64  # experts per token the experts kernel takes (MOE_MAX_TOP_K in the C source)
+
+
+PANEL = 16  # weight rows per panel (PANEL in csrc/panel_linear.c)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 weight [N, K] laid out for `panel_linear` (16-row panels), or None where the
+    kernel does not run (no C compiler, or a build without AVX2 + FMA)."""
+    lib = load()
+    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    n, k = weight.shape
+    panels = torch.empty((n + PANEL - 1) // PANEL * PANEL * k)
+    lib.pack_panels_f32(weight.detach().contiguous().data_ptr(), n, k, panels.data_ptr())
+    probe, out = torch.zeros(1, k), torch.empty(1, n)  # both held while the kernel writes
+    if lib.panel_linear_f32(probe.data_ptr(), k, 1, k, panels.data_ptr(), n, None, out.data_ptr(), 1) != 0:
+        return None
+    return panels
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided) times the weight laid out by `pack_panels`: [M, n]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    y = torch.empty(m, n)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    rc = load().panel_linear_f32(  # type: ignore[union-attr]
+        x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), n, bias_ptr, y.data_ptr(), torch.get_num_threads()
+    )
+    assert rc == 0
+    return y
 
 
 def has_moe_kernel(x: torch.Tensor, top_k: int = 1) -> bool:

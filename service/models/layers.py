@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.core.forward_batch import ForwardBatch
-from service.models.linear import PackedLinear, pack_linear, packed_twin
+from service.models.linear import fast_twin, pack_linear
 from service.models.moe import MoEBlock, MoEShape
 from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table
@@ -212,7 +212,7 @@ class CausalLM(nn.Module):
         self.max_positions = max_positions
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # init_rope(): per table key
         self.mrope = mrope_section(config)  # M-RoPE bands per position stream (Qwen2-VL), else None
-        self.packed_head: PackedLinear | None = None  # pack_weights(): the LM head laid out for oneDNN
+        self.packed_head: nn.Module | None = None  # pack_weights(): the LM head laid out for the fast kernels
 
     def init_rope(self, device: torch.device | str = "cpu") -> None:
         """cos/sin tables (float32) per rope key, computed outside any meta-device context."""
@@ -222,10 +222,10 @@ class CausalLM(nn.Module):
             self.rope[key] = (cos.to(device), sin.to(device))
 
     def pack_weights(self) -> None:
-        """Lay the linear weights out once for oneDNN where it runs them (service/models/linear.py)."""
+        """Lay the linear weights out once for the fastest kernels this CPU has (service/models/linear.py)."""
         pack_linears(self.layers)
         # A packed copy of the head (tied: the embedding keeps its own table for lookups).
-        self.packed_head = packed_twin(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        self.packed_head = fast_twin(self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn) -> torch.Tensor:

@@ -12,6 +12,10 @@ AVX-512 BF16 on every call. oneDNN can lay a weight out once at load time
   about twice as fast as sgemm at 1-64 rows on an AVX2 Zen 3 (docs/benchmarks.md, "Float32
   linears and the realistic load"); they sum in another order, so results differ from `F.linear` by rounding only
   (relative ~1e-6). A packed twin is kept only where it matches `F.linear` to that.
+- float32 on AVX2 CPUs without AVX-512 (an AMD Zen 3): the native panel kernel instead
+  (`csrc/panel_linear.c`) for every row count: 1.3-2x oneDNN's speed at 1-32 rows (decode steps),
+  even from 64 on, and each output summed over k in one order, so a row's results do not depend
+  on its batch (oneDNN's do, by rounding). The panels are the only copy of the weight.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.models import cpu_kernels
 from service.models.cpu_features import cpu_features
 
 # Batch-size hint for oneDNN's weight layout; measured equally good from 1 to 2,624 rows.
@@ -66,6 +71,45 @@ def packed_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
     return packed if same else None
 
 
+class PanelLinear(nn.Module):
+    """Float32 y = x W^T + b with W laid out in panels (`cpu_kernels.panel_linear`), any row count.
+    Not a Parameter: `.to()` leaves it alone."""
+
+    def __init__(self, panels: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.panels = panels
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        y = cpu_kernels.panel_linear(
+            x.reshape(rows, self.in_features), self.panels, self.out_features, self.bias
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def panel_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelLinear | None:
+    """A float32 twin of (weight, bias) through the panel kernel where it was measured ahead of
+    oneDNN (AVX2 CPUs without AVX-512: docs/benchmarks.md) and matches `F.linear` to rounding; else None."""
+    cpu = cpu_features()
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not cpu.avx2 or cpu.avx512:
+        return None
+    panels = cpu_kernels.pack_panels(weight)
+    if panels is None:
+        return None
+    twin = PanelLinear(panels, weight, bias)
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    want = F.linear(x, weight, bias)
+    same = torch.allclose(twin(x), want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
+    return twin if same else None
+
+
+def fast_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module | None:
+    """The fastest twin of (weight, bias) this CPU has: panels, else oneDNN's packing, else None."""
+    return panel_twin(weight, bias) or packed_twin(weight, bias)
+
+
 def pack_linear(layer: nn.Linear) -> nn.Module:
-    """The packed twin of `layer`, or the layer itself."""
-    return packed_twin(layer.weight, layer.bias) or layer
+    """The fastest twin of `layer`, or the layer itself."""
+    return fast_twin(layer.weight, layer.bias) or layer

@@ -28,7 +28,7 @@ from service.models.attention import (
     sdpa,
 )
 from service.models.cpu_features import cpu_features
-from service.models.linear import packed_twin
+from service.models.linear import PanelLinear, fast_twin, packed_twin
 
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.available(), reason="needs cc (the native kernels are built with it): apt-get install gcc"
@@ -305,6 +305,50 @@ def test_float32_linears_pack_on_every_cpu_and_match_to_rounding():
         x = torch.randn(rows, 32, generator=g)
         want = F.linear(x, w, b)
         torch.testing.assert_close(packed(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(48, 32), (37, 19), (200, 576)])
+def test_panel_linear_matches_to_rounding_and_a_row_does_not_depend_on_its_batch(n, k):
+    """The float32 panel kernel (AVX2 CPUs): F.linear's results to rounding for any N (not a
+    multiple of its 16-row panels), K (not of its 8-float vectors) and row count (not of its 6-row
+    tiles nor its 48-row blocks); each output summed over k in order, so a row's results are the
+    same bits alone and in any batch, wherever in it."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    if panels is None:
+        assert not cpu_features().avx2
+        pytest.skip("the panel kernel needs AVX2 + FMA")
+    x = torch.randn(101, k, generator=g)
+    for bias in (b, None):
+        got = cpu_kernels.panel_linear(x, panels, n, bias)
+        want = F.linear(x, w, bias)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+        for r in (0, 5, 6, 47, 48, 100):
+            assert torch.equal(cpu_kernels.panel_linear(x[r : r + 1], panels, n, bias)[0], got[r])
+        assert torch.equal(cpu_kernels.panel_linear(x[3:60], panels, n, bias), got[3:60])
+    strided = torch.randn(5, k + 7, generator=g)[:, :k]  # a view: rows strided, as in a fused output
+    assert torch.equal(
+        cpu_kernels.panel_linear(strided, panels, n, b),
+        cpu_kernels.panel_linear(strided.contiguous(), panels, n, b),
+    )
+
+
+def test_float32_linears_take_panels_on_avx2_cpus_and_onednn_elsewhere():
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    twin = fast_twin(w, b)
+    cpu = cpu_features()
+    if not cpu_kernels.available() or not cpu.avx2 or cpu.avx512:
+        assert not isinstance(twin, PanelLinear)  # measured ahead on AVX2 CPUs only: oneDNN elsewhere
+        return
+    assert isinstance(twin, PanelLinear)
+    for shape in ((2, 3, 32), (1, 32), (300, 32)):  # any leading shape, any row count
+        x = torch.randn(*shape, generator=g)
+        want = cpu_kernels.panel_linear(x.reshape(-1, 32), twin.panels, 48, twin.bias)
+        assert torch.equal(twin(x), want.view(*shape[:-1], 48))
+    assert fast_twin(w.to(torch.bfloat16)) is None or not isinstance(fast_twin(w.to(torch.bfloat16)), PanelLinear)
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
