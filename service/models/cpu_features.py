@@ -104,7 +104,7 @@ class CpuFeatures:
         if self.avx512:
             return "avx512"
         if self.avx2:
-            return "portable C (auto-vectorised, AVX2), AVX2 extend tiles"
+            return "portable C (auto-vectorised, AVX2), AVX2 extend tiles and float32 panel linears"
         return "portable C (auto-vectorised); long extends on ATen's SDPA"
 
     def describe(self) -> str:
