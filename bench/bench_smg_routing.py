@@ -433,7 +433,7 @@ class ArmRun:
 
 async def run_workload(make_ask, conversations: list[list[Turn]], concurrency: int) -> ArmRun:
     """`make_ask()(messages, max_tokens, request_id) -> (ttft, e2e, text, prompt, cached, output, replica)`
-    (made in the running loop)."""
+    (made in the running loop; its `aclose()` is awaited at the end, while the loop still runs)."""
     run, sem, ask = ArmRun(), asyncio.Semaphore(concurrency), make_ask()
 
     async def conversation(c: int, turns: list[Turn]) -> None:
@@ -457,8 +457,11 @@ async def run_workload(make_ask, conversations: list[list[Turn]], concurrency: i
                 messages.append({"role": "assistant", "content": text})
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(conversation(c, turns) for c, turns in enumerate(conversations)))
-    run.wall = time.perf_counter() - t0
+    try:
+        await asyncio.gather(*(conversation(c, turns) for c, turns in enumerate(conversations)))
+    finally:
+        run.wall = time.perf_counter() - t0
+        await ask.aclose()  # the client's connections, before asyncio.run closes the loop
     return run
 
 
@@ -486,6 +489,7 @@ def smg_asker(url: str, model: str, replica_of: dict[str, str]):
         cached = usage.prompt_tokens_details.cached_tokens or 0
         return ttft or e2e, e2e, "".join(parts), usage.prompt_tokens, cached, usage.completion_tokens, replica
 
+    ask.aclose = client.close  # type: ignore[attr-defined]
     return ask
 
 
@@ -520,6 +524,7 @@ def grpc_asker(address: str):
             request_id,
         )
 
+    ask.aclose = channel.close  # type: ignore[attr-defined]
     return ask
 
 
