@@ -107,11 +107,12 @@ def _build() -> ctypes.CDLL:
     lib.moe_experts_scratch_bytes.restype = ctypes.c_int64
     lib.moe_experts_scratch_bytes.argtypes = [ctypes.c_int64] * 5
     lib.moe_experts_bf16.restype = ctypes.c_int
+    lib.moe_experts_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT]
+    lib.panel_linear_isa.restype = ctypes.c_int
     lib.pack_panels_f32.restype = None
     lib.pack_panels_f32.argtypes = [_P, _I64, _I64, _P]
     lib.panel_linear_f32.restype = ctypes.c_int
     lib.panel_linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
-    lib.moe_experts_bf16.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _INT]
     return lib
 
 
@@ -356,14 +357,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """A float32 weight [N, K] laid out for `panel_linear` (16-row panels), or None where the
     kernel does not run (no C compiler, or a build without AVX2 + FMA)."""
     lib = load()
-    if lib is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+    if (
+        lib is None
+        or not lib.panel_linear_isa()
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+    ):
         return None
     n, k = weight.shape
     panels = torch.empty((n + PANEL - 1) // PANEL * PANEL * k)
     lib.pack_panels_f32(weight.detach().contiguous().data_ptr(), n, k, panels.data_ptr())
-    probe, out = torch.zeros(1, k), torch.empty(1, n)  # both held while the kernel writes
-    if lib.panel_linear_f32(probe.data_ptr(), k, 1, k, panels.data_ptr(), n, None, out.data_ptr(), 1) != 0:
-        return None
     return panels
 
 

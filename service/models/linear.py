@@ -53,22 +53,24 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def agrees(twin: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The twin gives `F.linear`'s results on a probe: bf16 the same bits, float32 up to rounding."""
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    got, want = twin(x), F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16:
+        return torch.equal(got, want)  # never trade bf16 exactness for speed
+    return torch.allclose(got, want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
+
+
 def packed_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear | None:
-    """A packed twin of (weight, bias) where oneDNN runs it with `F.linear`'s results (bf16: the
-    same bits; float32: up to rounding), else None."""
+    """A packed twin of (weight, bias) where oneDNN runs it with `F.linear`'s results, else None."""
     if not can_pack(weight):
         return None
     try:
         packed = PackedLinear(weight, bias)
-        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        got, want = packed(x), F.linear(x, weight, bias)
+        return packed if agrees(packed, weight, bias) else None
     except RuntimeError:  # a CPU oneDNN refuses that the flags did not tell apart: stay plain
         return None
-    if weight.dtype == torch.bfloat16:
-        same = torch.equal(got, want)  # never trade bf16 exactness for speed
-    else:
-        same = torch.allclose(got, want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
-    return packed if same else None
 
 
 class PanelLinear(nn.Module):
@@ -99,10 +101,7 @@ def panel_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelL
     if panels is None:
         return None
     twin = PanelLinear(panels, weight, bias)
-    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    want = F.linear(x, weight, bias)
-    same = torch.allclose(twin(x), want, rtol=0, atol=FLOAT32_REL_TOL * want.abs().max().item())
-    return twin if same else None
+    return twin if agrees(twin, weight, bias) else None
 
 
 def fast_twin(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module | None:

@@ -4,6 +4,7 @@ and outputs are validated (features/json_schema.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -794,7 +795,6 @@ def test_vendored_schemas_served_by_default(hf_tokenizer):
     message — never UNKNOWN/INTERNAL, never the size cap. azure-pipelines (a 1.6 MB grammar)
     compiles past the default 30 s deadline on these CPUs: it runs last, under a 3 s one, and
     must be stopped cleanly (or compile)."""
-    import dataclasses
     from pathlib import Path
 
     import check_jsonschema

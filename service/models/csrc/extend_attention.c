@@ -139,7 +139,8 @@ typedef struct {
     int64_t out_stride;
     int path;
     int64_t b_lo; /* first block packed */
-    void *kpack, *vpack;
+    void *kpack;         /* the head's K blocks, as the path's score tile reads them */
+    const void **vrows;  /* per key of those blocks, its V row in the pool */
 } Job;
 
 static inline int64_t row_start(const Job *j, int64_t pos) {
@@ -161,7 +162,7 @@ static const float ZERO_ROW[EXT_MAX_D] __attribute__((aligned(64)));
 static void pack_block(const Job *jb, int64_t b) {
     const int64_t d = jb->d, slot = b - jb->b_lo;
     const int64_t n = jb->kv_len - b * KB < KB ? jb->kv_len - b * KB : KB; /* keys in the block */
-    const void **vr = (const void **)jb->vpack + slot * KB;
+    const void **vr = jb->vrows + slot * KB;
     for (int64_t t = 0; t < KB; t++) vr[t] = t < n ? kv_row(jb, jb->v, b * KB + t) : (const void *)ZERO_ROW;
     if (jb->path != PATH_BF16_DP) {
         float *kb = (float *)jb->kpack + slot * KB * d;
@@ -419,7 +420,7 @@ static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t
                                        &w->m[r], &w->l[r]);
             w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
         }
-        pv_rows(w->acc, d, w->s, w->corr, (const void *const *)jb->vpack + slot * KB, jb->path != PATH_F32, ra, rb,
+        pv_rows(w->acc, d, w->s, w->corr, jb->vrows + slot * KB, jb->path != PATH_F32, ra, rb,
                 w->nk);
     }
     for (int64_t t = 0; t < nt; t++)
@@ -457,7 +458,10 @@ static void extend_head(Job *jb, char *threads, int nthreads) {
     }
 }
 
-static int64_t pack_bytes(int64_t max_len, int64_t d) { return (max_len + KB - 1) / KB * KB * d * 8; }
+/* One kv head's packed K (float32 or bf16 pairs: at most 4 bytes an element) and V row pointers. */
+static int64_t pack_bytes(int64_t max_len, int64_t d) {
+    return (max_len + KB - 1) / KB * KB * (d * sizeof(float) + sizeof(void *));
+}
 
 static int extend_attention(int path, const void *q, int64_t q_stride, const void *k, const void *v,
                             const int64_t *table, int64_t table_stride, int64_t n_req, const int64_t *req_row,
@@ -477,7 +481,7 @@ static int extend_attention(int path, const void *q, int64_t q_stride, const voi
             .kv_len = kv_len[r], .n_new = n_new[r], .q_start = q_start[r], .p0 = kv_len[r] - n_new[r],
             .hq = hq, .hkv = hkv, .g = hq / hkv, .d = d, .scale = scale, .softcap = softcap,
             .window = window, .out = out, .out_stride = out_stride, .path = path,
-            .kpack = scratch, .vpack = (float *)scratch + blocks * KB * d,
+            .kpack = scratch, .vrows = (const void **)((float *)scratch + blocks * KB * d),
         };
         for (int64_t h = 0; h < hkv; h++) {
             jb.h = h;
@@ -503,7 +507,7 @@ int extend_attention_isa(void) {
 }
 
 /* Scratch bytes for requests of up to max_len kv positions on nthreads threads: one kv head's
- * packed K and V, and each thread's item buffers. */
+ * packed K and V row pointers, and each thread's item buffers. */
 int64_t extend_attention_scratch_bytes(int64_t max_len, int64_t d, int nthreads) {
 #if EXTEND_BUILT
     return pack_bytes(max_len, d) + nthreads * item_bytes(d);

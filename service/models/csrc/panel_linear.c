@@ -84,6 +84,8 @@ static void panel_rows(const float *x, int64_t ldx, int64_t m0, int64_t m1, int6
     }
 }
 
+int panel_linear_isa(void) { return 8; } /* built: AVX2 + FMA */
+
 /* 0 when it ran; -1 when this build has no AVX2 + FMA (the caller uses another path). */
 int panel_linear_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels, int64_t n,
                      const float *bias, float *y, int nthreads) {
@@ -100,6 +102,8 @@ int panel_linear_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const fl
     return 0;
 }
 #else
+int panel_linear_isa(void) { return 0; } /* not built: the caller keeps oneDNN */
+
 int panel_linear_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels, int64_t n,
                      const float *bias, float *y, int nthreads) {
     (void)x, (void)ldx, (void)m, (void)k, (void)panels, (void)n, (void)bias, (void)y, (void)nthreads;
