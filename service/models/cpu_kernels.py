@@ -5,7 +5,8 @@ short chunks), a row argmax for greedy sampling, the fused elementwise ops of a 
 layer and the grammar-mask apply of constrained decoding. `csrc/extend_attention.c`:
 the attention of long extends (prompts, chunks) over the pool in place, blocked like a
 GEMM. `csrc/moe_experts.c`: the routed experts of a mixture-of-experts layer in bf16, one
-parallel region per layer. All are compiled into one library on
+parallel region per layer. `csrc/panel_linear.c`: linears through weights laid out in panels
+(float32 on AVX2, bf16 on AVX-512 BF16). All are compiled into one library on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
 (less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
 source, the flags and the CPU's feature flags, so a cache copied to another CPU
@@ -113,6 +114,11 @@ def _build() -> ctypes.CDLL:
     lib.pack_panels_f32.argtypes = [_P, _I64, _I64, _P]
     lib.panel_linear_f32.restype = ctypes.c_int
     lib.panel_linear_f32.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
+    lib.panel_linear_bf16_isa.restype = ctypes.c_int
+    lib.pack_panels_bf16.restype = None
+    lib.pack_panels_bf16.argtypes = [_P, _I64, _I64, _P]
+    lib.panel_linear_bf16.restype = ctypes.c_int
+    lib.panel_linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
     return lib
 
 
@@ -350,36 +356,42 @@ def paged_attention(
 MOE_MAX_TOP_K = 64  # experts per token the experts kernel takes (MOE_MAX_TOP_K in the C source)
 
 
-PANEL = 16  # weight rows per panel (PANEL in csrc/panel_linear.c)
+# Weight rows per panel (PANEL, BF16_PANEL in csrc/panel_linear.c) and the library's
+# functions, per dtype: (pack, multiply, whether the build has the kernel).
+PANEL = {torch.float32: 16, torch.bfloat16: 32}
+_PANEL_FNS = {
+    torch.float32: ("pack_panels_f32", "panel_linear_f32", "panel_linear_isa"),
+    torch.bfloat16: ("pack_panels_bf16", "panel_linear_bf16", "panel_linear_bf16_isa"),
+}
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float32 weight [N, K] laid out for `panel_linear` (16-row panels), or None where the
-    kernel does not run (no C compiler, or a build without AVX2 + FMA)."""
+    """A weight [N, K] laid out for `panel_linear`: float32 in 16-row panels, bf16 in 32-row
+    panels by k pairs (K even). None where the kernel does not run: no C compiler, or a build
+    without AVX2 + FMA (float32) or AVX-512 BF16 (bf16)."""
     lib = load()
-    if (
-        lib is None
-        or not lib.panel_linear_isa()
-        or weight.dtype != torch.float32
-        or weight.device.type != "cpu"
-    ):
+    if lib is None or weight.dtype not in PANEL or weight.device.type != "cpu":
         return None
+    pack, _, isa = _PANEL_FNS[weight.dtype]
     n, k = weight.shape
-    panels = torch.empty((n + PANEL - 1) // PANEL * PANEL * k)
-    lib.pack_panels_f32(weight.detach().contiguous().data_ptr(), n, k, panels.data_ptr())
+    if not getattr(lib, isa)() or (weight.dtype == torch.bfloat16 and k % 2):
+        return None
+    rows = PANEL[weight.dtype]
+    panels = torch.empty((n + rows - 1) // rows * rows * k, dtype=weight.dtype)
+    getattr(lib, pack)(weight.detach().contiguous().data_ptr(), n, k, panels.data_ptr())
     return panels
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 (rows may be strided) times the weight laid out by `pack_panels`: [M, n]."""
+    """x [M, K] (rows may be strided; the panels' dtype) times the weight laid out by
+    `pack_panels`: [M, n]. A bias is float32."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    y = torch.empty(m, n)
+    y = torch.empty(m, n, dtype=panels.dtype)
     bias_ptr = None if bias is None else bias.data_ptr()
-    rc = load().panel_linear_f32(  # type: ignore[union-attr]
-        x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), n, bias_ptr, y.data_ptr(), torch.get_num_threads()
-    )
+    multiply = getattr(load(), _PANEL_FNS[panels.dtype][1])
+    rc = multiply(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), n, bias_ptr, y.data_ptr(), torch.get_num_threads())
     assert rc == 0
     return y
 

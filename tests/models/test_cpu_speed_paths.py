@@ -17,7 +17,7 @@ from service.config import ServerArgs, cpu_has_native_bf16, resolve_dtype
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
-from service.models import cpu_kernels, ops
+from service.models import cpu_kernels, linear, ops
 from service.models.attention import (
     KERNEL_MAX_EXTEND,
     KERNEL_MAX_EXTEND_AVX2,
@@ -335,20 +335,58 @@ def test_panel_linear_matches_to_rounding_and_a_row_does_not_depend_on_its_batch
     )
 
 
-def test_float32_linears_take_panels_on_avx2_cpus_and_onednn_elsewhere():
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(64, 32), (37, 18), (200, 576)])
+def test_bf16_panel_linear_is_one_step_from_onednn_and_a_row_does_not_depend_on_its_batch(n, k):
+    """The bf16 panel kernel (AVX-512 BF16): F.linear's results, each element the same or one bf16
+    step apart (float32 sums in another order), for any N (not a multiple of its 32-row panels)
+    and row count (not of its 8-row tiles nor its 48-row blocks); a row's results are the same
+    bits alone and in any batch, wherever in it."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    panels = cpu_kernels.pack_panels(w)
+    if panels is None:
+        assert not cpu_features().avx512_bf16
+        pytest.skip("the bf16 panel kernel needs AVX-512 BF16")
+    assert cpu_kernels.pack_panels(torch.randn(8, 5).to(torch.bfloat16)) is None  # k pairs: K even
+    x = torch.randn(101, k, generator=g).to(torch.bfloat16)
+    for bias in (b, None):
+        fbias = None if bias is None else bias.float()
+        got = cpu_kernels.panel_linear(x, panels, n, fbias)
+        want = F.linear(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        step = linear.BF16_ULP * want.float().abs() + 1e-5 * want.float().abs().max()
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert (got == want).float().mean() > 0.99
+        for r in (0, 5, 8, 47, 48, 100):
+            assert torch.equal(cpu_kernels.panel_linear(x[r : r + 1], panels, n, fbias)[0], got[r])
+        assert torch.equal(cpu_kernels.panel_linear(x[3:60], panels, n, fbias), got[3:60])
+    strided = torch.randn(5, k + 6, generator=g).to(torch.bfloat16)[:, :k]
+    assert torch.equal(
+        cpu_kernels.panel_linear(strided, panels, n, None),
+        cpu_kernels.panel_linear(strided.contiguous(), panels, n, None),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_take_panels_where_they_pay_and_onednn_elsewhere(dtype):
+    """Panels for float32 on AVX2 CPUs without AVX-512, for bf16 on AVX-512 BF16 CPUs without AMX
+    (measured ahead of oneDNN there); elsewhere oneDNN's packing or the plain layer."""
     g = torch.Generator().manual_seed(6)
-    w, b = torch.randn(48, 32, generator=g), torch.randn(48, generator=g)
+    w, b = torch.randn(48, 32, generator=g).to(dtype), torch.randn(48, generator=g).to(dtype)
     twin = fast_twin(w, b)
     cpu = cpu_features()
-    if not cpu_kernels.available() or not cpu.avx2 or cpu.avx512:
-        assert not isinstance(twin, PanelLinear)  # measured ahead on AVX2 CPUs only: oneDNN elsewhere
+    pays = cpu.avx2 and not cpu.avx512 if dtype == torch.float32 else cpu.avx512_bf16 and not cpu.amx_bf16
+    assert linear.panels_pay(w) == pays
+    if not cpu_kernels.available() or not pays:
+        assert not isinstance(twin, PanelLinear)
         return
     assert isinstance(twin, PanelLinear)
     for shape in ((2, 3, 32), (1, 32), (300, 32)):  # any leading shape, any row count
-        x = torch.randn(*shape, generator=g)
+        x = torch.randn(*shape, generator=g).to(dtype)
         want = cpu_kernels.panel_linear(x.reshape(-1, 32), twin.panels, 48, twin.bias)
         assert torch.equal(twin(x), want.view(*shape[:-1], 48))
-    assert not isinstance(fast_twin(w.to(torch.bfloat16)), PanelLinear)  # float32 only
 
 
 @pytest.mark.parametrize("use_kernel", [False, True])
