@@ -81,7 +81,9 @@ def main() -> None:
                 continue
             tb = min(b)
             gbs = params * weights[0].element_size() / tb / 1e9
-            print(f"{m:5d} {ta * 1e3:10.1f} {tb * 1e3:10.1f} {ta / tb:5.2f}x {gbs:12.1f} {2 * m * params / tb / 1e9:8.0f}")
+            print(
+                f"{m:5d} {ta * 1e3:10.1f} {tb * 1e3:10.1f} {ta / tb:5.2f}x {gbs:12.1f} {2 * m * params / tb / 1e9:8.0f}"
+            )
 
 
 if __name__ == "__main__":

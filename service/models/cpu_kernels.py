@@ -391,7 +391,9 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     y = torch.empty(m, n, dtype=panels.dtype)
     bias_ptr = None if bias is None else bias.data_ptr()
     multiply = getattr(load(), _PANEL_FNS[panels.dtype][1])
-    rc = multiply(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), n, bias_ptr, y.data_ptr(), torch.get_num_threads())
+    rc = multiply(
+        x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), n, bias_ptr, y.data_ptr(), torch.get_num_threads()
+    )
     assert rc == 0
     return y
 
