@@ -201,9 +201,9 @@ class PagedAttention:
         window: int | None,
         new_loc: torch.Tensor | None = None,  # [m] int64: where this step's K/V rows go
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma-2)
-        team: int
-        | None = None,  # the engine's full team size (default: this thread's); the bf16 row items need
-        # 4 query rows per thread of it (a fixed choice: the results do not change when the team shrinks)
+        team: int | None = None,  # the engine's full team size (default: this thread's); the row items need 4
+        # query rows per thread of it, any row on a one-thread team (a fixed choice: the results do
+        # not change when the team shrinks; row and (row, kv head) items give the same bits anyway)
     ):
         assert load() is not None
         self._keep = (table, req_of, pos_of, new_loc)  # the pointers below stay valid while this lives
@@ -214,7 +214,10 @@ class PagedAttention:
         self._softcap = softcap or 0.0
         self._new_loc = new_loc.data_ptr() if self.m else None
         self._threads = torch.get_num_threads()
-        self._row_min = 4 * (team or self._threads)
+        team = team or self._threads
+        # One thread: a row item (a token's K/V rows of all heads read at once) is faster at any row
+        # count (3 decode rows of 1,000 keys, bf16, Zen 4: 13.1 -> 11.1 ms per step).
+        self._row_min = 4 * team if team > 1 else 1
 
     def __call__(
         self,

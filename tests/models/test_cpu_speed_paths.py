@@ -98,6 +98,25 @@ def test_paged_attention_kernel_matches_reference(dtype, window, hq, hkv, d, few
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_rows_have_the_same_bits_on_a_team_of_one_and_of_two(dtype):
+    """Three decode rows: (row, kv head) items on a team of two (fewer than 4 rows per thread), one
+    item per row, all heads, on a team of one (faster there at any row count). Same bits."""
+    g = torch.Generator().manual_seed(11)
+    pool, hq, hkv, d = 900, 9, 3, 64
+    k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    table = (torch.randperm(pool - 1, generator=g) + 1)[: 3 * 280].view(3, 280)
+    req_of, pos_of = torch.arange(3), torch.tensor([279, 100, 7])
+    q = torch.randn(3, hq, d, generator=g).to(dtype)
+    outs = []
+    for team in (2, 1):
+        kernel = cpu_kernels.PagedAttention(table, req_of, pos_of, None, team=team)
+        outs.append(kernel(q, k_cache, v_cache, 0.125))
+    assert torch.equal(outs[0], outs[1])
+
+
 needs_extend_kernel = pytest.mark.skipif(
     not cpu_kernels.extend_isa(),
     reason="needs cc and a CPU with AVX2 + FMA (the extend kernel's vector paths)",
