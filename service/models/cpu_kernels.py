@@ -216,7 +216,7 @@ class PagedAttention:
         self._threads = torch.get_num_threads()
         team = team or self._threads
         # One thread: a row item (a token's K/V rows of all heads read at once) is faster at any row
-        # count (3 decode rows of 1,000 keys, bf16, Zen 4: 13.1 -> 11.1 ms per step).
+        # count (3 decode rows of 1,000 keys, bf16, Zen 4: 12.3-13.4 -> 10.7-10.9 ms per step).
         self._row_min = 4 * team if team > 1 else 1
 
     def __call__(

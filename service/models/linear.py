@@ -17,8 +17,8 @@ AVX-512 BF16 on every call. oneDNN can lay a weight out once at load time
   even from 64 on, and each output summed over k in one order, so a row's results do not depend
   on its batch (oneDNN's do, by rounding). The panels are the only copy of the weight.
 - bf16 on CPUs with AVX-512 BF16 but no AMX (an AMD Zen 4): the same panels in bf16
-  (`vdpbf16ps`), every row count: 1.7-2.2x oneDNN's speed at 1-8 rows on one core, 1.1-1.3x at
-  16-32, even from 64 on. Their float32 sums may round differently from oneDNN's in the last bit
+  (`vdpbf16ps`), every row count: 1.8-1.9x oneDNN's speed at 1-3 rows on one core, 1.5x at 8,
+  1.1x at 16-32, even from 64 on (two threads: 1.2-1.5x up to 32 rows). Their float32 sums may round differently from oneDNN's in the last bit
   of the bf16 result (a few elements in 10^5), so they are kept only where they agree with
   `F.linear` to that. With AMX, oneDNN's kernels stay (far ahead from 16 rows on).
 """

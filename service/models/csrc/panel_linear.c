@@ -118,8 +118,8 @@ int panel_linear_f32(const float *x, int64_t ldx, int64_t m, int64_t k, const fl
  * pair one broadcast of x per row; the panel is prefetched BF16_PREFETCH bytes ahead (the weights
  * stream from memory at decode sizes). Every output is the k pairs' products summed in order in
  * float32, plus its bias, rounded once to bf16 (to nearest even, as oneDNN): a row's results do
- * not depend on its batch. At 1-8 rows on one Zen 4 core this streams the weights 1.7-2.2x faster
- * than oneDNN's packed kernels, 1.1-1.3x at 16-32 rows, even from 64 on (docs/benchmarks.md). */
+ * not depend on its batch. At 1-3 rows on one Zen 4 core this streams the weights 1.8-1.9x faster
+ * than oneDNN's packed kernels, 1.5x at 8 rows, 1.1x at 16-32, even from 64 on (docs/benchmarks.md). */
 #define BF16_PANEL 32
 #define BF16_ROWS 8
 #define BF16_BLOCK 48
