@@ -45,6 +45,13 @@ KERNEL_MAX_EXTEND = 64
 KERNEL_MAX_EXTEND_AVX2 = 7
 KERNEL_MAX_EXTEND_BF16 = 31
 KERNEL_MAX_EXTEND_BF16_ONE_THREAD = 15  # a one-CPU replica: 1.27-1.30x at 16 rows, even at 8
+# With AMX (a Sapphire Rapids Xeon) the extend kernel overtakes the paged kernel sooner, and ATen's
+# flash kernel, whose bf16 matmuls run on AMX tiles, overtakes the extend kernel from ~80 rows
+# (a 256-row chunk over 1,024 keys, one SmolLM2 layer: paged 9.7, extend 4.3, flash 2.4 ms at two
+# threads; 16 rows: 0.57, 0.35, 0.60 ms) (docs/benchmarks.md, "AMX: ...").
+KERNEL_MAX_EXTEND_AMX = 11
+KERNEL_MAX_EXTEND_AMX_ONE_THREAD = 5
+FLASH_MIN_EXTEND_AMX = 80
 
 
 def kernel_max_extend(dtype: torch.dtype | None = None, team: int | None = None) -> int:
@@ -55,8 +62,18 @@ def kernel_max_extend(dtype: torch.dtype | None = None, team: int | None = None)
         return KERNEL_MAX_EXTEND_AVX2
     if isa == 32 and dtype == torch.bfloat16:
         one = (team or torch.get_num_threads()) == 1
+        if cpu_features().onednn_amx_bf16:
+            return KERNEL_MAX_EXTEND_AMX_ONE_THREAD if one else KERNEL_MAX_EXTEND_AMX
         return KERNEL_MAX_EXTEND_BF16_ONE_THREAD if one else KERNEL_MAX_EXTEND_BF16
     return KERNEL_MAX_EXTEND
+
+
+def flash_min_extend(dtype: torch.dtype | None) -> int | None:
+    """The fewest rows of one request's extend that go to ATen's flash kernel rather than the
+    extend kernel: bf16 where oneDNN runs it on AMX; None (never) elsewhere."""
+    if dtype == torch.bfloat16 and cpu_features().onednn_amx_bf16:
+        return FLASH_MIN_EXTEND_AMX
+    return None
 
 
 @dataclass
@@ -75,6 +92,7 @@ class AttentionMeta:
     short_q: torch.Tensor | None = None
     short_kernel: cpu_kernels.PagedAttention | None = None
     extend_kernel: cpu_kernels.ExtendAttention | None = None  # the long rows, where the kernel is built
+    flash_rows: list[int] = field(default_factory=list)  # requests too long for it here: flash SDPA
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # extend_mask's, per forward
 
     @cached_property
@@ -117,6 +135,11 @@ class TorchAttention:
         """The most rows of a request's extend the paged kernel takes here (fixed: found once)."""
         return kernel_max_extend(self.dtype, self.team) if self.use_kernel else KERNEL_MAX_EXTEND
 
+    @cached_property
+    def flash_min_extend(self) -> int | None:
+        """The fewest rows of a request's extend that flash SDPA takes rather than the extend kernel."""
+        return flash_min_extend(self.dtype) if self.use_kernel else None
+
     def prepare(
         self,
         fb: ForwardBatch,
@@ -155,12 +178,17 @@ class TorchAttention:
             and cpu_kernels.available()
         ):
             if cpu_kernels.extend_isa():
-                long = [
-                    (r, start, n, length)
-                    for r, (length, n, start) in enumerate(meta.extend_rows)
-                    if n > short_max
-                ]
-                meta.extend_kernel = cpu_kernels.ExtendAttention(fb.kv_indices, long, sliding_window, softcap)
+                flash_min = self.flash_min_extend if softcap is None else None  # SDPA cannot cap
+                long = []
+                for r, (length, n, start) in enumerate(meta.extend_rows):
+                    if flash_min is not None and n >= flash_min:
+                        meta.flash_rows.append(r)
+                    elif n > short_max:
+                        long.append((r, start, n, length))
+                if long:
+                    meta.extend_kernel = cpu_kernels.ExtendAttention(
+                        fb.kv_indices, long, sliding_window, softcap
+                    )
             if softcap is None or meta.extend_kernel is not None:
                 self._split_short_rows(meta, self.team)
         return meta
@@ -203,6 +231,7 @@ class TorchAttention:
             v_cache[fb.out_cache_loc] = v
             out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
             meta.extend_kernel(q, k_cache, v_cache, scale, out)
+            self._sdpa_rows(q, k_cache, v_cache, meta, scale, out, meta.flash_rows)
             self._short_rows(q, k_cache, v_cache, meta, scale, out)
             return out
         if meta.softcap is not None:  # SDPA does not cap scores
@@ -241,13 +270,22 @@ class TorchAttention:
     ) -> torch.Tensor:
         """One SDPA per request over its own rows: the cost of a prefill is that of its tokens.
         long_only: rows the kernel takes (short ones) are left for it."""
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        skip_short = long_only and cpu_kernels.has_kernel(q.dtype, q.shape[-1])
+        rows = [r for r, (_, n, _) in enumerate(meta.extend_rows) if not (skip_short and n <= meta.short_max)]
+        TorchAttention._sdpa_rows(q, k_cache, v_cache, meta, scale, out, rows)
+        return out
+
+    @staticmethod
+    def _sdpa_rows(
+        q, k_cache, v_cache, meta: AttentionMeta, scale: float, out: torch.Tensor, reqs: list[int]
+    ) -> None:
+        """Requests reqs' extends, one SDPA each over the request's own rows, into out."""
         fb = meta.fb
         hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
         group = hq // hkv
-        out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
-        for r, (length, n, start) in enumerate(meta.extend_rows):
-            if long_only and n <= meta.short_max and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
-                continue
+        for r in reqs:
+            length, n, start = meta.extend_rows[r]
             rows = fb.kv_indices[r, :length]
             kr = k_cache.index_select(0, rows).transpose(0, 1)  # [Hkv, L, D]
             vr = v_cache.index_select(0, rows).transpose(0, 1)
@@ -260,7 +298,6 @@ class TorchAttention:
             else:
                 o = sdpa(qr, kr, vr, scale, additive_mask=meta.extend_mask(r, q.device))
             out[start : start + n] = o.transpose(0, 1).reshape(n, hq * d)
-        return out
 
 
 def sdpa(

@@ -19,11 +19,15 @@ from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.models import cpu_kernels, linear, ops
 from service.models.attention import (
+    FLASH_MIN_EXTEND_AMX,
     KERNEL_MAX_EXTEND,
+    KERNEL_MAX_EXTEND_AMX,
+    KERNEL_MAX_EXTEND_AMX_ONE_THREAD,
     KERNEL_MAX_EXTEND_AVX2,
     KERNEL_MAX_EXTEND_BF16,
     KERNEL_MAX_EXTEND_BF16_ONE_THREAD,
     TorchAttention,
+    flash_min_extend,
     kernel_max_extend,
     sdpa,
 )
@@ -445,10 +449,14 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
         avx2 = cpu_kernels.extend_isa() == 8
         assert kernel_max_extend() == (KERNEL_MAX_EXTEND_AVX2 if avx2 else KERNEL_MAX_EXTEND)
         isa = cpu_kernels.extend_isa()
-        bf16_max = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_BF16}.get(isa, 64)
-        assert kernel_max_extend(torch.bfloat16, team=2) == bf16_max
-        one = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_BF16_ONE_THREAD}.get(isa, 64)
-        assert kernel_max_extend(torch.bfloat16, team=1) == one
+        amx = cpu_features().onednn_amx_bf16
+        bf16_max = {8: KERNEL_MAX_EXTEND_AVX2, 32: KERNEL_MAX_EXTEND_AMX if amx else KERNEL_MAX_EXTEND_BF16}
+        assert kernel_max_extend(torch.bfloat16, team=2) == bf16_max.get(isa, 64)
+        one = {
+            8: KERNEL_MAX_EXTEND_AVX2,
+            32: KERNEL_MAX_EXTEND_AMX_ONE_THREAD if amx else KERNEL_MAX_EXTEND_BF16_ONE_THREAD,
+        }
+        assert kernel_max_extend(torch.bfloat16, team=1) == one.get(isa, 64)
         long = [(1, 1, 120, 120)] + ([(3, 122, 20, 20)] if avx2 else [])
         assert meta.extend_kernel is not None and meta.extend_kernel.rows == long
         short = [0, 121] + ([] if avx2 else list(range(122, 142))) + [142]
@@ -463,6 +471,57 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
         )
         torch.testing.assert_close(out[row : row + n], ref.transpose(0, 1).reshape(n, -1))
         row += n
+
+
+@needs_kernels
+@pytest.mark.parametrize("team", [2, 1])
+def test_bf16_extends_split_between_paged_extend_and_flash_paths_by_length(team):
+    """bf16: a batch's requests go to the paged kernel (few new rows), the extend kernel (more) and,
+    with AMX, ATen's flash kernel (long chunks, from FLASH_MIN_EXTEND_AMX rows on: its matmuls run
+    on AMX tiles); whichever path takes a request, its rows equal float32 attention over its rows."""
+    lens, news = [300, 260, 500, 700, 90], [1, 8, 40, 200, 90]
+    q, k_cache, v_cache, table, rows = _extend_case(torch.bfloat16, 9, 3, 64, lens, news, seed=3)
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(sum(news), dtype=torch.int64),
+        positions=torch.cat([torch.arange(length - n, length) for length, n in zip(lens, news)]),
+        out_cache_loc=torch.cat(
+            [table[r, length - n : length] for r, (length, n) in enumerate(zip(lens, news))]
+        ),
+        kv_indices=table,
+        q_positions=torch.zeros(1),
+        logits_index=torch.zeros(1),
+        sampling=None,  # type: ignore[arg-type]
+        seq_lens=torch.tensor(lens),
+        extend_lens=news,
+        extend_prefix_lens=torch.tensor([length - n for length, n in zip(lens, news)]),
+        extend_prefix_lens_cpu=[length - n for length, n in zip(lens, news)],
+    )
+    backend = TorchAttention(use_kernel=True, team=team, dtype=torch.bfloat16)
+    meta = backend.prepare(fb, 9, 3, None)
+    amx = cpu_features().onednn_amx_bf16
+    assert flash_min_extend(torch.bfloat16) == (FLASH_MIN_EXTEND_AMX if amx else None)
+    assert flash_min_extend(torch.float32) is None
+    if cpu_kernels.extend_isa():
+        short_max = kernel_max_extend(torch.bfloat16, team)
+        flash = [r for r, n in enumerate(news) if amx and n >= FLASH_MIN_EXTEND_AMX]
+        assert meta.flash_rows == flash and (not amx or flash == [3, 4])
+        kernel_rows = [r for r, n in enumerate(news) if n > short_max and r not in flash]
+        if kernel_rows:
+            assert [r for r, *_ in meta.extend_kernel.rows] == kernel_rows
+        else:
+            assert meta.extend_kernel is None
+        assert meta.short_q is not None
+    k, v = k_cache[fb.out_cache_loc], v_cache[fb.out_cache_loc]
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125).view(q.shape)
+    for r, start, n, length in rows:
+        kr = k_cache[table[r, :length]].float().transpose(0, 1).repeat_interleave(3, 0)
+        vr = v_cache[table[r, :length]].float().transpose(0, 1).repeat_interleave(3, 0)
+        mask = torch.arange(length).view(1, -1) <= torch.arange(length - n, length).view(-1, 1)
+        ref = F.scaled_dot_product_attention(
+            q[start : start + n].float().transpose(0, 1), kr, vr, attn_mask=mask, scale=0.125
+        )
+        torch.testing.assert_close(out[start : start + n].float(), ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
 
 
 def test_loop_auto_is_the_measured_faster_loop_per_device():
