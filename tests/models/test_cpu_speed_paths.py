@@ -275,12 +275,14 @@ def test_grammar_mask_kernel_matches_xgrammar(dtype, vocab):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_layer_ops_match_eager(dtype):
     g = torch.Generator().manual_seed(2)
-    h, delta, w = (torch.randn(n, 96, generator=g).to(dtype) for n in (11, 11, 1))
-    w = w[0]
-    fused_h, fused_x = cpu_kernels.rms_norm(h, w, 1e-5, delta)
-    assert torch.equal(fused_h, h + delta)
     tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused_x, ops.rms_norm_eager(h + delta, w, 1e-5), **tol)
+    for width in (96, 100, 7):  # 16-lane vectors only, vectors and a tail, a tail only
+        h, delta, w = (torch.randn(n, width, generator=g).to(dtype) for n in (11, 11, 1))
+        w = w[0]
+        fused_h, fused_x = cpu_kernels.rms_norm(h, w, 1e-5, delta)
+        assert torch.equal(fused_h, h + delta)
+        torch.testing.assert_close(fused_x, ops.rms_norm_eager(h + delta, w, 1e-5), **tol)
+        torch.testing.assert_close(cpu_kernels.rms_norm(h, w, 1e-5)[1], ops.rms_norm_eager(h, w, 1e-5), **tol)
 
     hq, hkv, d = 4, 2, 16
     qkv = torch.randn(11, (hq + 2 * hkv) * d, generator=g).to(dtype)
@@ -300,9 +302,11 @@ def test_fused_layer_ops_match_eager(dtype):
     want_k = ops.rms_norm_eager(k.reshape(11, hkv, d), kw, 1e-6).reshape(11, -1)
     torch.testing.assert_close(normed, torch.cat([want_q, want_k, v], -1), **tol)
 
-    gate_up = torch.randn(11, 2 * 40, generator=g).to(dtype) * 4
-    gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, **tol)
+    for inter in (40, 48, 5):
+        gate_up = torch.randn(11, 2 * inter, generator=g).to(dtype) * 4
+        gate_up[0, :3] = torch.tensor([100.0, -100.0, float("inf")])  # exp saturating, vanishing, infinite
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up, **tol, equal_nan=True)
 
 
 def test_packed_linear_is_bit_identical():

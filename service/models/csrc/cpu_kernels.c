@@ -561,11 +561,105 @@ DEFINE_ARGMAX(argmax_rows_f32, float, LOAD_F32)
         }                                                                                             \
     }
 
+#if defined(__AVX512F__)
+/* bf16 with AVX-512: the same math 16 lanes at a time, rounding as f32_to_bf16 does (to nearest
+ * even, NaN kept), so every element has the generic loop's bits; the sum of squares is summed in
+ * another order (as the generic loop's vectorised reduction is). The generic loops, compiled for
+ * bf16, ran at ~1.3 GB/s: 222 rows of a 576-wide norm took 104 us, of a 1,536-wide silu_mul 192 us. */
+
+/* v rounded to bf16, as 32-bit lanes holding the bf16 bits. */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i up = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(x, 16), one));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(x, up), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
+}
+
+/* LOAD(STORE(v)): v rounded to bf16, back in float32. */
+static inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+
+static inline void store_bf16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+
+/* exp_approx, 16 lanes: the scalar's operations in its order (no fused multiply-adds). */
+static inline __m512 exp_approx16(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(127.f));
+    const __m512 magic = _mm512_set1_ps(12582912.f);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+    const __m512 f = _mm512_sub_ps(t, n);
+    static const float coef[] = {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    for (int i = 0; i < 6; i++) p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(coef[i]));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    const __m512 big = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_MAX_ARG), _CMP_GT_OQ),
+                                          _mm512_set1_ps(INFINITY));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ), big);
+}
+
+void rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, float eps, int64_t rows,
+                   int64_t cols, uint16_t *h_out, uint16_t *normed, int nthreads) {
+    const int64_t vec = cols / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * cols;
+        uint16_t *hr = h_out + r * cols, *nr = normed + r * cols;
+        __m512 acc = _mm512_setzero_ps();
+        float ss = 0.f;
+        if (residual) {
+            const uint16_t *rr = residual + r * cols;
+            for (int64_t c = 0; c < vec; c += 16) {
+                const __m512 h = round_bf16(_mm512_add_ps(LOADV_BF16(xr + c), LOADV_BF16(rr + c)));
+                store_bf16(hr + c, h);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(h, h));
+            }
+            for (int64_t c = vec; c < cols; c++) hr[c] = f32_to_bf16(bf16_to_f32(xr[c]) + bf16_to_f32(rr[c]));
+            xr = hr;
+        } else {
+            for (int64_t c = 0; c < vec; c += 16) {
+                const __m512 v = LOADV_BF16(xr + c);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+            }
+        }
+        for (int64_t c = vec; c < cols; c++) { const float v = bf16_to_f32(xr[c]); ss += v * v; }
+        ss += _mm512_reduce_add_ps(acc);
+        const float inv = 1.f / sqrtf(ss / (float)cols + eps);
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (int64_t c = 0; c < vec; c += 16)
+            store_bf16(nr + c, _mm512_mul_ps(LOADV_BF16(w + c), round_bf16(_mm512_mul_ps(LOADV_BF16(xr + c), vinv))));
+        for (int64_t c = vec; c < cols; c++)
+            nr[c] = f32_to_bf16(bf16_to_f32(w[c]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[c]) * inv)));
+    }
+}
+
+void silu_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t inter, uint16_t *out, int nthreads) {
+    const int64_t vec = inter / 16 * 16;
+    const __m512 one = _mm512_set1_ps(1.f);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * 2 * inter, *u = g + inter;
+        uint16_t *o = out + r * inter;
+        for (int64_t c = 0; c < vec; c += 16) {
+            const __m512 x = LOADV_BF16(g + c);
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp_approx16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            store_bf16(o + c, _mm512_mul_ps(round_bf16(silu), LOADV_BF16(u + c)));
+        }
+        for (int64_t c = vec; c < inter; c++)
+            o[c] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[c])))) * bf16_to_f32(u[c]));
+    }
+}
+#else
 DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#endif
 DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, STORE_F32)
 DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROPE(rope_f32, float, LOAD_F32, STORE_F32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, STORE_F32)
 
 /* ---- grammar masks (constrained decoding) ----------------------------------------------------

@@ -1,6 +1,7 @@
 /* Scalar helpers both kernel files use: bf16 <-> float32 and a vectorizable exp. */
 #ifndef ZEROGAP_KERNEL_MATH_H
 #define ZEROGAP_KERNEL_MATH_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -21,7 +22,9 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* exp(x), vectorizable (no libm call): 2^(x log2 e) split into 2^n * 2^f,
  * f in [-0.5, 0.5], with a degree-6 polynomial (relative error ~2e-7, a few
- * float ulps). Below -87 it returns 0; above 88 it saturates at ~2^127. */
+ * float ulps). Below -87 it returns 0; above EXP_MAX_ARG infinity, as expf (between 88 and it
+ * ~2^127). */
+#define EXP_MAX_ARG 88.72283935546875f /* above it expf overflows to infinity (so silu(x) -> -0 below -EXP_MAX_ARG) */
 static inline float exp_approx(float x) {
     float t = x * 1.44269504088896341f;
     t = t < -126.f ? -126.f : (t > 127.f ? 127.f : t);
@@ -37,7 +40,7 @@ static inline float exp_approx(float x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return x < -87.f ? 0.f : p * scale;
+    return x < -87.f ? 0.f : (x > EXP_MAX_ARG ? INFINITY : p * scale);
 }
 
 /* silu(x) = x * sigmoid(x), with exp_approx. */
