@@ -104,8 +104,9 @@ class AdaptiveTeam:
     (by powers of two). On one thread, probes at the full size run every `probe_s` (doubling while
     they lose, up to `PROBE_MAX_S`) and soon when the decode batch grows into a size class not
     yet measured, so the full team comes back when the cores are free again. Prefill and mixed
-    steps are not compared (their time says nothing about a decode step's). Called on the thread
-    that runs the forwards (omp_set_num_threads is per thread).
+    steps are not compared (their time says nothing about a decode step's), and while a probe
+    runs they run on the team it would return to. Called on the thread that runs the forwards
+    (omp_set_num_threads is per thread).
     """
 
     PROBE_STEPS = 6
@@ -129,6 +130,7 @@ class AdaptiveTeam:
         self._recent: dict[int, float] = {}  # batch size class -> recent decode step time at this size
         self._probe: list[tuple[int, float]] = []  # (size class, step time) of the probe's decode steps
         self._probing_from: int | None = None  # the size a probe returns to if it loses
+        self._probe_size = self.full  # the size a probe's decode steps run at
         self._want_probe = False  # the share fell: probe one thread when next_probe comes
         self._new_class = False  # on one thread, a decode batch of a size class not measured: probe soon
         self._probe_s = self.PROBE_FIRST_S
@@ -136,9 +138,16 @@ class AdaptiveTeam:
         self.last_share: float | None = None
         self.changes = 0  # team size changes, probes included
 
-    def forward_started(self) -> None:
+    def forward_started(self, decode: bool) -> None:
+        """decode: this forward is a decode step (a probe starts at one, and times only them)."""
         now = self._clock()
-        if self.full > 1 and self._probing_from is None:
+        if self._probing_from is not None:
+            # Other forwards run on the team the probe returns to: a long prompt's chunks, or prompts
+            # that finish at their first token, once ran on the probe's one thread until a decode came.
+            want = self._probe_size if decode else self._probing_from
+            if self.size != want:
+                self._resize(want)
+        elif self.full > 1 and decode:
             due = now >= self._next_probe and (self._want_probe or (self.size == 1 and bool(self._recent)))
             if due or (self._new_class and now >= self._last_probe + self.NEW_CLASS_SPACING_S):
                 log.debug(
@@ -150,7 +159,8 @@ class AdaptiveTeam:
                 )
                 self._want_probe = self._new_class = False
                 self._probing_from = self.size
-                self._resize(self.full if self.size == 1 else 1)
+                self._probe_size = self.full if self.size == 1 else 1
+                self._resize(self._probe_size)
         self._t0, self._c0 = now, self._cpu_clock()
 
     def forward_ended(self, decode_batch: int | None) -> None:

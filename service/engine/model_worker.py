@@ -92,7 +92,7 @@ class ModelWorker:
         """
         start = time.perf_counter()
         if self.cpu_team is not None:
-            self.cpu_team.forward_started()
+            self.cpu_team.forward_started(decode=fb.mode is ForwardMode.DECODE)
         for feature, _ in fb.features:
             feature.before_forward(fb)
         if fb.new_slots is not None:
