@@ -416,6 +416,25 @@ def test_linears_take_panels_where_they_pay_and_onednn_elsewhere(dtype):
         assert torch.equal(twin(x), want.view(*shape[:-1], 48))
 
 
+def _extend_batch(table: torch.Tensor, lens: list[int], news: list[int]) -> ForwardBatch:
+    """An extend batch: request r holds lens[r] pool rows (table[r]), the last news[r] of them new."""
+    prefix = [length - n for length, n in zip(lens, news)]
+    return ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.zeros(sum(news), dtype=torch.int64),
+        positions=torch.cat([torch.arange(p, length) for p, length in zip(prefix, lens)]),
+        out_cache_loc=torch.cat([table[r, p:length] for r, (p, length) in enumerate(zip(prefix, lens))]),
+        kv_indices=table,
+        q_positions=torch.zeros(1),
+        logits_index=torch.zeros(1),
+        sampling=None,  # type: ignore[arg-type]
+        seq_lens=torch.tensor(lens),
+        extend_lens=news,
+        extend_prefix_lens=torch.tensor(prefix),
+        extend_prefix_lens_cpu=prefix,
+    )
+
+
 @pytest.mark.parametrize("use_kernel", [False, True])
 def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
     """A long prompt beside one-token prompts and a 20-token one runs per request (no padding to
@@ -433,19 +452,7 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
         start += n
     t = sum(lens)
     q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
-    fb = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=torch.zeros(t, dtype=torch.int64),
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        out_cache_loc=table[table > 0],
-        kv_indices=table,
-        q_positions=torch.zeros(1),
-        logits_index=torch.zeros(1),
-        sampling=None,  # type: ignore[arg-type]
-        seq_lens=torch.tensor(lens),
-        extend_lens=lens,
-        extend_prefix_lens=torch.zeros(len(lens), dtype=torch.int64),
-    )
+    fb = _extend_batch(table, lens, lens)
     backend = TorchAttention(use_kernel=use_kernel)
     meta = backend.prepare(fb, hq, hkv, None)
     assert [length for length, _, _ in meta.extend_rows] == lens  # per request, not a padded [bs, 120] block
@@ -485,22 +492,7 @@ def test_bf16_extends_split_between_paged_extend_and_flash_paths_by_length(team)
     on AMX tiles); whichever path takes a request, its rows equal float32 attention over its rows."""
     lens, news = [300, 260, 500, 700, 90], [1, 8, 40, 200, 90]
     q, k_cache, v_cache, table, rows = _extend_case(torch.bfloat16, 9, 3, 64, lens, news, seed=3)
-    fb = ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=torch.zeros(sum(news), dtype=torch.int64),
-        positions=torch.cat([torch.arange(length - n, length) for length, n in zip(lens, news)]),
-        out_cache_loc=torch.cat(
-            [table[r, length - n : length] for r, (length, n) in enumerate(zip(lens, news))]
-        ),
-        kv_indices=table,
-        q_positions=torch.zeros(1),
-        logits_index=torch.zeros(1),
-        sampling=None,  # type: ignore[arg-type]
-        seq_lens=torch.tensor(lens),
-        extend_lens=news,
-        extend_prefix_lens=torch.tensor([length - n for length, n in zip(lens, news)]),
-        extend_prefix_lens_cpu=[length - n for length, n in zip(lens, news)],
-    )
+    fb = _extend_batch(table, lens, news)
     backend = TorchAttention(use_kernel=True, team=team, dtype=torch.bfloat16)
     meta = backend.prepare(fb, 9, 3, None)
     amx = cpu_features().onednn_amx_bf16
