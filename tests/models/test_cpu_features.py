@@ -181,7 +181,20 @@ def test_cpu_paths_pass_with_extensions_forced_off(cap):
         pytest.skip("this is a capped pass itself")
     env = {**os.environ, **CAPS[cap]}  # the kernels' cache key holds their flags: a build of their own
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *CAPPED_PASS],
+        # without the suite's --durations listing, so the tail kept below holds a failure's traceback
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            "-o",
+            "addopts=",
+            "-rfE",
+            *CAPPED_PASS,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
