@@ -687,12 +687,14 @@ def main() -> int:
     errors: dict[str, str] = {}
 
     def part(name: str, fn):
-        """One part failing must not lose the others' figures."""
+        """One part failing must not lose the others' figures; nor must a run stopped by its time limit."""
         try:
             results[name] = fn()
         except Exception:
             errors[name] = traceback.format_exc()
             print(f"  {name} FAILED:\n{errors[name]}", flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(dict(results, errors=errors, partial=True), indent=1))
 
     if "kernels" not in skip:
         print("1. kernels vs SDPA (float32 math on the same inputs)", flush=True)
