@@ -18,6 +18,7 @@ of image requests replays (their images were spliced in at prefill).
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 
 import torch
@@ -69,21 +70,33 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up (compiles the kernels) and capture every bucket, largest first (one memory pool)."""
+        """Warm up (compiles the kernels) and capture every bucket, largest first (one memory pool).
+
+        A capture fails if a CUDA call that is illegal while capturing runs meanwhile: from another
+        thread (the grammar set-up, the gRPC server), or from a garbage collection on this one that
+        frees CUDA objects (an earlier engine's graphs: seen on the H200 as a failed capture and
+        eager decode). So the capture is thread-local, and the collector does not run during it."""
         torch.cuda.synchronize()  # weights, pools and static buffers were filled on the default stream
         stream = torch.cuda.Stream()
         pool = None
-        for bs in reversed(self.buckets):
-            fb = self.static_batch(bs)
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.model(fb, fb.input_ids, self.kv_pool, self.attention)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self.model(fb, fb.input_ids, self.kv_pool, self.attention)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for bs in reversed(self.buckets):
+                fb = self.static_batch(bs)
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.model(fb, fb.input_ids, self.kv_pool, self.attention)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    self.outputs[bs] = self.model(fb, fb.input_ids, self.kv_pool, self.attention)
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
 
     def can_run(self, fb: ForwardBatch) -> bool:

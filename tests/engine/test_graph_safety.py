@@ -133,3 +133,43 @@ def test_decode_through_the_graphs_static_buffers_matches_eager(tiny_llama_dir):
         finally:
             c.close()
     assert results[("overlap", True)] == results[("normal", False)]
+
+
+def test_capture_runs_thread_local_and_without_the_garbage_collector(monkeypatch):
+    """On the H200 a capture failed ("operation not permitted when stream is capturing") when a
+    collection during it freed an earlier engine's graphs; another thread's CUDA call would do the
+    same in the default (global) capture mode. The capture is thread-local and runs without the
+    collector, which is back on afterwards."""
+    import contextlib
+    import gc
+
+    seen: list[tuple[str, bool]] = []
+
+    class FakeGraph:
+        def pool(self):
+            return "pool"
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None, capture_error_mode="global"):
+        seen.append((capture_error_mode, gc.isenabled()))
+        yield
+
+    class FakeStream:
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+
+    def model(fb, input_ids, kv_pool, attention):
+        return torch.zeros(fb.batch_size, 4)
+
+    graphs = DecodeGraphs(model, None, None, torch.device("cpu"), max_bs=8, max_context=32)
+    assert gc.isenabled()
+    graphs.capture()
+    assert seen == [("thread_local", False)] * len(graphs.buckets)
+    assert gc.isenabled()
+    assert sorted(graphs.graphs) == graphs.buckets
