@@ -463,8 +463,11 @@ def first_difference(pairs: list[tuple[list[int], list[int]]]) -> dict | None:
     return None
 
 
-def measure(declared: str, c: dict[str, int], host_syncs: int | None, identical: bool) -> dict[str, Any]:
-    """One feature's verdict from its overlap run's counters (see the module's docstring)."""
+def measure(
+    declared: str, c: dict[str, int], host_syncs: int | None, identical: bool, identical_requests: str = ""
+) -> dict[str, Any]:
+    """One feature's verdict from its overlap run's counters (see the module's docstring);
+    `identical_requests`: "n/m" requests whose tokens are the same in both loops."""
     if c.get("fallback", 0) and declared == "none":
         got = "none"
     elif c.get("fallback", 0) or c.get("synced", 0) or host_syncs:
@@ -482,6 +485,7 @@ def measure(declared: str, c: dict[str, int], host_syncs: int | None, identical:
         synced=c.get("synced", 0) + (c.get("fallback", 0) if got == "sync point" else 0),
         host_syncs=host_syncs,
         identical_tokens=identical,
+        identical_requests=identical_requests,
         contradicts=contradicts,
     )
 
@@ -555,6 +559,7 @@ def check_features(
                 overlap["counters"].get(f, {}),
                 overlap["host_syncs"],
                 identical,
+                row["identical_requests"],
             )
             for f in w.features
         }

@@ -81,7 +81,9 @@ def measured_cell(v: dict[str, Any], together: dict[str, Any] | None = None) -> 
         parts.append(f"all together: {together['measured']}")
     text = ", ".join(parts)
     if not v.get("identical_tokens", True):
-        text = "**tokens differ between the loops**; " + text
+        same = v.get("identical_requests", "").split("/")
+        of = f" ({same[0]} of {same[1]} requests identical)" if len(same) == 2 else ""
+        text = f"**tokens differ between the loops**{of}; " + text
     if v.get("contradicts"):
         text = f"**contradicts {v['declared']!r}**: {text}"
     return text

@@ -98,6 +98,8 @@ def test_measured_cells_show_contradictions():
     assert measured_cell(synced).startswith("**contradicts 'full'**: sync point (3 of 12 batches waited)")
     differ = measured_cell(dict(full, identical_tokens=False, contradicts=True))
     assert "**tokens differ between the loops**" in differ
+    counted = measured_cell(dict(full, identical_tokens=False, identical_requests="41/72", contradicts=True))
+    assert "**tokens differ between the loops** (41 of 72 requests identical)" in counted
     assert "all together: sync point" in measured_cell(full, dict(synced))
     m = Measured.from_check(dict(features=dict(device="NVIDIA H200", verdicts={"logprobs": full})))
     table = matrix_table(m)
