@@ -44,6 +44,7 @@ class ServerArgs:
         None  # torch intra-op threads for the forward; None = one per CPU granted (affinity, cgroup quota)
     )
     adapt_cpu_team: bool = True  # shrink the forward's OpenMP team to one thread while the CPUs are contended
+    pace_launches: bool = True  # CPU, overlap loop: form the next batch shortly before the running step ends
     trace_file: str | None = None
     log_level: str = "info"  # debug | info | warning | error
     metrics_port: int | None = None  # Prometheus endpoint; None = off
@@ -232,6 +233,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=d.adapt_cpu_team,
         help="while other processes contend for the granted CPUs, run the forward on one thread (CPU)",
+    )
+    p.add_argument(
+        "--pace-launches",
+        action=argparse.BooleanOptionalAction,
+        default=d.pace_launches,
+        help="overlap loop on CPU: form the next batch shortly before the running step ends, so that "
+        "requests arriving meanwhile join it (else at once, a step later for them)",
     )
     p.add_argument(
         "--log-level",

@@ -124,6 +124,7 @@ class Engine:
             chunker=self._chunker(args),
             prefix_cache=self._prefix_cache(),
             admission=self._admission_policy(args),
+            pace_launches=args.pace_launches,
         )
         self._live: set[str] = set()
         self._live_lock = threading.Lock()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 
@@ -35,6 +36,8 @@ class LaunchedBatch:
         self.label = label
         self.placeholders: list[int] = FutureMap.placeholders(slots).tolist()
         self._done = threading.Event()
+        self.started: float | None = None  # perf_counter times on the forward thread (its step)
+        self.finished: float | None = None
         self._result: BatchResult | None = None
         self._error: BaseException | None = None
 
@@ -86,7 +89,9 @@ class OverlapWorker:
             if handle is None:
                 return
             try:
+                handle.started = time.perf_counter()
                 result = self.worker.step(handle.fb, handle.label, self.future_map, handle.slots_device)
+                handle.finished = time.perf_counter()
                 handle.set_result(result)
             except BaseException as e:  # the scheduler fails the batch's requests
                 handle.set_error(e)

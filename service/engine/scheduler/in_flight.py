@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from service.core.forward_batch import BatchResult
 from service.engine.overlap_worker import LaunchedBatch, OverlapWorker
 from service.engine.schedule_batch import ScheduleBatch
+from service.engine.scheduler.pacing import LaunchPacer
 
 log = logging.getLogger("zerogap.scheduler")
 
@@ -34,9 +35,15 @@ def run_after_launch(batch: ScheduleBatch) -> None:
 class InFlight:
     """Launched batches, oldest first; `process` is the scheduler's result processing."""
 
-    def __init__(self, worker: OverlapWorker | None, process: Callable[[ScheduleBatch, Outcome], None]):
+    def __init__(
+        self,
+        worker: OverlapWorker | None,
+        process: Callable[[ScheduleBatch, Outcome], None],
+        pacer: LaunchPacer | None = None,
+    ):
         self.worker = worker  # None in the normal loop: nothing is ever in flight
         self.process = process
+        self.pacer = pacer  # learns each finished step's duration (CPU)
         self.batches: deque[tuple[ScheduleBatch, LaunchedBatch]] = deque()
 
     def __len__(self) -> int:
@@ -56,12 +63,21 @@ class InFlight:
         else:
             run_after_launch(batch)  # runs while the forward computes
 
+    def form_next_at(self) -> float | None:
+        """When to form the next batch (perf_counter; None: now): the pacer's call while one
+        batch runs."""
+        if self.pacer is None or len(self.batches) != 1:
+            return None
+        return self.pacer.form_at(self.batches[0])
+
     def wait(self, item: tuple[ScheduleBatch, LaunchedBatch]) -> tuple[ScheduleBatch, Outcome]:
         batch, handle = item
         try:
             result: Outcome = handle.wait()
         except Exception as e:
             result = e
+        if self.pacer is not None:
+            self.pacer.observe_step(batch, handle)
         assert self.worker is not None
         self.worker.future_map.release(handle.slots)
         return batch, result

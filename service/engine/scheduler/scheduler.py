@@ -41,6 +41,7 @@ from service.engine.scheduler.cache import CacheManager, NullPrefixCache
 from service.engine.scheduler.decode import DecodeManager
 from service.engine.scheduler.in_flight import InFlight, Outcome, run_after_launch
 from service.engine.scheduler.output import OutputManager
+from service.engine.scheduler.pacing import LaunchPacer
 from service.engine.scheduler.prefill import PrefillLimits, PrefillManager
 from service.engine.scheduler.retraction import Retraction
 from service.engine.timeline import SCHEDULER_TID, Timeline
@@ -66,6 +67,7 @@ class Scheduler:
         chunker: PrefillChunker | None = None,
         prefix_cache: PrefixCacheManager | None = None,
         admission: AdmissionPolicy | None = None,
+        pace_launches: bool = True,
     ):
         self.worker, self.device, self.timeline, self.overlap, self.features = (
             worker,
@@ -90,7 +92,9 @@ class Scheduler:
         self.admission = admission or AdmissionPolicy(RetractionConfig(policy="reserve"))
         self.cache = CacheManager(self.prefix_cache, req_pool, kv_pool, features.max_cached_prefix)
         self.output = OutputManager(output_sink, features, self.cache, self.waiting, self.reqs)
-        self.in_flight = InFlight(self.overlap_worker, self.process_batch_result)
+        # CPU: the next batch is formed shortly before the running step ends (pacing.py).
+        self.pacer = LaunchPacer() if overlap and pace_launches and not self.device.is_cuda else None
+        self.in_flight = InFlight(self.overlap_worker, self.process_batch_result, self.pacer)
         self.retraction = Retraction(
             self.admission,
             self.running,
@@ -189,7 +193,8 @@ class Scheduler:
         """Launch batch N, then process batch N-1's result while N computes."""
         batch = None
         while not self._stop:
-            self.process_input_requests(self.recv_requests(block=batch is None and not self.in_flight))
+            idle = batch is None and not self.in_flight
+            self.process_input_requests(self.recv_requests(block=idle, until=self.in_flight.form_next_at()))
             batch = self.get_next_batch_to_run()
             if batch and batch.support is not OverlapSupport.FULL:
                 self.run_batch_fallback(batch)
@@ -212,13 +217,16 @@ class Scheduler:
             self.in_flight.process_newest()
 
     # ---- loop steps ----------------------------------------------------------------
-    def recv_requests(self, block: bool) -> list[tuple[str, object]]:
-        """New commands; when nothing could be scheduled, wait briefly for one instead of spinning."""
+    def recv_requests(self, block: bool, until: float | None = None) -> list[tuple[str, object]]:
+        """New commands; when nothing could be scheduled, wait briefly for one instead of spinning;
+        with `until` (a perf_counter time), wait for one until then."""
         cmds = []
         if block:
             self.timeline.mark_idle()
+        timeout = (0.05 if not self.waiting else 0.01) if block else (until or 0.0) - time.perf_counter()
+        if timeout > 0:
             try:
-                cmds.append(self.inbox.get(timeout=0.05 if not self.waiting else 0.01))
+                cmds.append(self.inbox.get(timeout=timeout))
             except queue.Empty:
                 return cmds
         while True:
@@ -255,9 +263,10 @@ class Scheduler:
             batch.support = support_of(batch.plan)
             for feature, rows in batch.plan:
                 feature.on_batch_formed(batch, rows)
-            self.timeline.add(
-                SCHEDULER_TID, f"form {batch.mode.value}", start, time.perf_counter(), {"bs": len(batch.reqs)}
-            )
+            end = time.perf_counter()
+            self.timeline.add(SCHEDULER_TID, f"form {batch.mode.value}", start, end, {"bs": len(batch.reqs)})
+            if self.pacer is not None:
+                self.pacer.observe_form(end - start)
         return batch
 
     def run_batch(self, batch: ScheduleBatch) -> Outcome:
