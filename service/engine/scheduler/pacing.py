@@ -37,7 +37,7 @@ class LaunchPacer:
     def observe_step(self, batch: ScheduleBatch, handle: LaunchedBatch) -> None:
         """A finished step's duration on the forward thread, for the next steps of its shape."""
         if handle.started is not None and handle.finished is not None:
-            if len(self.last_s) >= 512:
+            if len(self.last_s) >= 64:  # predict() scans them once per step: keep the recent shapes
                 self.last_s.clear()
             self.last_s[step_shape(batch)] = handle.finished - handle.started
 
