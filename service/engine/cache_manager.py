@@ -85,6 +85,10 @@ class PrefixCacheManager:
             len(o.prompt_ids) >= want and cache_key(o)[:want] == head for o in self.prefilling.values()
         )
 
+    def cached_len(self, req: Req, limit: int) -> int:
+        """How many of the tokens `admit` would match are cached now (no split, no lock, no LRU touch)."""
+        return self.tree.match_len((cache_key(req) + req.output_ids)[: max(limit, 0)])
+
     def admit(self, req: Req, limit: int, room: int, cost: int | None = None) -> int | None:
         """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
         own rows fit in `room` (pool rows not reserved by running requests). Returns the matched

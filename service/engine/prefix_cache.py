@@ -86,6 +86,8 @@ CacheObserver = Callable[[CacheEvent], None]
 
 def _common_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a whole edge matches), compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

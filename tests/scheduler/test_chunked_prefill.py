@@ -256,6 +256,34 @@ def test_short_prompt_overtakes_a_long_one_part_way(loop, tiny_llama_dir):
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_next_turn_with_a_cached_history_overtakes_a_long_prompt_part_way(loop, tiny_llama_dir):
+    """A conversation's next turn is a long prompt, but most of it is cached: what it computes is
+    short, so it overtakes a long prompt that is cut into chunks, like any short prompt (judged by
+    its whole length it waited for the long prompt's last chunk)."""
+    sp_long = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    sp_turn = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    history, long_p = prompt(17, 60), prompt(18, 400)
+    turn = history + prompt(19, 2)
+    ref, _ = run(tiny_llama_dir, [long_p, turn], [sp_long, sp_turn], [{}, {}])
+    c = client(tiny_llama_dir, chunked_prefill_size=4, enable_mixed_chunk=True, loop=loop)
+    try:
+        sched = c.engine.scheduler
+        c.generate([history], [sp_turn], [{}])  # the earlier turns: now in the prefix cache
+        c.submit("long", long_p, sp_long)
+        assert wait_until(lambda: sched.chunker.stats.chunks > 20, 60)
+        c.submit("turn", turn, sp_turn)
+        ids, _, last = collect(c.wait("turn"))
+        assert last.cached_tokens >= len(history) - 1  # a hit, not a recomputation
+        assert c._outputs.get("long", []) == []  # no token of the long one yet: it was overtaken
+        assert sched.chunker.holding == 1
+        long = collect(c.wait("long"))
+        assert_pools_initial(c)
+    finally:
+        c.close()
+    assert long[0] == ref[0][0] and ids == ref[1][0]
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_mixed_batches_have_no_host_sync(loop, tiny_llama_dir):
     """Chunk and decode rows in one batch, placeholders included: no host read of device values."""
     found: list[str] = []

@@ -33,6 +33,9 @@ class NullPrefixCache:
     def should_wait(self, req: Req, limit: int) -> bool:
         return False
 
+    def cached_len(self, req: Req, limit: int) -> int:
+        return 0
+
     def admit(self, req: Req, limit: int, room: int, cost: int | None = None) -> int | None:
         return None if cost is not None and cost > room else 0
 
@@ -82,6 +85,11 @@ class CacheManager:
     def limit(self, req: Req) -> int:
         """The most prompt tokens the request may take from the cache (its features may cap it)."""
         return self.prefix.match_limit(req, self.feature_limit(req))
+
+    def to_compute(self, req: Req) -> int:
+        """The tokens the request's prefill computes if it is admitted now: its prompt (and a retracted
+        request's kept tokens) past the prefix the cache holds for it."""
+        return len(req.prefill_ids) - self.prefix.cached_len(req, self.limit(req))
 
     def should_wait(self, req: Req) -> bool:
         """A running request's prefill will cache much of its prompt: admit it next step."""

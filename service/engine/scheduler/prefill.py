@@ -26,7 +26,7 @@ from service.engine.scheduler.retraction import Retraction
 @dataclass
 class PrefillLimits:
     max_running: int  # requests with a slot, at most
-    max_prefill_tokens: int  # prompt tokens per unchunked prefill batch (one request may exceed it)
+    max_prefill_tokens: int  # prompt tokens computed per unchunked prefill batch (one request may exceed it)
     max_skip_ahead: int = 32  # requests admitted past one that waits for KV, at most
 
 
@@ -74,7 +74,8 @@ class PrefillManager:
             else 0
         )
         for req in self._order(step):
-            if step is not None and step.pending is not None and not step.overtakes(len(req.prefill_ids)):
+            n = self.cache.to_compute(req)
+            if step is not None and step.pending is not None and not step.overtakes(n):
                 step.resume()  # the continuing chunk goes before this one
             if step is not None and not step.room():
                 break
@@ -87,7 +88,6 @@ class PrefillManager:
                 except RequestError as e:
                     self.output.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
                     continue
-            n = len(req.prefill_ids)  # a retracted request re-prefills its kept tokens
             if step is None and admitted and tokens + n > lim.max_prefill_tokens:
                 break
             if self.cache.should_wait(req):
@@ -128,12 +128,13 @@ class PrefillManager:
 
     def _order(self, step: ChunkStep | None) -> list[Req]:
         """Admission order: arrival, except that prompts short enough to overtake the chunk of the one
-        part-way through its prompt come first (service/engine/chunking.py)."""
+        part-way through its prompt come first (service/engine/chunking.py). Short is what a prompt
+        computes: a long prompt whose prefix is cached (the next turn of a conversation) is short."""
         order = list(self.waiting)
         if step is None or step.pending is None:
             return order
-        short = [r for r in order if step.overtakes(len(r.prefill_ids))]
-        return short + [r for r in order if not step.overtakes(len(r.prefill_ids))]
+        short = [step.overtakes(self.cache.to_compute(r)) for r in order]
+        return [r for r, s in zip(order, short) if s] + [r for r, s in zip(order, short) if not s]
 
     def _plan_hits(self, batch: ScheduleBatch, rows: list[ExtendRow]) -> None:
         """The prefix cache's matrix row counts the batches whose prefills start from a cached prefix."""
