@@ -7,8 +7,10 @@ exercised), and on CUDA the overlap run is under `torch.cuda.set_sync_debug_mode
 matrix counters (the run's share: after minus before), each feature is then *measured*:
 
     full         its overlap-loop batches launched without a fallback and none waited anyway
-    sync point   some waited anyway (`batches_synced`: a mask late at sampling, retraction's drain),
-                 went through a sync-point fallback, or the run made host syncs
+    sync point   some waited anyway (`batches_synced`: a mask late at sampling), went through a
+                 sync-point fallback, or the run made host syncs; sync points at an event the feature
+                 declares (`Feature.sync_event`: retraction's drain at a KV shortage) are counted
+                 apart (`event_syncs`) and shown with "full"
     none         its batches ran the normal way (per-batch fallback of a "none" feature)
     unused       no batch carried it (the workload failed to exercise it)
 
@@ -347,6 +349,7 @@ def _counters(engine: Any) -> dict[str, dict[str, int]]:
             fallback=r.batches_fallback,
             normal_loop=r.batches_normal_loop,
             synced=r.batches_synced,
+            event_syncs=r.counters.get("event_syncs", 0),
         )
         for r in engine.features.matrix()
     }
@@ -464,13 +467,20 @@ def first_difference(pairs: list[tuple[list[int], list[int]]]) -> dict | None:
 
 
 def measure(
-    declared: str, c: dict[str, int], host_syncs: int | None, identical: bool, identical_requests: str = ""
+    declared: str,
+    c: dict[str, int],
+    host_syncs: int | None,
+    identical: bool,
+    identical_requests: str = "",
+    sync_event: str = "",
 ) -> dict[str, Any]:
     """One feature's verdict from its overlap run's counters (see the module's docstring);
-    `identical_requests`: "n/m" requests whose tokens are the same in both loops."""
+    `identical_requests`: "n/m" requests whose tokens are the same in both loops; `sync_event`: the
+    event the feature declares a sync point at (its drains there are counted apart, `event_syncs`)."""
+    events = c.get("event_syncs", 0)
     if c.get("fallback", 0) and declared == "none":
         got = "none"
-    elif c.get("fallback", 0) or c.get("synced", 0) or host_syncs:
+    elif c.get("fallback", 0) or c.get("synced", 0) or host_syncs or (events and not sync_event):
         got = "sync point"
     elif c.get("overlapped", 0):
         got = "full"
@@ -483,6 +493,8 @@ def measure(
         measured=got,
         batches=launched,
         synced=c.get("synced", 0) + (c.get("fallback", 0) if got == "sync point" else 0),
+        event_syncs=events,
+        sync_event=sync_event,
         host_syncs=host_syncs,
         identical_tokens=identical,
         identical_requests=identical_requests,
@@ -504,6 +516,7 @@ def check_features(
     from service.engine.modules import builtin_features
 
     declared = {f.name: f.support.value for f in builtin_features()}
+    sync_events = {f.name: f.sync_event for f in builtin_features()}
     s = SCALES["quick" if quick else "full"]
     rows: list[dict] = []
     verdicts: dict[str, dict] = {}
@@ -560,6 +573,7 @@ def check_features(
                 overlap["host_syncs"],
                 identical,
                 row["identical_requests"],
+                sync_events.get(f, ""),
             )
             for f in w.features
         }

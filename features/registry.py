@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport, declared_support
 from service.core.request import RequestError
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class _Counters:
     fallback: int = 0
     normal_loop: int = 0
     synced: int = 0
+    event_synced: int = 0  # sync points at the feature's declared event (Feature.sync_event)
     live_requests: int = 0  # requests using the feature, admitted and not finished
 
 
@@ -190,11 +191,11 @@ class FeatureRegistry:
             if f.waited_on_host(batch):
                 self.counters[f.name].synced += 1
 
-    def count_synced(self, name: str) -> None:
-        """An undeclared sync point on the feature's behalf (e.g. retraction processing the results
-        in flight before its victims are retracted)."""
+    def count_event_sync(self, name: str) -> None:
+        """A sync point at the feature's declared event (`Feature.sync_event`), e.g. retraction
+        processing the results in flight before its victims are retracted."""
         if name in self.counters:
-            self.counters[name].synced += 1
+            self.counters[name].event_synced += 1
 
     # ---- scheduler-attached features (retraction) -------------------------------------------
     def enabled_feature(self, name: str) -> Feature | None:
@@ -230,7 +231,7 @@ class FeatureRegistry:
                     c.overlapped,
                     c.fallback,
                     c.normal_loop,
-                    f.counters(),
+                    f.counters() | ({"event_syncs": c.event_synced} if f.sync_event else {}),
                     c.synced,
                 )
             )
@@ -257,7 +258,7 @@ def render_matrix_markdown(features: list[Feature], column: tuple[str, dict[str,
     ]
     for f in features:
         cell = f" {cells.get(f.name, 'not measured')} |" if column is not None else ""
-        lines.append(f"| {f.name} | {f.support.value} | {f.reason} |" + cell)
+        lines.append(f"| {f.name} | {declared_support(f)} | {f.reason} |" + cell)
     if not features:
         lines.append("| _(no feature modules yet)_ | | |" + (" |" if column is not None else ""))
     return "\n".join(lines)

@@ -89,10 +89,11 @@ class RetractionFeature(Feature):
 
     name = "retraction"
     support = OverlapSupport.FULL
+    sync_event = "retraction event"
     reads_raw_logits = False
     reason = (
-        "a shortage first processes the results in flight (one counted sync point per retraction): victims "
-        "have no batch on the forward thread; re-prefills overlap as usual"
+        "a KV shortage first processes the results in flight (the declared sync point, counted per event): "
+        "victims have no batch on the forward thread; re-prefills overlap as usual"
     )
 
     def __init__(self) -> None:

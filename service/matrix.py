@@ -70,6 +70,8 @@ def measured_cell(v: dict[str, Any], together: dict[str, Any] | None = None) -> 
         return "not installed on the measured machine"
     else:
         what = f"full ({v.get('batches', 0)} batches)"
+    if v.get("event_syncs") and v.get("sync_event"):
+        what = f"{what[:-1]}; {v['event_syncs']} sync points, one per {v['sync_event']})"
     parts = [what]
     if v.get("gap_overlap_ms") is not None:
         parts.append(f"gap {_ms(v['gap_overlap_ms'])}/{_ms(v.get('gap_normal_ms'))} ms")

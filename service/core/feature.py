@@ -59,6 +59,12 @@ class OverlapSupport(Enum):
         return {"full": 0, "sync point": 1, "none": 2}[self.value]
 
 
+def declared_support(feature: "Feature") -> str:
+    """The declaration as the matrix shows it: the batches' support, and the feature's sync event."""
+    event = f"; sync point at each {feature.sync_event}" if feature.sync_event else ""
+    return feature.support.value + event
+
+
 @dataclass
 class FeatureContext:
     """What a feature sees of the engine: bound once the model and tokenizer exist (`bind`), and
@@ -97,6 +103,10 @@ class Feature:
     name: str = ""
     support: OverlapSupport = OverlapSupport.FULL
     reason: str = ""
+    # An event outside any one batch at which the overlap loop first processes every result in
+    # flight for this feature (e.g. a KV shortage that retracts requests): a sync point per event,
+    # counted apart from its batches (the matrix row's `event_syncs` counter). "" when there is none.
+    sync_event: str = ""
     # Reads the model's raw logits (after_sampling) or needs them as float32: the forward then
     # converts the logits once and keeps a raw copy; a batch without such a feature samples from
     # the model's dtype (bf16) with no copy.

@@ -230,22 +230,29 @@ def test_abort_during_chunked_prefill_frees_its_kv(tiny_llama_dir):
             c.close()
 
 
+@pytest.mark.parametrize("cached", [0, 60], ids=["short-prompt", "cached-next-turn"])
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
-def test_short_prompt_overtakes_a_long_one_part_way(loop, tiny_llama_dir):
+def test_short_prompt_overtakes_a_long_one_part_way(loop, cached, tiny_llama_dir):
     """A short prompt that arrives while a long one is cut into chunks goes whole before the long
     one's next chunk: it finishes while the long one is still part-way through its prompt, and both
-    give what they give alone."""
+    give what they give alone. Short is what a prompt computes: a conversation's next turn (`cached`
+    tokens of history in the prefix cache, then 2 new ones) is long but short, and overtakes too
+    (judged by its whole length it waited for the long one's last chunk)."""
     sp_long = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     sp_short = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-    long_p, short_p = prompt(15, 400), prompt(16, 2)
+    history, long_p = prompt(17, cached), prompt(15, 400)
+    short_p = history + prompt(16, 2)
     ref, _ = run(tiny_llama_dir, [long_p, short_p], [sp_long, sp_short], [{}, {}])
     c = client(tiny_llama_dir, chunked_prefill_size=4, enable_mixed_chunk=True, loop=loop)
     try:
         sched = c.engine.scheduler
+        if history:
+            c.generate([history], [sp_short], [{}])  # the earlier turns: now in the prefix cache
         c.submit("long", long_p, sp_long)
-        assert wait_until(lambda: sched.chunker.stats.chunks > 5, 60)
+        assert wait_until(lambda: sched.chunker.stats.chunks > 5 + cached // 4, 60)
         c.submit("short", short_p, sp_short)
         short = collect(c.wait("short"))
+        assert short[2].cached_tokens >= cached - 1  # a hit, not a recomputation
         assert c._outputs.get("long", []) == []  # no token of the long one yet: it was overtaken
         assert sched.chunker.holding == 1
         long = collect(c.wait("long"))
@@ -253,34 +260,6 @@ def test_short_prompt_overtakes_a_long_one_part_way(loop, tiny_llama_dir):
     finally:
         c.close()
     assert long[0] == ref[0][0] and short[0] == ref[1][0]
-
-
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
-def test_next_turn_with_a_cached_history_overtakes_a_long_prompt_part_way(loop, tiny_llama_dir):
-    """A conversation's next turn is a long prompt, but most of it is cached: what it computes is
-    short, so it overtakes a long prompt that is cut into chunks, like any short prompt (judged by
-    its whole length it waited for the long prompt's last chunk)."""
-    sp_long = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
-    sp_turn = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-    history, long_p = prompt(17, 60), prompt(18, 400)
-    turn = history + prompt(19, 2)
-    ref, _ = run(tiny_llama_dir, [long_p, turn], [sp_long, sp_turn], [{}, {}])
-    c = client(tiny_llama_dir, chunked_prefill_size=4, enable_mixed_chunk=True, loop=loop)
-    try:
-        sched = c.engine.scheduler
-        c.generate([history], [sp_turn], [{}])  # the earlier turns: now in the prefix cache
-        c.submit("long", long_p, sp_long)
-        assert wait_until(lambda: sched.chunker.stats.chunks > 20, 60)
-        c.submit("turn", turn, sp_turn)
-        ids, _, last = collect(c.wait("turn"))
-        assert last.cached_tokens >= len(history) - 1  # a hit, not a recomputation
-        assert c._outputs.get("long", []) == []  # no token of the long one yet: it was overtaken
-        assert sched.chunker.holding == 1
-        long = collect(c.wait("long"))
-        assert_pools_initial(c)
-    finally:
-        c.close()
-    assert long[0] == ref[0][0] and ids == ref[1][0]
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])

@@ -72,8 +72,11 @@ def test_gpu_check_runs_on_cpu(smol_dir, tmp_path, capsys):
     assert all(
         v["measured"] in ("full", "sync point", "none") and v["batches"] > 0 for v in verdicts.values()
     )
-    # Retraction's drain of the batches in flight is a sync point, whatever it declares.
-    assert verdicts["retraction"]["measured"] == "sync point" and verdicts["retraction"]["contradicts"]
+    # Retraction's drain of the batches in flight is its declared sync event, counted apart: its
+    # batches overlap.
+    r = verdicts["retraction"]
+    assert r["measured"] == "full" and r["event_syncs"] > 0 and r["sync_event"] == "retraction event"
+    assert not r["contradicts"]
     assert verdicts["logprobs"]["measured"] == "full" and not verdicts["logprobs"]["contradicts"]
 
     # the matrix with the measured column, from the JSON as written
@@ -84,7 +87,8 @@ def test_gpu_check_runs_on_cpu(smol_dir, tmp_path, capsys):
     body = {line.split(" | ")[0].lstrip("| "): line for line in table[2:]}
     assert set(body) == {f.name for f in builtin_features()}
     assert all(line.count(" | ") == 3 for line in body.values())
-    assert "**contradicts 'full'**: sync point" in body["retraction"]
+    assert " sync points, one per retraction event)" in body["retraction"]
+    assert body["retraction"].startswith("| retraction | full; sync point at each retraction event |")
     assert "host syncs n/a" in body["logprobs"] and "gap " in body["logprobs"]
 
 
@@ -94,6 +98,8 @@ def test_measured_cells_show_contradictions():
     assert measured_cell(dict(full, gap_overlap_ms=0.007, gap_normal_ms=1.3, speedup=1.5)) == (
         "full (12 batches), gap 0.007/1.300 ms, 1.50x, 0 host syncs"
     )
+    events = dict(full, event_syncs=4, sync_event="retraction event")
+    assert measured_cell(events).startswith("full (12 batches; 4 sync points, one per retraction event)")
     synced = dict(full, measured="sync point", synced=3, contradicts=True)
     assert measured_cell(synced).startswith("**contradicts 'full'**: sync point (3 of 12 batches waited)")
     differ = measured_cell(dict(full, identical_tokens=False, contradicts=True))

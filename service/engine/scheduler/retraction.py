@@ -76,7 +76,7 @@ class Retraction:
         stats = self.policy.stats
         stats.sync_points += synced
         if synced:
-            self.features.count_synced("retraction")  # declared full: the drain is counted against it
+            self.features.count_event_sync("retraction")  # its declared sync event
         stats.events += bool(victims)
         if victims:
             self.policy.after_retraction([r for r in self.running if r.launched < r.max_new_tokens])
