@@ -1,0 +1,167 @@
+"""A conversation's next turn on a busy one-core replica: how long until its first token.
+
+One server pinned to one CPU (a replica of issue 25's routing bench), `--neighbours` streams that
+each send a fresh `--history`-token prompt and decode `--neighbour-tokens` tokens, again and again
+(so a long prefill is under way now and then), and meanwhile `--turns` turns of one conversation:
+its history (cached: sent once before) plus `--new` new tokens, one at a time with a pause of
+0.5-1.5 s between them. Token ids in, greedy, EOS ignored; seeded, so two runs send the same ids.
+
+Reported: the turns' TTFT (client side, to the first streamed token) sorted, p50, p90 and max, and
+how many waited more than twice the p50 (a turn queued behind a neighbour's long prefill instead of
+overtaking it). `--root DIR` runs the server of another checkout (a worktree of an older commit)
+for a before/after on the same machine. Nothing here asserts a duration.
+
+    flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_cached_turn.py [--cpu 0] [--neighbours 3]
+        [--history 1000] [--new 22] [--turns 16] [--root DIR] [--server-args '...'] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "clients" / "python"))
+
+import grpc
+
+from zerogap.v1 import generation_pb2 as pb2
+from zerogap.v1 import generation_pb2_grpc as pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(root: Path, cpu: int | None, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+    proc = subprocess.Popen(cmd, cwd=root, stdout=open(log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pin)
+    deadline = time.monotonic() + 300
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb2_grpc.GenerationStub(ch)
+        while True:
+            try:
+                stub.GetServerInfo(pb2.GetServerInfoRequest(), timeout=2)
+                return proc, port
+            except grpc.RpcError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    proc.kill()
+                    raise SystemExit(f"the server did not come up (log: {log})") from None
+                time.sleep(0.5)
+
+
+def generate(stub, ids: list[int], max_tokens: int) -> float:
+    """Seconds to the first streamed token."""
+    req = pb2.GenerateRequest(
+        token_ids=pb2.TokenIds(ids=ids),
+        sampling=pb2.SamplingParams(temperature=0, max_new_tokens=max_tokens, ignore_eos=True),
+    )
+    t0 = time.perf_counter()
+    first = None
+    for msg in stub.GenerateStream(req, timeout=900):
+        if first is None and msg.token_ids:
+            first = time.perf_counter() - t0
+    assert first is not None, "no token came back"
+    return first
+
+
+def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+
+    def ids(n: int, r: random.Random = rng) -> list[int]:
+        return [r.randrange(100, 40000) for _ in range(n)]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, port = start_server(
+            Path(args.root), args.cpu, shlex.split(args.server_args), Path(tmp) / "server.log"
+        )
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb2_grpc.GenerationStub(ch)
+                generate(stub, ids(50), 4)  # warm-up: lazy initialisation stays out of the figures
+                generate(stub, ids(args.history), 4)
+                history = ids(args.history)
+                generate(stub, history, 1)  # the conversation so far: now cached
+                stop = threading.Event()
+
+                def neighbour(seed: int) -> None:
+                    r = random.Random(seed)
+                    while not stop.is_set():
+                        generate(stub, ids(args.history, r), args.neighbour_tokens)
+
+                threads = [
+                    threading.Thread(target=neighbour, args=(args.seed + 1 + i,))
+                    for i in range(args.neighbours)
+                ]
+                for t in threads:
+                    t.start()
+                time.sleep(args.settle_s)
+                ttft = []
+                for _ in range(args.turns):
+                    time.sleep(rng.uniform(0.5, 1.5))
+                    ttft.append(generate(stub, history + ids(args.new), 1))
+                stop.set()
+                for t in threads:
+                    t.join()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    ms = sorted(round(x * 1000, 1) for x in ttft)
+    p50 = statistics.median(ms)
+    return dict(
+        ttft_ms=ms,
+        p50_ms=p50,
+        p90_ms=ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        max_ms=ms[-1],
+        over_twice_p50=sum(x > 2 * p50 for x in ms),
+        root=str(args.root),
+        cpu=args.cpu,
+        load_avg=os.getloadavg(),
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", type=int, default=0, help="pin the server to this CPU (-1: no pinning)")
+    p.add_argument("--neighbours", type=int, default=3)
+    p.add_argument(
+        "--history", type=int, default=1000, help="tokens of the cached history and of a neighbour's prompt"
+    )
+    p.add_argument("--neighbour-tokens", type=int, default=200)
+    p.add_argument("--new", type=int, default=22, help="new tokens of each turn")
+    p.add_argument("--turns", type=int, default=16)
+    p.add_argument("--settle-s", type=float, default=15.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--root", default=str(ROOT), help="the checkout whose server runs")
+    p.add_argument("--server-args", default="")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.cpu < 0:
+        args.cpu = None
+    out = run(args)
+    print("TTFT ms, sorted:", out["ttft_ms"])
+    print(
+        f"p50 {out['p50_ms']:.0f} ms  p90 {out['p90_ms']:.0f} ms  max {out['max_ms']:.0f} ms  "
+        f"over 2x p50: {out['over_twice_p50']} of {len(out['ttft_ms'])}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
