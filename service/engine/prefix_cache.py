@@ -84,12 +84,13 @@ class CacheEvent:
 CacheObserver = Callable[[CacheEvent], None]
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a whole edge matches), compared in C
+def _common_len(key: list[int], tokens: list[int], start: int = 0) -> int:
+    """How many leading tokens of an edge's `key` equal `tokens[start:]`."""
+    n = min(len(key), len(tokens) - start)
+    if n == len(key) and tokens[start : start + n] == key:  # the usual case, compared in C
         return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while i < n and key[i] == tokens[start + i]:
         i += 1
     return i
 
@@ -142,7 +143,7 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            n = _common_len(child.key, key[pos:])
+            n = _common_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -158,7 +159,7 @@ class RadixCache:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_len(child.key, tokens[pos:])
+            n = _common_len(child.key, tokens, pos)
             pos += n
             if n < len(child.key):
                 break
@@ -192,7 +193,7 @@ class RadixCache:
                 self.stats.inserted_tokens += len(new.key)
                 self._tell("stored", new)
                 return pos
-            n = _common_len(child.key, tokens[pos:])
+            n = _common_len(child.key, tokens, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
