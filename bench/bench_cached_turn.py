@@ -22,47 +22,29 @@ import json
 import os
 import random
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "clients" / "python"))
 
 import grpc
+from bench_serving import ServerProcess, free_port, pct
 
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(root: Path, cpu: int | None, extra: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+def start_server(root: Path, cpu: int | None, extra: list[str]) -> ServerProcess:
+    """The server of the checkout `root`, pinned to `cpu` (taskset) unless None."""
     port = free_port()
-    cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
-    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    proc = subprocess.Popen(cmd, cwd=root, stdout=open(log, "wb"), stderr=subprocess.STDOUT, preexec_fn=pin)
-    deadline = time.monotonic() + 300
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = pb2_grpc.GenerationStub(ch)
-        while True:
-            try:
-                stub.GetServerInfo(pb2.GetServerInfoRequest(), timeout=2)
-                return proc, port
-            except grpc.RpcError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    proc.kill()
-                    raise SystemExit(f"the server did not come up (log: {log})") from None
-                time.sleep(0.5)
+    pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
+    cmd = [*pin, sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return ServerProcess(cmd, port, cwd=root)
 
 
 def generate(stub, ids: list[int], max_tokens: int) -> float:
@@ -86,47 +68,42 @@ def run(args: argparse.Namespace) -> dict:
     def ids(n: int, r: random.Random = rng) -> list[int]:
         return [r.randrange(100, 40000) for _ in range(n)]
 
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_server(
-            Path(args.root), args.cpu, shlex.split(args.server_args), Path(tmp) / "server.log"
-        )
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = pb2_grpc.GenerationStub(ch)
-                generate(stub, ids(50), 4)  # warm-up: lazy initialisation stays out of the figures
-                generate(stub, ids(args.history), 4)
-                history = ids(args.history)
-                generate(stub, history, 1)  # the conversation so far: now cached
-                stop = threading.Event()
+    server = start_server(Path(args.root), args.cpu, shlex.split(args.server_args))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = pb2_grpc.GenerationStub(ch)
+            generate(stub, ids(50), 4)  # warm-up: lazy initialisation stays out of the figures
+            generate(stub, ids(args.history), 4)
+            history = ids(args.history)
+            generate(stub, history, 1)  # the conversation so far: now cached
+            stop = threading.Event()
 
-                def neighbour(seed: int) -> None:
-                    r = random.Random(seed)
-                    while not stop.is_set():
-                        generate(stub, ids(args.history, r), args.neighbour_tokens)
+            def neighbour(seed: int) -> None:
+                r = random.Random(seed)
+                while not stop.is_set():
+                    generate(stub, ids(args.history, r), args.neighbour_tokens)
 
-                threads = [
-                    threading.Thread(target=neighbour, args=(args.seed + 1 + i,))
-                    for i in range(args.neighbours)
-                ]
-                for t in threads:
-                    t.start()
-                time.sleep(args.settle_s)
-                ttft = []
-                for _ in range(args.turns):
-                    time.sleep(rng.uniform(0.5, 1.5))
-                    ttft.append(generate(stub, history + ids(args.new), 1))
-                stop.set()
-                for t in threads:
-                    t.join()
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            threads = [
+                threading.Thread(target=neighbour, args=(args.seed + 1 + i,)) for i in range(args.neighbours)
+            ]
+            for t in threads:
+                t.start()
+            time.sleep(args.settle_s)
+            ttft = []
+            for _ in range(args.turns):
+                time.sleep(rng.uniform(0.5, 1.5))
+                ttft.append(generate(stub, history + ids(args.new), 1))
+            stop.set()
+            for t in threads:
+                t.join()
+    finally:
+        server.stop()
     ms = sorted(round(x * 1000, 1) for x in ttft)
     p50 = statistics.median(ms)
     return dict(
         ttft_ms=ms,
         p50_ms=p50,
-        p90_ms=ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+        p90_ms=pct(ms, 90),
         max_ms=ms[-1],
         over_twice_p50=sum(x > 2 * p50 for x in ms),
         root=str(args.root),

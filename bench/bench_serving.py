@@ -129,16 +129,22 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m service serve ...` in its own process group, logging to a temp file."""
+    """`python -m service serve ...` in its own process group, logging to a temp file; `cwd`: the
+    checkout whose server runs (this one by default)."""
 
     def __init__(
-        self, cmd: list[str], port: int, timeout_s: float = 300.0, env: dict[str, str] | None = None
+        self,
+        cmd: list[str],
+        port: int,
+        timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+        cwd: Path = ROOT,
     ):
         self.cmd, self.port = cmd, port
         self.log = tempfile.NamedTemporaryFile("w+", prefix="zerogap-bench-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             cmd,
-            cwd=ROOT,
+            cwd=cwd,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

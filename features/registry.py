@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport, declared_support
+from service.core.feature import BatchView, Feature, FeatureContext, OverlapSupport
 from service.core.request import RequestError
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ def render_matrix_markdown(features: list[Feature], column: tuple[str, dict[str,
     ]
     for f in features:
         cell = f" {cells.get(f.name, 'not measured')} |" if column is not None else ""
-        lines.append(f"| {f.name} | {declared_support(f)} | {f.reason} |" + cell)
+        lines.append(f"| {f.name} | {f.declared_support()} | {f.reason} |" + cell)
     if not features:
         lines.append("| _(no feature modules yet)_ | | |" + (" |" if column is not None else ""))
     return "\n".join(lines)

@@ -69,9 +69,9 @@ def measured_cell(v: dict[str, Any], together: dict[str, Any] | None = None) -> 
     elif got == "unavailable":
         return "not installed on the measured machine"
     else:
-        what = f"full ({v.get('batches', 0)} batches)"
-    if v.get("event_syncs") and v.get("sync_event"):
-        what = f"{what[:-1]}; {v['event_syncs']} sync points, one per {v['sync_event']})"
+        events = v.get("event_syncs") and v.get("sync_event")
+        at_events = f"; {v['event_syncs']} sync points, one per {v['sync_event']}" if events else ""
+        what = f"full ({v.get('batches', 0)} batches{at_events})"
     parts = [what]
     if v.get("gap_overlap_ms") is not None:
         parts.append(f"gap {_ms(v['gap_overlap_ms'])}/{_ms(v.get('gap_normal_ms'))} ms")

@@ -59,12 +59,6 @@ class OverlapSupport(Enum):
         return {"full": 0, "sync point": 1, "none": 2}[self.value]
 
 
-def declared_support(feature: "Feature") -> str:
-    """The declaration as the matrix shows it: the batches' support, and the feature's sync event."""
-    event = f"; sync point at each {feature.sync_event}" if feature.sync_event else ""
-    return feature.support.value + event
-
-
 @dataclass
 class FeatureContext:
     """What a feature sees of the engine: bound once the model and tokenizer exist (`bind`), and
@@ -113,6 +107,11 @@ class Feature:
     reads_raw_logits: bool = True
 
     # ---- declaration -----------------------------------------------------------------
+    def declared_support(self) -> str:
+        """The declaration as the matrix shows it: its batches' support, and its sync event if any."""
+        event = f"; sync point at each {self.sync_event}" if self.sync_event else ""
+        return self.support.value + event
+
     def bind(self, ctx: FeatureContext) -> None:
         """Called once the engine (tokenizer, model) exists, with what the feature may use of it."""
 

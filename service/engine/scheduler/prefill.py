@@ -74,8 +74,11 @@ class PrefillManager:
             else 0
         )
         for req in self._order(step):
-            n = self.cache.to_compute(req)
-            if step is not None and step.pending is not None and not step.overtakes(n):
+            if (
+                step is not None
+                and step.pending is not None
+                and not step.overtakes(self.cache.to_compute(req))
+            ):
                 step.resume()  # the continuing chunk goes before this one
             if step is not None and not step.room():
                 break
@@ -88,7 +91,7 @@ class PrefillManager:
                 except RequestError as e:
                     self.output.finish(req, FinishReason.ERROR, error=e.message, error_code=e.code)
                     continue
-            if step is None and admitted and tokens + n > lim.max_prefill_tokens:
+            if step is None and admitted and tokens + self.cache.to_compute(req) > lim.max_prefill_tokens:
                 break
             if self.cache.should_wait(req):
                 continue  # a running request's prefill will cache much of its prompt: next step
@@ -105,7 +108,7 @@ class PrefillManager:
             room -= need
             req.slot = self.req_pool.alloc()
             admitted.append(req)
-            tokens += n
+            tokens += len(req.prefill_ids) - req.cache_owned  # what it computes: its prefix is matched now
             if step is not None:
                 self.cache.start(req)  # its cached prefix goes into the table first
                 step.add(req, req.cache_owned, fresh=True)
