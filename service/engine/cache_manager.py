@@ -40,6 +40,13 @@ def cache_key(req: Req) -> list[int]:
     return req.prompt_key if req.prompt_key is not None else req.prompt_ids
 
 
+def match_key(req: Req) -> list[int]:
+    """What admission matches: the prompt's key, and a retracted request's kept output tokens (no
+    copy when there are none)."""
+    key = cache_key(req)
+    return key + req.output_ids if req.output_ids else key
+
+
 @dataclass
 class PrefixCacheInfo:
     """What GetServerInfo and the metrics report."""
@@ -77,7 +84,7 @@ class PrefixCacheManager:
         if not self.prefilling:
             return False
         key = cache_key(req)
-        want = self.tree.match_len(key[:limit]) + SHARE_WAIT_TOKENS
+        want = self.tree.match_len(key, limit) + SHARE_WAIT_TOKENS
         if limit < want:
             return False
         head = key[:want]
@@ -87,15 +94,13 @@ class PrefixCacheManager:
 
     def cached_len(self, req: Req, limit: int) -> int:
         """How many of the tokens `admit` would match are cached now (no split, no lock, no LRU touch)."""
-        return self.tree.match_len((cache_key(req) + req.output_ids)[: max(limit, 0)])
+        return self.tree.match_len(match_key(req), limit)
 
     def admit(self, req: Req, limit: int, room: int, cost: int | None = None) -> int | None:
         """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
         own rows fit in `room` (pool rows not reserved by running requests). Returns the matched
         length, or None (nothing kept locked) when the request does not fit yet."""
-        match = self.tree.match(
-            cache_key(req) + req.output_ids, limit
-        )  # a retracted request's kept tokens too
+        match = self.tree.match(match_key(req), limit)
         self.tree.lock(match.node)
         need = (req.budget_tokens if cost is None else cost) - match.length
         short = need - (room - self.tree.total_tokens)

@@ -7,7 +7,11 @@ continues next step. New prompts shorter than what the one part-way has left
 go whole before its chunk, as long as the chunk keeps a quarter of the budget
 (`ChunkStep.overtakes`): a short prompt that arrives while a long one is cut
 into chunks gets its first token after one step, not after the long one's last
-chunk, and the long one still advances every step. A cut request keeps its slot and its KV rows
+chunk, and the long one still advances every step. A step that prompts overtook
+carries only that quarter of the chunk, not what the budget leaves: where a
+step's time grows with its rows (a CPU, a large model on a GPU) the overtakers'
+first tokens come after a short step, and the long prompt pays one more step for
+it (its rows are computed all the same). A cut request keeps its slot and its KV rows
 between chunks (they are in the request-to-token table, the next chunk extends
 them with `prefix_len` = tokens done), and is not decodable — nor in
 `Scheduler.running` — until its last chunk is launched. The token sampled after
@@ -78,6 +82,7 @@ class ChunkStep:
     split: bool = False  # a prompt was cut at the budget: nothing is admitted after it
     pending: Req | None = None  # part-way through its prompt: its chunk goes in after the overtakers
     floor: int = 0  # tokens the pending chunk keeps however many prompts overtake it
+    overtaken: bool = False  # a new prompt went in before the pending chunk: the chunk takes its floor
 
     def room(self) -> bool:
         return not self.split and self.used < self.budget
@@ -91,16 +96,18 @@ class ChunkStep:
         return tokens < left and self.used + tokens + min(left, self.floor) <= self.budget
 
     def resume(self) -> None:
-        """The pending chunk takes what the budget leaves now."""
+        """The pending chunk goes in: its floor when prompts overtook it, else what the budget leaves."""
         if self.pending is not None:
             req, self.pending = self.pending, None
-            self.add(req, req.kv_len, fresh=False)
+            self.add(req, req.kv_len, fresh=False, limit=self.floor if self.overtaken else None)
 
-    def add(self, req: Req, start: int, fresh: bool) -> None:
+    def add(self, req: Req, start: int, fresh: bool, limit: int | None = None) -> None:
         """The request's prompt from `start` on (tokens before it are in its KV: earlier chunks, or a
-        cached prefix of a `fresh` request, whose sampling state starts now), as much as the budget leaves."""
+        cached prefix of a `fresh` request, whose sampling state starts now), as much as the budget
+        leaves, and at most `limit` tokens."""
         seq = req.prefill_ids  # a retracted request re-prefills its kept output tokens too
-        take = min(len(seq) - start, self.budget - self.used)
+        take = min(len(seq) - start, self.budget - self.used, self.budget if limit is None else limit)
+        self.overtaken = self.overtaken or self.pending is not None
         self.rows.append(ExtendRow(req, seq[start : start + take], prefix_len=start, new_slot=fresh))
         self.used += take
         self.split = start + take < len(seq)

@@ -84,9 +84,9 @@ class CacheEvent:
 CacheObserver = Callable[[CacheEvent], None]
 
 
-def _common_len(key: list[int], tokens: list[int], start: int = 0) -> int:
-    """How many leading tokens of an edge's `key` equal `tokens[start:]`."""
-    n = min(len(key), len(tokens) - start)
+def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
+    """How many leading tokens of an edge's `key` equal `tokens[start:end]`."""
+    n = min(len(key), end - start)
     if n == len(key) and tokens[start : start + n] == key:  # the usual case, compared in C
         return n
     i = 0
@@ -135,15 +135,15 @@ class RadixCache:
     def match(self, tokens: list[int], limit: int | None = None) -> Match:
         """The longest cached prefix of `tokens[:limit]`. A match that ends inside an edge
         splits it, so that the returned node covers exactly the matched tokens."""
-        key = tokens if limit is None else tokens[: max(limit, 0)]
+        end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
         node, pos, parts = self.root, 0, []
         now = self._tick()
         node.last_access = now
-        while pos < len(key):
-            child = node.children.get(key[pos])
+        while pos < end:
+            child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_len(child.key, key, pos)
+            n = _common_len(child.key, tokens, pos, end)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
@@ -152,14 +152,15 @@ class RadixCache:
         rows = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return Match(pos, rows, node)
 
-    def match_len(self, tokens: list[int]) -> int:
-        """How many leading tokens are cached (no split, no LRU touch)."""
+    def match_len(self, tokens: list[int], limit: int | None = None) -> int:
+        """How many leading tokens of `tokens[:limit]` are cached (no split, no LRU touch, no copy)."""
+        end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
         node, pos = self.root, 0
-        while pos < len(tokens):
+        while pos < end:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            n = _common_len(child.key, tokens, pos)
+            n = _common_len(child.key, tokens, pos, end)
             pos += n
             if n < len(child.key):
                 break
@@ -193,7 +194,7 @@ class RadixCache:
                 self.stats.inserted_tokens += len(new.key)
                 self._tell("stored", new)
                 return pos
-            n = _common_len(child.key, tokens, pos)
+            n = _common_len(child.key, tokens, pos, len(tokens))
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now

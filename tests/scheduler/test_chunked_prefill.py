@@ -5,11 +5,13 @@ samples with penalties, stop strings, grammars — in both loops, and frees its 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from service.config import ServerArgs
 from service.core.request import FinishReason, SamplingParams
+from service.engine.chunking import PrefillChunker
 from service.engine.engine import SyncClient, collect
 from tests.engine.test_device_path import watch_forward
 from tests.features.test_features import assert_close
@@ -260,6 +262,30 @@ def test_short_prompt_overtakes_a_long_one_part_way(loop, cached, tiny_llama_dir
     finally:
         c.close()
     assert long[0] == ref[0][0] and short[0] == ref[1][0]
+
+
+def test_an_overtaken_chunk_takes_its_floor():
+    """A step that prompts overtook carries the pending chunk's floor (a quarter of the budget), not
+    what the budget leaves: the overtakers' step stays short. Without an overtaker the chunk takes
+    the rest of the budget, and a chunk with less left than its floor finishes."""
+    long = SimpleNamespace(prefill_ids=list(range(2000)), kv_len=512, finished=False)
+    chunker = PrefillChunker(size=256, mixed=True)
+
+    def step(decodes: int, *short_lens: int) -> list[int]:
+        chunker.partial = long
+        running = [SimpleNamespace(finished=False, launched=0, max_new_tokens=8) for _ in range(decodes)]
+        st = chunker.begin_step(running, free_rows=10_000)
+        for n in short_lens:
+            assert st.overtakes(n)
+            st.add(SimpleNamespace(prefill_ids=list(range(1000 + n))), 1000, fresh=True)  # 1000 cached
+        st.resume()
+        return [len(row.token_ids) for row in st.rows]
+
+    assert step(3) == [253]  # no overtaker: the chunk takes the budget the decodes leave
+    assert step(3, 22) == [22, 64]  # overtaken: the floor, 256 // 4
+    assert step(0, 22, 40) == [22, 40, 64]
+    long.kv_len = 2000 - 30
+    assert step(3, 10) == [10, 30]  # less left than the floor: the chunk finishes
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
