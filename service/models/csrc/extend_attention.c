@@ -45,8 +45,10 @@
 
 #if defined(__AVX512F__)
 #define VL 16
-#define QK_NR 4 /* rows x 4 vectors of accumulators in a score tile */
-#define PV_NR 4 /* rows x 4 vectors of accumulators in a P.V tile */
+#define QK_NR 4 /* rows x QK_NV vectors of accumulators in a score tile */
+#define QK_NV 4 /* vectors of keys in a score tile */
+#define PV_NR 4 /* rows x PV_NV vectors of accumulators in a P.V tile */
+#define PV_NV 4 /* vectors of head_dim in a P.V tile */
 typedef __m512 vf;
 #define vload _mm512_loadu_ps
 #define vstore _mm512_storeu_ps
@@ -68,8 +70,13 @@ static inline vf vload_bf16(const uint16_t *p) {
 }
 #else
 #define VL 8
-#define QK_NR 2 /* AVX2 has 16 vector registers: 2 x 4 accumulators, 4 operands, a broadcast */
-#define PV_NR 2
+/* AVX2 has 16 vector registers: 6 x 2 accumulators, 2 operands, a broadcast. Twelve chains of
+ * FMAs hide the FMA latency (two pipes x four cycles need eight), and a tile loads 8 vectors for
+ * 12 FMAs; 2 x 4 (8 chains, 6 loads for 8 FMAs) left the pipes waiting. */
+#define QK_NR 6
+#define QK_NV 2
+#define PV_NR 6
+#define PV_NV 2
 typedef __m256 vf;
 #define vload _mm256_loadu_ps
 #define vstore _mm256_storeu_ps
@@ -102,8 +109,6 @@ static inline vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #endif
-#define QK_NV 4 /* vectors of keys in a score tile */
-#define PV_NV 4 /* vectors of head_dim in a P.V tile */
 
 /* 2^t for t <= 0 (a softmax weight): exp_approx's split into 2^n * 2^f and its polynomial;
  * t below EXP2_MIN (a key the row must not see: -inf) gives exactly 0. */
@@ -156,34 +161,90 @@ static inline const void *kv_row(const Job *jb, const void *pool, int64_t j) {
 /* Zeros standing in for the V rows of keys past kv_len (never weighed: P.V stops at a row's last key). */
 static const float ZERO_ROW[EXT_MAX_D] __attribute__((aligned(64)));
 
+/* Hint the cache to fetch a pool row of `bytes` (the rows of one request lie scattered in the pool,
+ * where no hardware prefetcher follows them). */
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at);
+}
+
+/* Eight rows of 8 x 32 bits (key t + i at rows[i] + e) as eight columns (element e + j of the eight
+ * keys at out + j * ld): a transpose by shuffles, every bit copied. */
+static inline void transpose8_store(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5,
+                                    __m256 r6, __m256 r7, float *out, int64_t ld) {
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    _mm256_storeu_ps(out + 0 * ld, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(out + 1 * ld, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(out + 2 * ld, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(out + 3 * ld, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(out + 4 * ld, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(out + 5 * ld, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(out + 6 * ld, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(out + 7 * ld, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+
+/* Eight elements e .. e + 7 of a K row as the packed block holds them: float32 (read, or bf16
+ * widened), or (PATH_BF16_DP) bf16 pairs e .. e + 7, four bytes each, bits copied as they are. */
+static inline __m256 pack_load8(int path, const void *row, int64_t e) {
+    if (path == PATH_BF16_INPUT)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + e))), 16));
+    return _mm256_loadu_ps((const float *)row + e); /* float32, or (PATH_BF16_DP) pairs e/2 .. */
+}
+
 /* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
  * or bf16 pairs [d/2][KB] (bits copied), keys past kv_len zeros; V stays in the pool, the block
- * keeps a pointer to each key's row (P.V widens bf16 rows as it reads them). */
+ * keeps a pointer to each key's row (P.V widens bf16 rows as it reads them). Keys go eight at a
+ * time through a transpose, with the next eight's K and V rows prefetched (P.V then finds its V
+ * rows in cache). */
 static void pack_block(const Job *jb, int64_t b) {
-    const int64_t d = jb->d, slot = b - jb->b_lo;
-    const int64_t n = jb->kv_len - b * KB < KB ? jb->kv_len - b * KB : KB; /* keys in the block */
+    const int64_t d = jb->d, slot = b - jb->b_lo, j0 = b * KB;
+    const int64_t n = jb->kv_len - j0 < KB ? jb->kv_len - j0 : KB; /* keys in the block */
+    const int64_t row_bytes = d * (jb->path == PATH_F32 ? 4 : 2);
+    const int dp = jb->path == PATH_BF16_DP;
+    const int64_t cols = dp ? d / 2 : d;   /* 32-bit elements of a packed K column set */
     const void **vr = jb->vrows + slot * KB;
-    for (int64_t t = 0; t < KB; t++) vr[t] = t < n ? kv_row(jb, jb->v, b * KB + t) : (const void *)ZERO_ROW;
-    if (jb->path != PATH_BF16_DP) {
-        float *kb = (float *)jb->kpack + slot * KB * d;
-        for (int64_t t = 0; t < n; t++) {
-            const void *kr = kv_row(jb, jb->k, b * KB + t);
+    for (int64_t t = 0; t < KB; t++) vr[t] = t < n ? kv_row(jb, jb->v, j0 + t) : (const void *)ZERO_ROW;
+    float *kb = dp ? (float *)((uint32_t *)jb->kpack + slot * KB * (d / 2)) : (float *)jb->kpack + slot * KB * d;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const void *kr[8];
+        for (int i = 0; i < 8; i++) kr[i] = kv_row(jb, jb->k, j0 + t + i);
+        for (int64_t i = t + 8; i < t + 16 && i < n; i++) {
+            prefetch_row(kv_row(jb, jb->k, j0 + i), row_bytes);
+            prefetch_row(vr[i], row_bytes);
+        }
+        for (int64_t e = 0; e < cols; e += 8)
+            transpose8_store(pack_load8(jb->path, kr[0], e), pack_load8(jb->path, kr[1], e),
+                             pack_load8(jb->path, kr[2], e), pack_load8(jb->path, kr[3], e),
+                             pack_load8(jb->path, kr[4], e), pack_load8(jb->path, kr[5], e),
+                             pack_load8(jb->path, kr[6], e), pack_load8(jb->path, kr[7], e), kb + e * KB + t, KB);
+    }
+    if (!dp) {
+        for (; t < n; t++) {
+            const void *kr = kv_row(jb, jb->k, j0 + t);
             if (jb->path == PATH_F32)
                 for (int64_t e = 0; e < d; e++) kb[e * KB + t] = ((const float *)kr)[e];
             else
                 for (int64_t e = 0; e < d; e++) kb[e * KB + t] = bf16_to_f32(((const uint16_t *)kr)[e]);
         }
-        for (int64_t t = n; t < KB; t++)
+        for (; t < KB; t++)
             for (int64_t e = 0; e < d; e++) kb[e * KB + t] = 0.f;
         return;
     }
-    uint32_t *kb = (uint32_t *)jb->kpack + slot * KB * (d / 2);
-    for (int64_t t = 0; t < n; t++) {
-        const uint16_t *kr = (const uint16_t *)kv_row(jb, jb->k, b * KB + t);
-        for (int64_t e2 = 0; e2 < d / 2; e2++) memcpy(kb + e2 * KB + t, kr + 2 * e2, 4); /* a bf16 pair */
+    uint32_t *kp = (uint32_t *)kb;
+    for (; t < n; t++) {
+        const uint16_t *kr = (const uint16_t *)kv_row(jb, jb->k, j0 + t);
+        for (int64_t e2 = 0; e2 < d / 2; e2++) memcpy(kp + e2 * KB + t, kr + 2 * e2, 4); /* a bf16 pair */
     }
-    for (int64_t t = n; t < KB; t++)
-        for (int64_t e2 = 0; e2 < d / 2; e2++) kb[e2 * KB + t] = 0;
+    for (; t < KB; t++)
+        for (int64_t e2 = 0; e2 < d / 2; e2++) kp[e2 * KB + t] = 0;
 }
 
 /* Scores of nr rows (q float32, row stride d) over QK_NV * VL keys of a [d][KB] block. */
@@ -212,9 +273,11 @@ static void qk_f32(const float *q, int64_t nrows, int64_t d, const float *kt, fl
             float *sr = s + r0 * KB + c0;
             switch (nr) {
                 case 1: qk_f32_tile(1, qr, d, kt + c0, sr); break;
-#if QK_NR > 2
                 case 2: qk_f32_tile(2, qr, d, kt + c0, sr); break;
                 case 3: qk_f32_tile(3, qr, d, kt + c0, sr); break;
+#if QK_NR > 4
+                case 4: qk_f32_tile(4, qr, d, kt + c0, sr); break;
+                case 5: qk_f32_tile(5, qr, d, kt + c0, sr); break;
 #endif
                 default: qk_f32_tile(QK_NR, qr, d, kt + c0, sr); break;
             }
@@ -309,21 +372,21 @@ static inline __attribute__((always_inline)) void pv_tile(const int nr, const in
         for (int x = 0; x < nv; x++) vstore(acc + r * d + x * VL, a[r][x]);
 }
 
-#if PV_NR > 2
-#define PV_CASES(NV, BF)                                                                               \
-    switch (nr) {                                                                                   \
-        case 1: pv_tile(1, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
-        case 2: pv_tile(2, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
-        case 3: pv_tile(3, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
-        default: pv_tile(PV_NR, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                 \
-    }
+#if PV_NR > 4
+#define PV_MORE_CASES(NV, BF)                                                                       \
+    case 4: pv_tile(4, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                   \
+    case 5: pv_tile(5, NV, BF, ac, d, pr, cr, vr, e0, nk); break;
 #else
-#define PV_CASES(NV, BF)                                                                               \
-    switch (nr) {                                                                                   \
-        case 1: pv_tile(1, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                      \
-        default: pv_tile(PV_NR, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                                 \
-    }
+#define PV_MORE_CASES(NV, BF)
 #endif
+#define PV_CASES(NV, BF)                                                                            \
+    switch (nr) {                                                                                   \
+        case 1: pv_tile(1, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                               \
+        case 2: pv_tile(2, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                               \
+        case 3: pv_tile(3, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                               \
+        PV_MORE_CASES(NV, BF)                                                                       \
+        default: pv_tile(PV_NR, NV, BF, ac, d, pr, cr, vr, e0, nk); break;                          \
+    }
 
 /* P.V for rows r0 .. r1-1 of an item; vr: the block's V rows (bf16: widened as read); nk_of[r]: keys
  * of the block the row may weigh (past them its weights are 0, so leaving them out changes no bit). */
