@@ -8,11 +8,15 @@ its history (cached: sent once before) plus `--new` new tokens, one at a time wi
 
 Reported: the turns' TTFT (client side, to the first streamed token) sorted, p50, p90 and max, and
 how many waited more than twice the p50 (a turn queued behind a neighbour's long prefill instead of
-overtaking it). `--root DIR` runs the server of another checkout (a worktree of an older commit)
+overtaking it). `--breakdown` also runs the server with a trace and splits each turn's TTFT along
+the forward thread's spans (its clock origin lines them up with the client's perf_counter): what
+was left of the step in flight when the turn was sent, the wait from then to the start of the
+turn's own step, that step (its rows and tokens), and the delivery from its end to the client. `--root DIR` runs the server of another checkout (a worktree of an older commit)
 for a before/after on the same machine. Nothing here asserts a duration.
 
     flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_cached_turn.py [--cpu 0] [--neighbours 3]
-        [--history 1000] [--new 22] [--turns 16] [--root DIR] [--server-args '...'] [--json out]
+        [--history 1000] [--new 22] [--turns 16] [--root DIR] [--server-args '...'] [--breakdown]
+        [--json out]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import random
 import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +52,40 @@ def start_server(root: Path, cpu: int | None, extra: list[str]) -> ServerProcess
     return ServerProcess(cmd, port, cwd=root)
 
 
+def breakdown(trace_path: Path, turns: list[tuple[float, float]]) -> list[dict]:
+    """Each turn (sent, first token; perf_counter seconds) along the server's forward spans: the
+    step in flight at sending (what was left of it), the wait until the turn's own step began (the
+    last forward to end before the first token), that step and the delivery after it."""
+    doc = json.loads(trace_path.read_text())
+    origin = doc["otherData"]["clock_origin_s"]
+    forwards = sorted(
+        (origin + e["ts"] / 1e6, origin + (e["ts"] + e["dur"]) / 1e6, e["name"], e.get("args", {}))
+        for e in doc["traceEvents"]
+        if e["ph"] == "X" and e["name"].startswith("forward")
+    )
+    rows = []
+    for sent, first in turns:
+        in_flight = next((f for f in forwards if f[0] <= sent < f[1]), None)
+        own = max((f for f in forwards if f[1] <= first), default=None, key=lambda f: f[1])
+        if own is None or own[0] < sent:
+            continue  # no step of its own found after sending (trace cut short)
+        left = in_flight[1] - sent if in_flight else 0.0
+        rows.append(
+            dict(
+                ttft_ms=round((first - sent) * 1e3, 1),
+                in_flight=f"{in_flight[2]} {in_flight[3].get('bs')}x{in_flight[3].get('tokens')}"
+                if in_flight
+                else "",
+                in_flight_left_ms=round(left * 1e3, 1),
+                wait_ms=round((own[0] - sent - left) * 1e3, 1),
+                step=f"{own[2]} {own[3].get('bs')}x{own[3].get('tokens')}",
+                step_ms=round((own[1] - own[0]) * 1e3, 1),
+                delivery_ms=round((first - own[1]) * 1e3, 1),
+            )
+        )
+    return rows
+
+
 def generate(stub, ids: list[int], max_tokens: int) -> float:
     """Seconds to the first streamed token."""
     req = pb2.GenerateRequest(
@@ -68,7 +107,12 @@ def run(args: argparse.Namespace) -> dict:
     def ids(n: int, r: random.Random = rng) -> list[int]:
         return [r.randrange(100, 40000) for _ in range(n)]
 
-    server = start_server(Path(args.root), args.cpu, shlex.split(args.server_args))
+    extra = shlex.split(args.server_args)
+    trace = Path(tempfile.mkdtemp()) / "trace.json" if args.breakdown else None
+    if trace is not None:
+        extra += ["--trace-file", str(trace)]
+    server = start_server(Path(args.root), args.cpu, extra)
+    sent = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = pb2_grpc.GenerationStub(ch)
@@ -92,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
             ttft = []
             for _ in range(args.turns):
                 time.sleep(rng.uniform(0.5, 1.5))
+                sent.append(time.perf_counter())
                 ttft.append(generate(stub, history + ids(args.new), 1))
             stop.set()
             for t in threads:
@@ -100,7 +145,9 @@ def run(args: argparse.Namespace) -> dict:
         server.stop()
     ms = sorted(round(x * 1000, 1) for x in ttft)
     p50 = statistics.median(ms)
+    turns = breakdown(trace, [(s, s + t) for s, t in zip(sent, ttft)]) if trace is not None else None
     return dict(
+        breakdown=turns,
         ttft_ms=ms,
         p50_ms=p50,
         p90_ms=pct(ms, 90),
@@ -126,6 +173,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--root", default=str(ROOT), help="the checkout whose server runs")
     p.add_argument("--server-args", default="")
+    p.add_argument("--breakdown", action="store_true", help="split each turn's TTFT along the server's trace")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.cpu < 0:
@@ -136,6 +184,20 @@ def main() -> None:
         f"p50 {out['p50_ms']:.0f} ms  p90 {out['p90_ms']:.0f} ms  max {out['max_ms']:.0f} ms  "
         f"over 2x p50: {out['over_twice_p50']} of {len(out['ttft_ms'])}"
     )
+    if out["breakdown"]:
+        print(
+            f"{'TTFT':>7} {'in flight':>22} {'left':>6} {'wait':>6} {'own step':>22} {'ms':>7} {'delivery':>8}"
+        )
+        for r in out["breakdown"]:
+            print(
+                f"{r['ttft_ms']:>7.0f} {r['in_flight']:>22} {r['in_flight_left_ms']:>6.0f} {r['wait_ms']:>6.0f} "
+                f"{r['step']:>22} {r['step_ms']:>7.0f} {r['delivery_ms']:>8.0f}"
+            )
+        med = {
+            k: statistics.median(r[k] for r in out["breakdown"])
+            for k in ("in_flight_left_ms", "wait_ms", "step_ms", "delivery_ms")
+        }
+        print("medians ms: " + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in med.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -263,13 +263,20 @@ def test_trace_file_and_busy_stats(tiny_llama_dir, tmp_path):
         tiny_llama_dir,
     )
     try:
+        before = time.perf_counter()
         c.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))
+        after = time.perf_counter()
         stats = c.engine.stats()
         assert 0 < stats.forward_busy_fraction <= 1 and stats.forward_steps >= 20
     finally:
         c.close()
-    events = json.loads(trace.read_text())["traceEvents"]
+    doc = json.loads(trace.read_text())
+    events = doc["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    # the clock origin puts the spans on the caller's perf_counter clock (a client lines its stamps up)
+    origin = doc["otherData"]["clock_origin_s"]
+    forwards = [origin + e["ts"] / 1e6 for e in events if e["ph"] == "X" and e["name"].startswith("forward")]
+    assert forwards and before <= min(forwards) and max(forwards) <= after
     assert names == {"scheduler", "forward"}
     assert any(e["name"].startswith("forward decode") for e in events if e["ph"] == "X")
     assert any(e["name"].startswith("process decode") for e in events if e["ph"] == "X")
