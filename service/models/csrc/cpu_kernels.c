@@ -55,12 +55,6 @@ static inline void cap_scores(float *s, int64_t n, float cap) {
     for (int64_t j = 0; j < n; j++) s[j] = tanhf(s[j] / cap) * cap;
 }
 
-/* Prefetch every cache line of bytes [p, p + n): a pool row's head slice spans several lines
- * (64 float32s: 4), and the rows of a request lie scattered in the pool. */
-static inline void prefetch_span(const void *p, int64_t n) {
-    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
-}
-
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
 

@@ -161,12 +161,6 @@ static inline const void *kv_row(const Job *jb, const void *pool, int64_t j) {
 /* Zeros standing in for the V rows of keys past kv_len (never weighed: P.V stops at a row's last key). */
 static const float ZERO_ROW[EXT_MAX_D] __attribute__((aligned(64)));
 
-/* Hint the cache to fetch a pool row of `bytes` (the rows of one request lie scattered in the pool,
- * where no hardware prefetcher follows them). */
-static inline void prefetch_row(const void *row, int64_t bytes) {
-    for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch((const char *)row + at);
-}
-
 /* Eight rows of 8 x 32 bits (key t + i at rows[i] + e) as eight columns (element e + j of the eight
  * keys at out + j * ld): a transpose by shuffles, every bit copied. */
 static inline void transpose8_store(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5,
@@ -217,8 +211,8 @@ static void pack_block(const Job *jb, int64_t b) {
         const void *kr[8];
         for (int i = 0; i < 8; i++) kr[i] = kv_row(jb, jb->k, j0 + t + i);
         for (int64_t i = t + 8; i < t + 16 && i < n; i++) {
-            prefetch_row(kv_row(jb, jb->k, j0 + i), row_bytes);
-            prefetch_row(vr[i], row_bytes);
+            prefetch_span(kv_row(jb, jb->k, j0 + i), row_bytes);
+            prefetch_span(vr[i], row_bytes);
         }
         for (int64_t e = 0; e < cols; e += 8)
             transpose8_store(pack_load8(jb->path, kr[0], e), pack_load8(jb->path, kr[1], e),

@@ -1,9 +1,16 @@
-/* Scalar helpers both kernel files use: bf16 <-> float32 and a vectorizable exp. */
+/* Scalar helpers the kernel files share: bf16 <-> float32, a vectorizable exp, cache prefetch. */
 #ifndef ZEROGAP_KERNEL_MATH_H
 #define ZEROGAP_KERNEL_MATH_H
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Prefetch every cache line of bytes [p, p + n): a pool row's head slice spans several lines
+ * (64 float32s: 4), and the rows of a request lie scattered in the pool, where no hardware
+ * prefetcher follows them. */
+static inline void prefetch_span(const void *p, int64_t n) {
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
+}
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t x = (uint32_t)h << 16;
