@@ -11,8 +11,9 @@ how many waited more than twice the p50 (a turn queued behind a neighbour's long
 overtaking it). `--breakdown` also runs the server with a trace and splits each turn's TTFT along
 the forward thread's spans (its clock origin lines them up with the client's perf_counter): what
 was left of the step in flight when the turn was sent, the wait from then to the start of the
-turn's own step, that step (its rows and tokens), and the delivery from its end to the client. `--root DIR` runs the server of another checkout (a worktree of an older commit)
-for a before/after on the same machine. Nothing here asserts a duration.
+turn's own step, that step (its rows and tokens), and the delivery from its end to the client.
+`--root DIR` runs the server of another checkout (a worktree of an older commit) for a
+before/after on the same machine. Nothing here asserts a duration.
 
     flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_cached_turn.py [--cpu 0] [--neighbours 3]
         [--history 1000] [--new 22] [--turns 16] [--root DIR] [--server-args '...'] [--breakdown]

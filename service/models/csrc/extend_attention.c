@@ -189,7 +189,15 @@ static inline __m256 pack_load8(int path, const void *row, int64_t e) {
     if (path == PATH_BF16_INPUT)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + e))), 16));
-    return _mm256_loadu_ps((const float *)row + e); /* float32, or (PATH_BF16_DP) pairs e/2 .. */
+    return _mm256_loadu_ps((const float *)row + e);
+}
+
+/* Element e of a K row to *out as pack_load8 reads it, one at a time (a block's last keys). */
+static inline void pack_copy1(int path, const void *row, int64_t e, float *out) {
+    if (path == PATH_BF16_INPUT)
+        *out = bf16_to_f32(((const uint16_t *)row)[e]);
+    else
+        memcpy(out, (const char *)row + 4 * e, 4); /* float32, or a bf16 pair: its bits as they are */
 }
 
 /* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
@@ -202,7 +210,7 @@ static void pack_block(const Job *jb, int64_t b) {
     const int64_t n = jb->kv_len - j0 < KB ? jb->kv_len - j0 : KB; /* keys in the block */
     const int64_t row_bytes = d * (jb->path == PATH_F32 ? 4 : 2);
     const int dp = jb->path == PATH_BF16_DP;
-    const int64_t cols = dp ? d / 2 : d;   /* 32-bit elements of a packed K column set */
+    const int64_t cols = dp ? d / 2 : d; /* 32-bit elements of a packed key */
     const void **vr = jb->vrows + slot * KB;
     for (int64_t t = 0; t < KB; t++) vr[t] = t < n ? kv_row(jb, jb->v, j0 + t) : (const void *)ZERO_ROW;
     float *kb = dp ? (float *)((uint32_t *)jb->kpack + slot * KB * (d / 2)) : (float *)jb->kpack + slot * KB * d;
@@ -220,25 +228,12 @@ static void pack_block(const Job *jb, int64_t b) {
                              pack_load8(jb->path, kr[4], e), pack_load8(jb->path, kr[5], e),
                              pack_load8(jb->path, kr[6], e), pack_load8(jb->path, kr[7], e), kb + e * KB + t, KB);
     }
-    if (!dp) {
-        for (; t < n; t++) {
-            const void *kr = kv_row(jb, jb->k, j0 + t);
-            if (jb->path == PATH_F32)
-                for (int64_t e = 0; e < d; e++) kb[e * KB + t] = ((const float *)kr)[e];
-            else
-                for (int64_t e = 0; e < d; e++) kb[e * KB + t] = bf16_to_f32(((const uint16_t *)kr)[e]);
-        }
-        for (; t < KB; t++)
-            for (int64_t e = 0; e < d; e++) kb[e * KB + t] = 0.f;
-        return;
-    }
-    uint32_t *kp = (uint32_t *)kb;
     for (; t < n; t++) {
-        const uint16_t *kr = (const uint16_t *)kv_row(jb, jb->k, j0 + t);
-        for (int64_t e2 = 0; e2 < d / 2; e2++) memcpy(kp + e2 * KB + t, kr + 2 * e2, 4); /* a bf16 pair */
+        const void *kr = kv_row(jb, jb->k, j0 + t);
+        for (int64_t e = 0; e < cols; e++) pack_copy1(jb->path, kr, e, kb + e * KB + t);
     }
     for (; t < KB; t++)
-        for (int64_t e2 = 0; e2 < d / 2; e2++) kp[e2 * KB + t] = 0;
+        for (int64_t e = 0; e < cols; e++) kb[e * KB + t] = 0.f; /* all bits 0: a zero pair too */
 }
 
 /* Scores of nr rows (q float32, row stride d) over QK_NV * VL keys of a [d][KB] block. */
