@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT / "clients" / "python"))
 
 import grpc
 from bench_serving import ServerProcess, free_port, pct
+from forward_trace import PARTS, breakdown
 
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
@@ -51,40 +52,6 @@ def start_server(root: Path, cpu: int | None, extra: list[str]) -> ServerProcess
     pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
     cmd = [*pin, sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
     return ServerProcess(cmd, port, cwd=root)
-
-
-def breakdown(trace_path: Path, turns: list[tuple[float, float]]) -> list[dict]:
-    """Each turn (sent, first token; perf_counter seconds) along the server's forward spans: the
-    step in flight at sending (what was left of it), the wait until the turn's own step began (the
-    last forward to end before the first token), that step and the delivery after it."""
-    doc = json.loads(trace_path.read_text())
-    origin = doc["otherData"]["clock_origin_s"]
-    forwards = sorted(
-        (origin + e["ts"] / 1e6, origin + (e["ts"] + e["dur"]) / 1e6, e["name"], e.get("args", {}))
-        for e in doc["traceEvents"]
-        if e["ph"] == "X" and e["name"].startswith("forward")
-    )
-    rows = []
-    for sent, first in turns:
-        in_flight = next((f for f in forwards if f[0] <= sent < f[1]), None)
-        own = max((f for f in forwards if f[1] <= first), default=None, key=lambda f: f[1])
-        if own is None or own[0] < sent:
-            continue  # no step of its own found after sending (trace cut short)
-        left = in_flight[1] - sent if in_flight else 0.0
-        rows.append(
-            dict(
-                ttft_ms=round((first - sent) * 1e3, 1),
-                in_flight=f"{in_flight[2]} {in_flight[3].get('bs')}x{in_flight[3].get('tokens')}"
-                if in_flight
-                else "",
-                in_flight_left_ms=round(left * 1e3, 1),
-                wait_ms=round((own[0] - sent - left) * 1e3, 1),
-                step=f"{own[2]} {own[3].get('bs')}x{own[3].get('tokens')}",
-                step_ms=round((own[1] - own[0]) * 1e3, 1),
-                delivery_ms=round((first - own[1]) * 1e3, 1),
-            )
-        )
-    return rows
 
 
 def generate(stub, ids: list[int], max_tokens: int) -> float:
@@ -194,10 +161,7 @@ def main() -> None:
                 f"{r['ttft_ms']:>7.0f} {r['in_flight']:>22} {r['in_flight_left_ms']:>6.0f} {r['wait_ms']:>6.0f} "
                 f"{r['step']:>22} {r['step_ms']:>7.0f} {r['delivery_ms']:>8.0f}"
             )
-        med = {
-            k: statistics.median(r[k] for r in out["breakdown"])
-            for k in ("in_flight_left_ms", "wait_ms", "step_ms", "delivery_ms")
-        }
+        med = {k: statistics.median(r[k] for r in out["breakdown"]) for k in PARTS}
         print("medians ms: " + ", ".join(f"{k[:-3]} {v:.0f}" for k, v in med.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

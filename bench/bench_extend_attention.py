@@ -92,7 +92,10 @@ def main() -> None:
         q = torch.randn(t, hq, d, generator=gen).to(dtype)
         k = torch.randn(t, hkv, d, generator=gen).to(dtype)
         v = torch.randn(t, hkv, d, generator=gen).to(dtype)
-        paths = {name: TorchAttention(use_kernel=use) for name, use in (("kernel", True), ("sdpa", False))}
+        paths = {  # as the server builds it: the team and dtype pick which kernel takes a short extend
+            name: TorchAttention(use_kernel=use, team=args.threads, dtype=dtype)
+            for name, use in (("kernel", True), ("sdpa", False))
+        }
         metas = {p: b.prepare(fb, hq, hkv, None) for p, b in paths.items()}
         times: dict[str, list[float]] = {p: [] for p in paths}
         outs = {}

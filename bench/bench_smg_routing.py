@@ -34,12 +34,15 @@ two replicas (smg's `x-smg-routed-worker-id` response header; nginx's access log
 keyed by an `x-request-id` the client sends), the replicas' CPU seconds, and the CPU time other
 processes took from the machine meanwhile (`/proc/stat` minus this bench's own processes). Then the
 median of every figure over the rounds and TTFT p50 ratios (round robin / cache_aware) per round.
-Nothing here asserts a duration.
+`--breakdown` traces the replicas (`--trace-file`) and splits each turn's TTFT along its replica's
+forward steps (`forward_trace.py`): what was left of the step in flight when the turn was sent, the
+wait until its own step, that step, and the delivery; printed per arm for the turns 2+ with a short
+question. Nothing here asserts a duration.
 
 Usage (heavy: run under the shared lock; about 2-4 minutes per arm with the defaults):
     flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_smg_routing.py [--model DIR] [--rounds 3]
         [--conversations 24] [--turns 6] [--concurrency 8] [--think-s 1.0] [--paste-share 0.2]
-        [--arms a,b,c] [--smg-args '...'] [--server-args '...'] [--json out]
+        [--arms a,b,c] [--smg-args '...'] [--server-args '...'] [--breakdown] [--json out]
 """
 
 from __future__ import annotations
@@ -61,9 +64,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "clients" / "python"))
 
 import grpc
+from forward_trace import PARTS, load_forwards, split_turn
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
 from zerogap.v1 import generation_pb2 as pb2
@@ -286,12 +291,16 @@ def wait(pred, timeout: float, what: str) -> None:
     raise SystemExit(f"{what} did not come up in {timeout:.0f}s")
 
 
-def start_replicas(model: str | None, tmp: Path, extra: list[str], cpus: list[int] | None):
+def start_replicas(
+    model: str | None, tmp: Path, extra: list[str], cpus: list[int] | None, traces: bool = False
+):
     out = []
     for i, name in enumerate(("a", "b")):
         port = free_port()
         log = open(tmp / f"replica-{name}.log", "wb")
         cmd = [sys.executable, "-m", "service", "serve", "--host", "127.0.0.1", "--port", str(port), *extra]
+        if traces:  # written when the replica stops
+            cmd += ["--trace-file", str(tmp / f"trace-{name}.json")]
         if model:
             cmd += ["--model", model]
         pin = None if cpus is None else (lambda cpu=cpus[i]: os.sched_setaffinity(0, {cpu}))
@@ -422,6 +431,7 @@ class Record:
     previous_prompt: int
     paste: bool
     replica: str = "?"
+    sent: float = 0.0  # perf_counter when the turn was sent (the replicas' traces share the clock)
 
 
 @dataclass
@@ -442,6 +452,7 @@ async def run_workload(make_ask, conversations: list[list[Turn]], concurrency: i
             for t, turn in enumerate(turns):
                 await asyncio.sleep(turn.think_s)
                 messages.append({"role": "user", "content": turn.user})
+                sent = time.perf_counter()
                 try:
                     ttft, e2e, text, prompt, cached, output, replica = await ask(
                         messages, turn.max_tokens, f"c{c}-t{t}-{os.urandom(3).hex()}"
@@ -451,7 +462,7 @@ async def run_workload(make_ask, conversations: list[list[Turn]], concurrency: i
                     run.errors += 1
                     return
                 run.records.append(
-                    Record(c, t, ttft, e2e, prompt, cached, output, previous, turn.paste, replica)
+                    Record(c, t, ttft, e2e, prompt, cached, output, previous, turn.paste, replica, sent)
                 )
                 previous = prompt
                 messages.append({"role": "assistant", "content": text})
@@ -635,6 +646,42 @@ def medians(rows: list[dict], arms: list[str]) -> list[dict]:
     return out
 
 
+def add_breakdown(records: list[dict], tmp: Path) -> None:
+    """Each record's TTFT split along its replica's forward spans (`forward_trace`), in place."""
+    forwards = {n: load_forwards(tmp / f"trace-{n}.json") for n in ("a", "b")}
+    for r in records:
+        if r["replica"] in forwards:
+            r["breakdown"] = split_turn(forwards[r["replica"]], r["sent"], r["sent"] + r["ttft"])
+
+
+def print_breakdown(records: list[dict], arms: list[str], rounds: int) -> None:
+    """Per arm and round, the turns 2+ with a short question: the medians of their TTFT's parts on
+    the replica, and how often the step in flight or their own step carried a prompt chunk."""
+    print("\nturns 2+ with a short question, TTFT split along the replica's steps (medians, ms)")
+    print(
+        f"{'round':>5} {'arm':16} {'turns':>5} {'TTFT':>6} {'left':>6} {'wait':>6} {'step':>6} "
+        f"{'deliv':>6} {'behind chunk':>12} {'own tokens':>10} {'own > 64':>8}"
+    )
+    for rnd in range(1, rounds + 1):
+        for arm in arms:
+            b = [
+                r["breakdown"]
+                for r in records
+                if r["arm"] == arm and r["round"] == rnd and r["turn"] > 0 and not r["paste"]
+                if r.get("breakdown")
+            ]
+            if not b:
+                continue
+            med = {k: statistics.median(x[k] for x in b) for k in ("ttft_ms", *PARTS)}
+            print(
+                f"{rnd:>5} {arm:16} {len(b):>5} {med['ttft_ms']:6.0f} {med['in_flight_left_ms']:6.0f} "
+                f"{med['wait_ms']:6.0f} {med['step_ms']:6.0f} {med['delivery_ms']:6.0f} "
+                f"{sum(x['in_flight_tokens'] > 64 for x in b):>12} "
+                f"{statistics.median(x['step_tokens'] for x in b):>10.0f} "
+                f"{sum(x['step_tokens'] > 64 for x in b):>8}"
+            )
+
+
 # ---- main ----------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -658,6 +705,8 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="extra `service serve` flags for both replicas")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None,
                     help="replica i on CPU i only (default: on when two or more CPUs are granted)")  # fmt: skip
+    ap.add_argument("--breakdown", action="store_true",
+                    help="trace the replicas and split each turn's TTFT along its replica's forward steps")  # fmt: skip
     ap.add_argument("--json", default=None, help="write rows, medians and per-request records here")
     args = ap.parse_args()
     arms = args.arms.split(",")
@@ -672,7 +721,7 @@ def main() -> None:
     pin = args.pin if args.pin is not None else len(granted) >= 2
     cpus = granted[:2] if pin else None
     tmp = Path(tempfile.mkdtemp(prefix="bench-smg-"))
-    replicas = start_replicas(args.model, tmp, args.server_args.split(), cpus)
+    replicas = start_replicas(args.model, tmp, args.server_args.split(), cpus, traces=args.breakdown)
     ports = [p for _, p in replicas]
     replica_of = {f"grpc://127.0.0.1:{p}": n for p, n in zip(ports, "ab")}
     replica_of |= {f"127.0.0.1:{p}": n for p, n in zip(ports, "ab")}
@@ -732,6 +781,8 @@ def main() -> None:
         for p, _ in replicas:
             p.wait(30)
 
+    if args.breakdown:
+        add_breakdown(records, tmp)
     prompts = [r["prompt"] for r in records]
     print(
         f"\n{args.conversations} conversations x {args.turns} turns, {args.concurrency} open at a time, think "
@@ -764,6 +815,8 @@ def main() -> None:
                 + " ".join(f"{x:.2f}x" for x in per)
                 + f"  (median {statistics.median(per):.2f}x)"
             )
+    if args.breakdown:
+        print_breakdown(records, arms, args.rounds)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "medians": med, "records": records}, indent=1))
 
