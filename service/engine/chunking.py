@@ -4,14 +4,15 @@ With `--chunked-prefill-size N` a step carries at most N prompt tokens: the
 continuing chunk of the request part-way through its prompt, then new prompts
 in admission order; the first that does not fit whole is cut at the budget and
 continues next step. New prompts shorter than what the one part-way has left
-go whole before its chunk, as long as the chunk keeps a quarter of the budget
-(`ChunkStep.overtakes`): a short prompt that arrives while a long one is cut
-into chunks gets its first token after one step, not after the long one's last
-chunk, and the long one still advances every step. A step that prompts overtook
-carries only that quarter of the chunk, not what the budget leaves: where a
-step's time grows with its rows (a CPU, a large model on a GPU) the overtakers'
-first tokens come after a short step, and the long prompt pays one more step for
-it (its rows are computed all the same). A cut request keeps its slot and its KV rows
+go whole before its chunk (`ChunkStep.overtakes`): a short prompt that arrives
+while a long one is cut into chunks gets its first token after one step, not
+after the long one's last chunk. A step that prompts overtook leaves the chunk
+out, unless the step before it left it out too: then the chunk keeps its floor,
+a quarter of the budget (and prompts overtake only beside it). Where a step's
+time grows with its rows (a CPU, a large model on a GPU) the overtakers' first
+tokens come after a step of their own rows, and the long prompt pays one more
+step for it (its rows are computed all the same); however many prompts keep
+overtaking, it advances by its floor at least every other step. A cut request keeps its slot and its KV rows
 between chunks (they are in the request-to-token table, the next chunk extends
 them with `prefix_len` = tokens done), and is not decodable — nor in
 `Scheduler.running` — until its last chunk is launched. The token sampled after
@@ -81,11 +82,12 @@ class ChunkStep:
     used: int = 0
     split: bool = False  # a prompt was cut at the budget: nothing is admitted after it
     pending: Req | None = None  # part-way through its prompt: its chunk goes in after the overtakers
-    floor: int = 0  # tokens the pending chunk keeps however many prompts overtake it
+    floor: int = 0  # tokens the pending chunk keeps however many prompts overtake it (0: none)
     overtaken: bool = False  # a new prompt went in before the pending chunk: the chunk takes its floor
+    left_out: bool = False  # overtaken with a floor of 0: the pending chunk waits for the next step
 
     def room(self) -> bool:
-        return not self.split and self.used < self.budget
+        return not self.split and not self.left_out and self.used < self.budget
 
     def overtakes(self, tokens: int) -> bool:
         """A new prompt of `tokens` goes whole before the pending chunk: shorter than what the pending
@@ -96,9 +98,13 @@ class ChunkStep:
         return tokens < left and self.used + tokens + min(left, self.floor) <= self.budget
 
     def resume(self) -> None:
-        """The pending chunk goes in: its floor when prompts overtook it, else what the budget leaves."""
+        """The pending chunk goes in: its floor when prompts overtook it (none: it is left out), else
+        what the budget leaves."""
         if self.pending is not None:
             req, self.pending = self.pending, None
+            if self.overtaken and self.floor == 0:
+                self.left_out = True
+                return
             self.add(req, req.kv_len, fresh=False, limit=self.floor if self.overtaken else None)
 
     def add(self, req: Req, start: int, fresh: bool, limit: int | None = None) -> None:
@@ -125,6 +131,7 @@ class PrefillChunker:
         self.stats = feature.stats if feature is not None else ChunkCounters()
         self.partial: Req | None = None  # cut at the budget: its next chunk goes first
         self.decode_turn = False  # the last step cut a prompt without carrying the decodes
+        self.left_out = False  # prompts overtook the partial one's chunk last step and it was left out
 
     @property
     def holding(self) -> int:
@@ -133,7 +140,8 @@ class PrefillChunker:
 
     def begin_step(self, running: list[Req], free_rows: int) -> ChunkStep:
         """This step's budget (at most the KV rows free now): the decodes' share (mixed) is taken first;
-        the continuing chunk is pending (`ChunkStep.resume` adds it after the prompts that overtake it)."""
+        the continuing chunk is pending (`ChunkStep.resume` adds it after the prompts that overtake it;
+        overtaken, it keeps a quarter of the budget if it was left out last step, else none)."""
         if self.partial is not None and self.partial.finished:
             self.partial = None  # aborted or failed mid-prefill: finish() freed its KV and slot
         decodable = [r for r in running if not r.finished and r.launched < r.max_new_tokens]
@@ -146,7 +154,8 @@ class PrefillChunker:
             step.decodes = decodable
             step.used = len(decodable)
         if self.partial is not None and step.room():
-            step.pending, step.floor = self.partial, max(1, step.budget // 4)
+            step.pending = self.partial
+            step.floor = max(1, step.budget // 4) if self.left_out else 0
         return step
 
     def build(
@@ -158,11 +167,9 @@ class PrefillChunker:
         device: Device,
     ) -> tuple[ScheduleBatch | None, list[Req]]:
         """(the step's batch, the requests whose whole prompt is now launched: they start decoding)."""
-        step.resume()
+        self.settle(step)
         if not step.rows:
             return None, []
-        cut = [row.req for row in step.rows if row.partial]
-        self.partial = cut[0] if cut else None
         done = [row.req for row in step.rows if not row.partial]
         decode_rows = [
             ExtendRow(r, [r.next_input], prefix_len=r.kv_len, new_slot=False, decodes=True)
@@ -179,6 +186,17 @@ class PrefillChunker:
         if self.feature is not None and mine:
             batch.own_plan = [(self.feature, mine)]
         return batch, done
+
+    def settle(self, step: ChunkStep) -> None:
+        """The pending chunk goes in (or is left out), and what the next step inherits is set: the
+        request part-way through its prompt, and whether its chunk was left out (a decode turn, with
+        no budget, changes neither)."""
+        step.resume()
+        if step.budget > 0:
+            self.left_out = step.left_out
+        if step.rows and not step.left_out:  # left out, the partial request stays
+            cut = [row.req for row in step.rows if row.partial]
+            self.partial = cut[0] if cut else None
 
     def _count(self, step: ChunkStep, chunk_rows: list[int], decode_rows: list[ExtendRow]) -> None:
         s = self.stats

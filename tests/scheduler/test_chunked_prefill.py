@@ -264,28 +264,39 @@ def test_short_prompt_overtakes_a_long_one_part_way(loop, cached, tiny_llama_dir
     assert long[0] == ref[0][0] and short[0] == ref[1][0]
 
 
-def test_an_overtaken_chunk_takes_its_floor():
-    """A step that prompts overtook carries the pending chunk's floor (a quarter of the budget), not
-    what the budget leaves: the overtakers' step stays short. Without an overtaker the chunk takes
-    the rest of the budget, and a chunk with less left than its floor finishes."""
+def test_an_overtaken_chunk_is_left_out_then_takes_its_floor():
+    """A step that prompts overtook leaves the pending chunk out: the overtakers' step carries only
+    their rows. The next step that prompts overtake gives the chunk its floor (a quarter of the
+    budget), so however many prompts keep overtaking, the long one advances every other step. Without
+    an overtaker the chunk takes the rest of the budget, and a chunk with less left than its floor
+    finishes; a decode turn in between (no budget) does not reset what the chunk is owed."""
     long = SimpleNamespace(prefill_ids=list(range(2000)), kv_len=512, finished=False)
     chunker = PrefillChunker(size=256, mixed=True)
+    chunker.partial = long
 
     def step(decodes: int, *short_lens: int) -> list[int]:
-        chunker.partial = long
         running = [SimpleNamespace(finished=False, launched=0, max_new_tokens=8) for _ in range(decodes)]
         st = chunker.begin_step(running, free_rows=10_000)
         for n in short_lens:
             assert st.overtakes(n)
             st.add(SimpleNamespace(prefill_ids=list(range(1000 + n))), 1000, fresh=True)  # 1000 cached
-        st.resume()
+        chunker.settle(st)
         return [len(row.token_ids) for row in st.rows]
 
     assert step(3) == [253]  # no overtaker: the chunk takes the budget the decodes leave
-    assert step(3, 22) == [22, 64]  # overtaken: the floor, 256 // 4
+    long.kv_len += 253
+    assert step(3, 22) == [22]  # overtaken: left out
+    assert chunker.partial is long and chunker.left_out
+    assert step(3, 22) == [22, 64]  # overtaken again: the floor, 256 // 4
+    long.kv_len += 64
+    assert step(0, 22, 40) == [22, 40]
+    chunker.decode_turn = True
+    assert step(3) == [] and chunker.left_out  # a decode turn: the chunk is still owed its floor
     assert step(0, 22, 40) == [22, 40, 64]
     long.kv_len = 2000 - 30
+    assert step(3, 10) == [10]
     assert step(3, 10) == [10, 30]  # less left than the floor: the chunk finishes
+    assert chunker.partial is None
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
