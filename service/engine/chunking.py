@@ -83,7 +83,7 @@ class ChunkStep:
     split: bool = False  # a prompt was cut at the budget: nothing is admitted after it
     pending: Req | None = None  # part-way through its prompt: its chunk goes in after the overtakers
     floor: int = 0  # tokens the pending chunk keeps however many prompts overtake it (0: none)
-    overtaken: bool = False  # a new prompt went in before the pending chunk: the chunk takes its floor
+    overtaken: bool = False  # a new prompt went in before the pending chunk: its floor, or it is left out
     left_out: bool = False  # overtaken with a floor of 0: the pending chunk waits for the next step
 
     def room(self) -> bool:
