@@ -12,7 +12,8 @@ a quarter of the budget (and prompts overtake only beside it). Where a step's
 time grows with its rows (a CPU, a large model on a GPU) the overtakers' first
 tokens come after a step of their own rows, and the long prompt pays one more
 step for it (its rows are computed all the same); however many prompts keep
-overtaking, it advances by its floor at least every other step. A cut request keeps its slot and its KV rows
+overtaking, it advances by its floor at least every other step that admits
+prompts (decode turns, below, come between). A cut request keeps its slot and its KV rows
 between chunks (they are in the request-to-token table, the next chunk extends
 them with `prefix_len` = tokens done), and is not decodable — nor in
 `Scheduler.running` — until its last chunk is launched. The token sampled after
@@ -194,7 +195,9 @@ class PrefillChunker:
         step.resume()
         if step.budget > 0:
             self.left_out = step.left_out
-        if step.rows and not step.left_out:  # left out, the partial request stays
+        if step.left_out:  # the partial request stays; only whole overtakers went in
+            assert not any(row.partial for row in step.rows)
+        elif step.rows:
             cut = [row.req for row in step.rows if row.partial]
             self.partial = cut[0] if cut else None
 

@@ -267,7 +267,8 @@ def test_short_prompt_overtakes_a_long_one_part_way(loop, cached, tiny_llama_dir
 def test_an_overtaken_chunk_is_left_out_then_takes_its_floor():
     """A step that prompts overtook leaves the pending chunk out: the overtakers' step carries only
     their rows. The next step that prompts overtake gives the chunk its floor (a quarter of the
-    budget), so however many prompts keep overtaking, the long one advances every other step. Without
+    budget), so however many prompts keep overtaking, the long one advances every other step that
+    admits prompts. Without
     an overtaker the chunk takes the rest of the budget, and a chunk with less left than its floor
     finishes; a decode turn in between (no budget) does not reset what the chunk is owed."""
     long = SimpleNamespace(prefill_ids=list(range(2000)), kv_len=512, finished=False)
