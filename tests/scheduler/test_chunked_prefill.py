@@ -264,6 +264,35 @@ def test_short_prompt_overtakes_a_long_one_part_way(loop, cached, tiny_llama_dir
     assert long[0] == ref[0][0] and short[0] == ref[1][0]
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "decode-turns"])
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_long_prompt_behind_an_overtaker_waits_while_the_chunk_is_left_out(loop, mixed, tiny_llama_dir):
+    """While a long prompt is cut into chunks, a short prompt and a second long one arrive together:
+    the short one overtakes and the chunk is left out of its step, so the second long one (which does
+    not overtake) waits for a later step rather than being cut beside it. Every request gives what it
+    gives alone, with running streams decoding throughout (mixed rows, or decode turns)."""
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    prompts = [prompt(31, 120), prompt(32, 2), prompt(33, 90), prompt(34, 5)]
+    ref, _ = run(tiny_llama_dir, prompts, [sp] * 4, [{}] * 4)
+    c = client(tiny_llama_dir, chunked_prefill_size=4, enable_mixed_chunk=mixed, loop=loop)
+    try:
+        sched = c.engine.scheduler
+        c.submit("stream", prompts[3], SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True))
+        c.submit("long", prompts[0], sp)
+        assert wait_until(lambda: sched.chunker.stats.chunks > 5, 60)
+        c.submit("short", prompts[1], sp)
+        c.submit("long2", prompts[2], sp)
+        outs = [collect(c.wait(rid)) for rid in ("long", "short", "long2")]
+        assert all(o[2].error is None for o in outs)
+        c.engine.abort("stream")
+        collect(c.wait("stream"))
+        assert sched.chunker.holding == 0
+        assert_pools_initial(c)
+    finally:
+        c.close()
+    assert [o[0] for o in outs] == [ref[0][0], ref[1][0], ref[2][0]]
+
+
 def test_an_overtaken_chunk_is_left_out_then_takes_its_floor():
     """A step that prompts overtook leaves the pending chunk out: the overtakers' step carries only
     their rows. The next step that prompts overtake gives the chunk its floor (a quarter of the
