@@ -9,6 +9,7 @@ before `first`), that step, and the delivery from its end to the client.
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -30,9 +31,12 @@ def shape(f: Forward) -> str:
 
 
 def split_turn(forwards: list[Forward], sent: float, first: float) -> dict | None:
-    """One turn's parts in ms (None: no step of its own after `sent`, e.g. the trace was cut short)."""
-    in_flight = next((f for f in forwards if f[0] <= sent < f[1]), None)
-    own = max((f for f in forwards if f[1] <= first), default=None, key=lambda f: f[1])
+    """One turn's parts in ms (None: no step of its own after `sent`, e.g. the trace was cut short).
+    `forwards` as load_forwards gives them: one forward thread's steps, so sorted by start and by end."""
+    i = bisect.bisect_right(forwards, sent, key=lambda f: f[0]) - 1  # the last step started by `sent`
+    in_flight = forwards[i] if i >= 0 and sent < forwards[i][1] else None
+    j = bisect.bisect_right(forwards, first, key=lambda f: f[1]) - 1  # the last step ended by `first`
+    own = forwards[j] if j >= 0 else None
     if own is None or own[0] < sent:
         return None
     left = in_flight[1] - sent if in_flight else 0.0

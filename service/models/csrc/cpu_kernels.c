@@ -205,9 +205,6 @@ static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-static inline void prefetch_row(const uint16_t *p, int64_t elems) {
-    for (int64_t e = 0; e < elems; e += 32) _mm_prefetch((const char *)(p + e), _MM_HINT_T1);
-}
 
 
 /* P.V for NH heads (a0 ..) of kv head h over the block's n tokens; their accumulators stay in
@@ -255,8 +252,8 @@ static inline void prefetch_row(const uint16_t *p, int64_t elems) {
                 for (int64_t t = 0; t < nn; t++) {                                                          \
                     const int64_t j = j0 + jb + t;                                                          \
                     if (j + PF_ROWS <= pos) {                                                               \
-                        prefetch_row(k + rows[j + PF_ROWS] * row_elems + h0 * D, (h1 - h0) * D);           \
-                        prefetch_row(v + rows[j + PF_ROWS] * row_elems + h0 * D, (h1 - h0) * D);           \
+                        prefetch_span_l2(k + rows[j + PF_ROWS] * row_elems + h0 * D, (h1 - h0) * D * sizeof(uint16_t)); \
+                        prefetch_span_l2(v + rows[j + PF_ROWS] * row_elems + h0 * D, (h1 - h0) * D * sizeof(uint16_t)); \
                     }                                                                                       \
                     const uint16_t *kr = k + rows[j] * row_elems;                                           \
                     for (int64_t h = h0; h < h1; h++) {                                                     \

@@ -12,6 +12,12 @@ static inline void prefetch_span(const void *p, int64_t n) {
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b);
 }
 
+/* The same into L2 only (prefetcht1): for rows fetched far ahead, which in L1 would crowd out what
+ * the loop reads now. */
+static inline void prefetch_span_l2(const void *p, int64_t n) {
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char *)p + b, 0, 2);
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t x = (uint32_t)h << 16;
     float f;
