@@ -76,8 +76,11 @@ class OutputRouter:
                 assert self.engine is not None
                 self.engine.on_finished(o.rid)
 
-    def open(self, rid: str) -> asyncio.Queue[RequestOutput]:
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    def open(
+        self, rid: str, queue: asyncio.Queue[RequestOutput] | None = None
+    ) -> asyncio.Queue[RequestOutput]:
+        """The queue `rid`'s outputs go to: a new one, or `queue` (shared by the samples of one call)."""
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue() if queue is None else queue
         self.queues[rid] = q
         return q
 

@@ -7,8 +7,12 @@ why this contract): token ids in and out (`Generate`, streamed as deltas then a 
 sampling and stop fields, seed, constraints, logprobs, `Abort`, health, model and server info,
 `GetLoads`, `GetTokenizer`, `FlushCache` and `SubscribeKvEvents` (service/kv_events.py).
 
+`n` > 1 runs n requests on the engine, queued together, their outputs tagged with their `index` (as
+vLLM's worker does); with a seed, sample i draws from its own seed derived from it
+(`service.core.request.sample_seed`).
+
 What zerogap cannot honour is refused with FAILED_PRECONDITION naming the field (the gateway answers
-400): n > 1, images (mm_inputs, media_refs), PD disaggregation (kv_transfer_params), logit_bias,
+400): images (mm_inputs, media_refs), PD disaggregation (kv_transfer_params), logit_bias,
 data-parallel ranks other than 0, all-vocabulary logprobs (-1).
 """
 
@@ -24,6 +28,7 @@ import time
 import uuid
 import zipfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,15 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from features.constrained import ConstraintSpec
 from features.logprobs import LogprobParams
 from service import __version__
-from service.core.request import FinishReason, Req, RequestError, RequestOutput, SamplingParams
+from service.core.request import (
+    MAX_SAMPLES,
+    FinishReason,
+    Req,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    sample_seed,
+)
 from service.engine.engine import Engine
 from service.kv_events import BLOCK_SIZE, KvEventPublisher, Unavailable
 from service.tokenizer import InputTooLong
@@ -124,8 +137,10 @@ def logprobs_from_vllm(sp: Any) -> LogprobParams | None:
 def check_supported(request: Any) -> None:
     """FAILED_PRECONDITION for what the request asks that zerogap does not do."""
     sp = request.sampling_params
-    if sp.n > 1:
-        raise _unsupported("sampling_params.n", f"one sample per request (got {sp.n}); send n requests")
+    if sp.n > MAX_SAMPLES:
+        raise RequestError(
+            "INVALID_ARGUMENT", f"sampling_params.n: must be at most {MAX_SAMPLES}, got {sp.n}"
+        )
     if sp.logit_bias:
         raise _unsupported("sampling_params.logit_bias")
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
@@ -202,10 +217,12 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.started = time.time()
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
+        self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
 
     # ---- Generate ------------------------------------------------------------------
-    def _build(self, request: Any) -> tuple[Req, OutputLog]:
-        """Worker thread: the validated Req and its logprob shape."""
+    def _build(self, request: Any) -> tuple[str, list[Req], OutputLog]:
+        """Worker thread: the request's id, its validated Reqs (one per sample of `n`: "id/i" when
+        n > 1) and their logprob shape."""
         check_supported(request)
         which = request.WhichOneof("input")
         if which == "tokenized":
@@ -228,70 +245,101 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if logprobs is not None:
             features["logprobs"] = logprobs
         rid = request.request_id or f"smg-{uuid.uuid4().hex}"
-        req = self.engine.build_request(rid, ids, sampling_from_vllm(sp), features)
+        params = sampling_from_vllm(sp)
+        n = max(sp.n, 1)
+        reqs = [
+            self.engine.build_request(
+                rid if n == 1 else f"{rid}/{i}",
+                ids,
+                replace(params, seed=sample_seed(params.seed, i)),
+                features,
+            )
+            for i in range(n)
+        ]
         log_shape = OutputLog(
             sp.logprobs if sp.HasField("logprobs") else None,
             sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
-            req.prompt_ids,
+            reqs[0].prompt_ids,
         )
-        return req, log_shape
+        return rid, reqs, log_shape
 
-    async def _start(self, request: Any, context: Any) -> tuple[Req, asyncio.Queue[RequestOutput], OutputLog]:
+    async def _start(
+        self, request: Any, context: Any
+    ) -> tuple[str, list[Req], asyncio.Queue[RequestOutput], OutputLog]:
+        """Submit the request's samples together; their outputs all come through one queue."""
         self.last_receive = time.time()
         if self.draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         try:
-            req, log_shape = await asyncio.get_running_loop().run_in_executor(None, self._build, request)
-            for fut in self.engine.features.pending(req):  # a grammar's errors before admission
-                await asyncio.wrap_future(fut)
-            self.engine.submit(req)
-            queue = self.router.open(req.rid)
+            rid, reqs, log_shape = await asyncio.get_running_loop().run_in_executor(
+                None, self._build, request
+            )
+            for req in reqs:
+                for fut in self.engine.features.pending(req):  # a grammar's errors before admission
+                    await asyncio.wrap_future(fut)
+            self.engine.submit_all(reqs)
+            queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            for req in reqs:
+                self.router.open(req.rid, queue)
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
-        return req, queue, log_shape
+        if len(reqs) > 1:
+            self.samples[rid] = [r.rid for r in reqs]
+        return rid, reqs, queue, log_shape
 
     async def Generate(self, request, context):
-        req, queue, lp = await self._start(request, context)
-        done, first, outs = False, True, []
+        rid, reqs, queue, lp = await self._start(request, context)
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        live = set(index)  # the samples not finished yet
+        fresh = set(index.values())  # the samples that have sent no chunk yet
+        outs: list[list[RequestOutput]] = [[] for _ in reqs]
         try:
-            while not done:
+            while live:
                 batch = [await queue.get()]
                 while not queue.empty():  # a slow reader gets merged deltas
                     batch.append(queue.get_nowait())
-                last = batch[-1]
-                done = last.finish_reason is not None
-                if done and last.finish_reason is FinishReason.ERROR:
-                    await context.abort(
-                        getattr(grpc.StatusCode, last.error_code), last.error or "internal error"
-                    )
-                if not request.stream:
-                    outs += batch
-                    continue
-                tokens = [t for o in batch for t in o.token_ids]
-                if tokens or first:
-                    yield vllm_engine_pb2.GenerateResponse(
-                        chunk=vllm_engine_pb2.GenerateStreamChunk(
-                            token_ids=tokens,
-                            prompt_tokens=last.prompt_tokens,
-                            completion_tokens=len(tokens),  # a delta: the gateway adds them up
-                            cached_tokens=last.cached_tokens,
-                            output_logprobs=lp.output(batch),
-                            input_logprobs=lp.prompt(batch) if first else None,
+                for sample, group in _by_request(batch):
+                    i, last = index[sample], group[-1]
+                    done = last.finish_reason is not None
+                    if done:
+                        live.discard(sample)
+                        if last.finish_reason is FinishReason.ERROR:
+                            await context.abort(
+                                getattr(grpc.StatusCode, last.error_code), last.error or "internal error"
+                            )
+                    if not request.stream:
+                        outs[i] += group
+                        continue
+                    tokens = [t for o in group for t in o.token_ids]
+                    if tokens or i in fresh:
+                        yield vllm_engine_pb2.GenerateResponse(
+                            chunk=vllm_engine_pb2.GenerateStreamChunk(
+                                token_ids=tokens,
+                                prompt_tokens=last.prompt_tokens,
+                                completion_tokens=len(tokens),  # a delta: the gateway adds them up
+                                cached_tokens=last.cached_tokens,
+                                output_logprobs=lp.output(group),
+                                input_logprobs=lp.prompt(group) if i in fresh else None,
+                                index=i,
+                            )
                         )
-                    )
-                    first = False
-                if done:
-                    yield self._complete(tokens, batch, lp, stream=True)
+                        fresh.discard(i)
+                    if done:
+                        yield self._complete(tokens, group, lp, i, stream=True)
             if not request.stream:
-                yield self._complete([t for o in outs for t in o.token_ids], outs, lp, stream=False)
+                for i, sample in enumerate(outs):
+                    yield self._complete(
+                        [t for o in sample for t in o.token_ids], sample, lp, i, stream=False
+                    )
         finally:
-            if not done:  # the gateway went away or sent a deadline: free the request's KV now
-                self.engine.abort(req.rid)
+            for sample in live:  # the gateway went away or sent a deadline: free the samples' KV now
+                self.engine.abort(sample)
+            self.samples.pop(rid, None)
 
     def _complete(
-        self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, stream: bool
+        self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, index: int, stream: bool
     ) -> vllm_engine_pb2.GenerateResponse:
-        """The final message: all tokens (streamed: the last delta, as vLLM sends it)."""
+        """A sample's final message: all tokens (streamed: the last delta, as vLLM sends it)."""
         last = outs[-1]
         complete = vllm_engine_pb2.GenerateComplete(
             output_ids=tokens,
@@ -301,6 +349,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             cached_tokens=last.cached_tokens,
             output_logprobs=None if stream else lp.output(outs),
             input_logprobs=None if stream else lp.prompt(outs),
+            index=index,
         )
         if isinstance(last.matched_stop, str):
             complete.matched_stop_str = last.matched_stop
@@ -310,7 +359,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request, context):
         for rid in request.request_ids:
-            self.engine.abort(rid)
+            for sample in self.samples.get(rid, [rid]):
+                self.engine.abort(sample)
         return vllm_engine_pb2.AbortResponse()
 
     # ---- health, info, loads -------------------------------------------------------
@@ -422,6 +472,14 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 yield batch
         except Unavailable as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+
+def _by_request(outputs: list[RequestOutput]) -> list[tuple[str, list[RequestOutput]]]:
+    """Outputs grouped by request, in order of each request's first output."""
+    groups: dict[str, list[RequestOutput]] = {}
+    for o in outputs:
+        groups.setdefault(o.rid, []).append(o)
+    return list(groups.items())
 
 
 def _int(*values: Any) -> int:

@@ -31,6 +31,19 @@ class RequestError(Exception):
 DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 MAX_SEED = 2**64 - 1
+MAX_SAMPLES = 128  # `n` of one call (the SMG worker contract, the OpenAI gateway)
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request for n samples: the seed itself for sample 0 (so n = 1
+    is unchanged), a distinct one derived from it for the others (splitmix64 of seed + index x the
+    golden ratio), so each sample differs and all repeat with the seed. None stays None (random)."""
+    if seed is None or index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
 
 
 @dataclass

@@ -73,6 +73,38 @@ async def until_disconnected(request: Request, aw: Awaitable[T]) -> T:
         watch.cancel()
 
 
+async def all_or_none(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every call's result, in order; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()  # no-op for the finished ones
+
+
+async def interleave(streams: list[AsyncStream], firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
+    """(sample index, delta) as each stream delivers, after each stream's first delta (in `firsts`);
+    a stream is followed until its delta with a finish reason."""
+    pending: dict[asyncio.Future[Delta], int] = {}
+    try:
+        for i, delta in enumerate(firsts):
+            yield i, delta
+            if delta.finish_reason is None:
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.__getitem__):
+                i = pending.pop(fut)
+                delta = fut.result()
+                yield i, delta
+                if delta.finish_reason is None:
+                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
 class Gateway:
     """Route handlers and the state they share: the gRPC client, the model name, token texts."""
 
@@ -176,13 +208,22 @@ class Gateway:
     async def _generate(self, request: Request, call: p.Call, prefix: str) -> Response:
         await self._check_model(call.model)
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        kw = dict(logprobs=call.logprobs, constraint=call.constraint, request_id=rid)
+        ids = [rid] if call.n == 1 else [f"{rid}/{i}" for i in range(call.n)]  # a gRPC call per sample
+        kw = dict(logprobs=call.logprobs, constraint=call.constraint)
         try:
             if call.stream:
-                return await self._stream(
-                    request, call, rid, self.grpc.stream(call.prompt, call.sampling, **kw)
-                )
-            done = await until_disconnected(request, self.grpc.generate(call.prompt, call.sampling, **kw))
+                streams = [
+                    self.grpc.stream(call.prompt, sampling, request_id=i, **kw)
+                    for i, sampling in zip(ids, p.samplings(call))
+                ]
+                return await self._stream(request, call, rid, streams)
+            done = await until_disconnected(
+                request,
+                all_or_none(
+                    self.grpc.generate(call.prompt, sampling, request_id=i, **kw)
+                    for i, sampling in zip(ids, p.samplings(call))
+                ),
+            )
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         except ZerogapError as e:
@@ -191,56 +232,55 @@ class Gateway:
             raise err from None
         body = p.envelope(call, rid, p.now(), chunk=False)
         body["choices"] = [
-            p.choice(call, done.text, done.finish_reason, await self._logprobs(call, [done]), False)
+            p.choice(call, d.text, d.finish_reason, await self._logprobs(call, [d]), False, index=i)
+            for i, d in enumerate(done)
         ]
-        body["usage"] = p.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+        body["usage"] = p.usage(
+            done[0].prompt_tokens, sum(d.completion_tokens for d in done), done[0].cached_tokens
+        )
         return JSONResponse(body)
 
-    async def _stream(self, request: Request, call: p.Call, rid: str, stream: AsyncStream) -> Response:
-        # The first delta is awaited before answering, so that a request the service refuses
-        # gets its HTTP error status rather than a 200 stream carrying an error.
+    async def _stream(self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream]) -> Response:
+        # Each sample's first delta is awaited before answering, so that a request the service
+        # refuses gets its HTTP error status rather than a 200 stream carrying an error.
         try:
-            first = await until_disconnected(request, anext(stream))
+            firsts = await until_disconnected(request, all_or_none(anext(s) for s in streams))
         except BaseException:
-            stream.cancel()
+            for s in streams:
+                s.cancel()
             raise
         return StreamingResponse(
-            self._events(call, rid, stream, first),
+            self._events(call, rid, streams, firsts),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, call: p.Call, rid: str, stream: AsyncStream, first: Delta
+        self, call: p.Call, rid: str, streams: list[AsyncStream], firsts: list[Delta]
     ) -> AsyncIterator[bytes]:
-        created, offset, delta = p.now(), 0, first
+        created, offsets, ends = p.now(), [0] * len(streams), list(firsts)
         head = p.envelope(call, rid, created, chunk=True)
         if call.include_usage:
             head["usage"] = None
         try:
-            while True:
-                lp = await self._logprobs(call, [delta], offset)
-                offset += len(delta.text)
-                chunk = dict(
-                    head, choices=[p.choice(call, delta.text, delta.finish_reason, lp, True, delta is first)]
-                )
-                yield p.sse(chunk)
-                if delta.finish_reason is not None:
-                    break
-                delta = await anext(stream)
+            async with contextlib.aclosing(interleave(streams, firsts)) as deltas:
+                async for i, delta in deltas:
+                    lp = await self._logprobs(call, [delta], offsets[i])
+                    offsets[i] += len(delta.text)
+                    first = delta is firsts[i]
+                    out = p.choice(call, delta.text, delta.finish_reason, lp, True, first, index=i)
+                    yield p.sse(dict(head, choices=[out]))
+                    ends[i] = delta
             if call.include_usage:
-                yield p.sse(
-                    dict(
-                        head,
-                        choices=[],
-                        usage=p.usage(delta.prompt_tokens, delta.completion_tokens, delta.cached_tokens),
-                    )
-                )
+                tokens = sum(d.completion_tokens for d in ends)
+                usage = p.usage(ends[0].prompt_tokens, tokens, ends[0].cached_tokens)
+                yield p.sse(dict(head, choices=[], usage=usage))
             yield p.sse("[DONE]")
         except ZerogapError as e:  # after the 200 went out: an error event, as OpenAI's servers send
             yield p.sse(APIError.from_grpc(e).body())
         finally:
-            stream.cancel()  # the HTTP client went away (or the stream ended): no-op once done
+            for s in streams:
+                s.cancel()  # the HTTP client went away (or the streams ended): no-op once done
 
     async def _logprobs(
         self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0

@@ -2,8 +2,9 @@
 
 Pure functions over dicts (no I/O): `parse_chat` / `parse_completion` validate a
 request body and return a `Call`; the `*_body` / `*_chunk` functions build the
-JSON of responses and stream chunks. Parameters this server cannot honour
-(n > 1, tools, logit_bias, echo, suffix, best_of > 1) are refused with a 400
+JSON of responses and stream chunks. `n` samples are n generation calls (`samplings`: sample i's
+seed derived from the request's), answered as choices 0..n-1. Parameters this server cannot honour
+(tools, logit_bias, echo, suffix, best_of > 1) are refused with a 400
 naming them rather than silently ignored. Chat `image_url` parts carry `data:` URIs
 (base64 PNG / JPEG / WebP, decoded here); a remote http(s) URL is refused unless its
 host is allowed (`--allow-image-urls`), and then left as a `RemoteImage` for the app
@@ -22,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from service.core.request import MAX_SAMPLES, sample_seed
 from service.gateway.errors import invalid, unsupported
 from zerogap.client import Chat, Constraint, Image, Logprobs, Sampling, TokenLogprob
 
@@ -48,6 +50,7 @@ class Call:
     constraint: Constraint | None
     stream: bool
     include_usage: bool
+    n: int = 1  # samples: choices 0..n-1
 
 
 @dataclass(frozen=True)
@@ -155,20 +158,18 @@ def _response_format(body: Mapping[str, Any]) -> Constraint | None:
     raise invalid("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
 
 
-def _common(body: Any) -> tuple[str, bool, bool]:
+def _common(body: Any) -> tuple[str, bool, bool, int]:
     if not isinstance(body, Mapping):
         raise invalid("body", "must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "is required")
-    n = _number(body, "n", 1, 128, integer=True)
-    if n not in (None, 1):
-        raise unsupported("n", "must be 1 on this server")
+    n = _number(body, "n", 1, MAX_SAMPLES, integer=True) or 1
     stream = _bool(body, "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, Mapping):
         raise invalid("stream_options", "must be an object")
-    return model, stream, bool(stream and opts.get("include_usage"))
+    return model, stream, bool(stream and opts.get("include_usage")), n
 
 
 # ---- requests ------------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def with_images(call: Call, fetched: Mapping[str, bytes]) -> Call:
 def parse_chat(
     body: Any, default_max_tokens: int | None = None, image_hosts: frozenset[str] = frozenset()
 ) -> Call:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, n = _common(body)
     _refuse(body, ("tools", "functions", "logit_bias", "audio", "prediction"))
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -276,11 +277,12 @@ def parse_chat(
         _response_format(body),
         stream,
         include_usage,
+        n,
     )
 
 
 def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Call:
-    model, stream, include_usage = _common(body)
+    model, stream, include_usage, n = _common(body)
     _refuse(body, ("suffix", "logit_bias", "echo"))
     if _number(body, "best_of", 1, 128, integer=True) not in (None, 1):
         raise unsupported("best_of", "must be 1 on this server")
@@ -308,7 +310,15 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
         _response_format(body),
         stream,
         include_usage,
+        n,
     )
+
+
+def samplings(call: Call) -> list[Sampling]:
+    """The sampling settings of each of the call's n samples (sample 0's are the call's own)."""
+    return [
+        dataclasses.replace(call.sampling, seed=sample_seed(call.sampling.seed, i)) for i in range(call.n)
+    ]
 
 
 def openai_param(grpc_field: str | None, kind: str) -> str | None:
@@ -401,16 +411,18 @@ def choice(
     logprobs: dict | None,
     chunk: bool,
     first: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
+    end = FINISH[finish_reason]
     if call.kind == "completion":
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": end}
     if not chunk:
         msg = {"role": "assistant", "content": text}
-        return {"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
+        return {"index": index, "message": msg, "logprobs": logprobs, "finish_reason": end}
     delta: dict[str, Any] = {"role": "assistant"} if first else {}
     if text is not None:
         delta["content"] = text
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": FINISH[finish_reason]}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": end}
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:

@@ -178,6 +178,38 @@ def test_completions_stop_seed_and_stream(oai, model):
     )
 
 
+def test_n_samples_are_indexed_choices(oai, model):
+    """n: n choices, each its own sample, streamed as chunks tagged with their index; usage counts the
+    prompt once and every sample's tokens. (bf16 here: a sample's bits may depend on which samples
+    share its steps, so the seeds' repeatability is checked in float32, tests/server/test_smg_worker.py.)"""
+    kw = dict(model=model, messages=HI, max_tokens=12, temperature=2.0, seed=9, extra_body=ENDLESS)
+    r = oai.chat.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and {c.finish_reason for c in r.choices} == {"length"}
+    assert len({c.message.content for c in r.choices}) == 3
+    one = oai.chat.completions.create(**kw)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (one.usage.prompt_tokens, 36)
+    chunks = list(oai.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed, roles, ends = ["", "", ""], [0, 0, 0], [None, None, None]
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        streamed[choice.index] += choice.delta.content or ""
+        roles[choice.index] += choice.delta.role == "assistant"
+        ends[choice.index] = ends[choice.index] or choice.finish_reason
+    assert all(streamed) and roles == [1, 1, 1] and ends == ["length"] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 36
+    done = oai.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=1.0,
+        n=2,
+        logprobs=1,
+        extra_body=ENDLESS,
+    )
+    assert [c.index for c in done.choices] == [0, 1]
+    assert all("".join(c.logprobs.tokens) == c.text and c.logprobs.text_offset[0] == 0 for c in done.choices)
+
+
 def test_json_schema_and_json_object_response_formats(oai, model):
     r = oai.chat.completions.create(
         model=model,
@@ -267,7 +299,7 @@ def test_chat_logprobs_match_the_grpc_service(oai, zg, model):
         (dict(temperature=3.0), openai.BadRequestError, "temperature"),
         (dict(messages=[]), openai.BadRequestError, "messages"),
         (dict(messages=[{"role": "wizard", "content": "x"}]), openai.BadRequestError, "messages[0].role"),
-        (dict(n=2), openai.BadRequestError, "n"),
+        (dict(n=129), openai.BadRequestError, "n"),
         (dict(top_logprobs=2), openai.BadRequestError, "top_logprobs"),
         (
             dict(max_tokens=9000),
@@ -355,9 +387,9 @@ def _aborts(server) -> int:
     return server.running.router.finished_by_reason.get("abort", 0)
 
 
-def _aborted_and_freed(server, zg: Client, aborts_before: int) -> None:
-    """The request ended as aborted (not finished) and GetServerInfo shows its KV cache free again."""
-    assert wait_until(lambda: _aborts(server) == aborts_before + 1, 20), "the gRPC request was not aborted"
+def _aborted_and_freed(server, zg: Client, aborts_before: int, n: int = 1) -> None:
+    """The request's n calls ended as aborted (not finished) and GetServerInfo shows the KV cache free."""
+    assert wait_until(lambda: _aborts(server) == aborts_before + n, 20), "the gRPC request was not aborted"
 
     def freed() -> bool:
         info = zg.server_info()
@@ -376,6 +408,18 @@ def test_sdk_stream_close_aborts_the_request(oai, server, zg, model):
     assert server.engine.num_live() == 1
     stream.close()
     _aborted_and_freed(server, zg, before)
+
+
+def test_sdk_stream_close_aborts_every_sample(oai, server, zg, model):
+    before = _aborts(server)
+    stream = oai.chat.completions.create(
+        model=model, messages=HI, max_tokens=2000, stream=True, n=3, extra_body=ENDLESS
+    )
+    for _ in range(4):
+        next(iter(stream))
+    assert server.engine.num_live() == 3
+    stream.close()
+    _aborted_and_freed(server, zg, before, n=3)
 
 
 def test_sdk_timeout_aborts_the_request(oai, server, zg, model):
@@ -488,6 +532,16 @@ def test_parse_completion_refusals(body, param):
     with pytest.raises(APIError) as e:
         protocol.parse_completion(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_samples_seeds():
+    """Sample 0 keeps the request's seed; the others get distinct seeds derived from it (or none)."""
+    body = {"model": "m", "prompt": "a", "n": 3, "seed": 9}
+    seeds = [s.seed for s in protocol.samplings(protocol.parse_completion(body))]
+    assert seeds[0] == 9 and len(set(seeds)) == 3 and all(0 <= s < 2**64 for s in seeds)
+    assert seeds == [s.seed for s in protocol.samplings(protocol.parse_completion(body))]
+    unseeded = protocol.parse_completion({"model": "m", "prompt": "a", "n": 2})
+    assert [s.seed for s in protocol.samplings(unseeded)] == [None, None]
 
 
 def test_parse_chat_refusals():

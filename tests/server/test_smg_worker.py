@@ -152,7 +152,7 @@ def test_logprobs_output_and_prompt(stubs):
 @pytest.mark.parametrize(
     "fields, code",
     [
-        ({"sampling_params": sampling(n=2)}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"sampling_params": sampling(n=129)}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"sampling_params": sampling(logit_bias={5: 1.0})}, grpc.StatusCode.FAILED_PRECONDITION),
         ({"kv_transfer_params_json": "{}"}, grpc.StatusCode.FAILED_PRECONDITION),
         ({"data_parallel_rank": 1}, grpc.StatusCode.FAILED_PRECONDITION),
@@ -162,7 +162,17 @@ def test_logprobs_output_and_prompt(stubs):
         ({"tokenized": vpb.TokenizedInput(input_ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"sampling_params": sampling(regex="(")}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
-    ids=["n", "logit_bias", "pd", "dp_rank", "images", "all_logprobs", "too_long", "bad_token", "bad_regex"],
+    ids=[
+        "n_over_cap",
+        "logit_bias",
+        "pd",
+        "dp_rank",
+        "images",
+        "all_logprobs",
+        "too_long",
+        "bad_token",
+        "bad_regex",
+    ],
 )
 def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
     vllm, _ = stubs
@@ -171,6 +181,52 @@ def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
     with pytest.raises(grpc.RpcError) as e:
         list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=30))
     assert e.value.code() == code, e.value.details()
+
+
+def test_n_samples_each_with_its_index(server, stubs):
+    """n > 1: n samples, each a complete with its index (and its chunks, streamed); a seed gives n
+    different samples, the same again for the same seed, sample 0 the one n = 1 gives."""
+    vllm, _ = stubs
+    kw = {"temperature": 1.0, "seed": 11, "max_tokens": 10, "ignore_eos": True}
+    unary = generate(vllm, n=3, **kw)
+    assert [r.complete.index for r in unary] == [0, 1, 2]
+    samples = [list(r.complete.output_ids) for r in unary]
+    assert all(len(s) == 10 for s in samples) and len({tuple(s) for s in samples}) == 3
+    assert samples[0] == list(generate(vllm, **kw)[0].complete.output_ids)
+    assert all(r.complete.prompt_tokens == len(PROMPT) for r in unary)
+    streamed = generate(vllm, stream=True, n=3, logprobs=1, **kw)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for r in streamed:
+        if r.WhichOneof("response") == "chunk":
+            tokens[r.chunk.index] += r.chunk.token_ids
+            assert list(r.chunk.output_logprobs.token_ids) == list(r.chunk.token_ids)
+    completes = [r.complete for r in streamed if r.WhichOneof("response") == "complete"]
+    assert sorted(c.index for c in completes) == [0, 1, 2] and all(
+        c.finish_reason == "length" for c in completes
+    )
+    assert [tokens[i] for i in range(3)] == samples
+    greedy = generate(vllm, n=2, max_tokens=6)
+    assert list(greedy[0].complete.output_ids) == list(greedy[1].complete.output_ids)
+    assert wait_until(server.engine.kv_all_free, 10)
+
+
+def test_abort_of_n_samples_ends_them_all(server, stubs):
+    vllm, _ = stubs
+    got: list = []
+    req = vpb.GenerateRequest(
+        request_id="fan-out",
+        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=sampling(max_tokens=400, ignore_eos=True, n=3),
+        stream=True,
+    )
+    t = threading.Thread(target=lambda: got.extend(vllm.Generate(req, timeout=60)))
+    t.start()
+    assert wait_until(lambda: server.engine.num_live() == 3, 10)
+    vllm.Abort(vpb.AbortRequest(request_ids=["fan-out"]))
+    t.join(30)
+    ends = [r.complete for r in got if r.WhichOneof("response") == "complete"]
+    assert sorted(c.index for c in ends) == [0, 1, 2] and {c.finish_reason for c in ends} == {"abort"}
+    assert wait_until(server.engine.kv_all_free, 10)
 
 
 def test_abort_ends_the_stream_and_frees_its_kv(server, stubs):

@@ -207,6 +207,15 @@ def test_openai_sdk_through_smg(stack):
         chat(client, model, messages, temperature=1.0, seed=s).choices[0].message.content for s in (5, 5, 6)
     ]
     assert seeded[0] == seeded[1] != seeded[2]
+    several = chat(client, model, messages, temperature=1.0, seed=5, n=3)  # n samples: one call, indexed
+    assert sorted(c.index for c in several.choices) == [0, 1, 2] and several.usage.completion_tokens == 24
+    texts = {c.index: c.message.content for c in several.choices}
+    assert texts[0] == seeded[0] and len(set(texts.values())) == 3
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    for c in chat(client, model, messages, temperature=1.0, seed=5, n=3, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts
 
 
 def conversations(gateway: Gateway, replicas: list[Replica], model: str, n: int = 8, turns: int = 4):
