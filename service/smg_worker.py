@@ -13,7 +13,8 @@ vLLM's worker does); with a seed, sample i draws from its own seed derived from 
 
 What zerogap cannot honour is refused with FAILED_PRECONDITION naming the field (the gateway answers
 400): images (mm_inputs, media_refs), PD disaggregation (kv_transfer_params), logit_bias,
-data-parallel ranks other than 0, all-vocabulary logprobs (-1).
+data-parallel ranks other than 0, all-vocabulary logprobs (-1). `Embed` and the profiler RPCs
+answer UNIMPLEMENTED with the reason.
 """
 
 from __future__ import annotations
@@ -362,6 +363,19 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for sample in self.samples.get(rid, [rid]):
                 self.engine.abort(sample)
         return vllm_engine_pb2.AbortResponse()
+
+    # ---- what the contract has and zerogap does not offer: UNIMPLEMENTED, saying why ------------
+    async def Embed(self, request, context):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Embed: zerogap serves generation only (GetModelInfo.is_generation); no embeddings",
+        )
+
+    async def StartProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StartProfile: profiling is not offered over gRPC")
+
+    async def StopProfile(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "StopProfile: profiling is not offered over gRPC")
 
     # ---- health, info, loads -------------------------------------------------------
     async def HealthCheck(self, request, context):

@@ -229,6 +229,18 @@ def test_abort_of_n_samples_ends_them_all(server, stubs):
     assert wait_until(server.engine.kv_all_free, 10)
 
 
+def test_embed_and_profiler_are_unimplemented_with_a_reason(stubs):
+    vllm, _ = stubs
+    for name, req in (
+        ("Embed", vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=PROMPT))),
+        ("StartProfile", common_pb2.StartProfileRequest()),
+        ("StopProfile", common_pb2.StopProfileRequest()),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            getattr(vllm, name)(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and e.value.details().startswith(f"{name}: ")
+
+
 def test_abort_ends_the_stream_and_frees_its_kv(server, stubs):
     vllm, _ = stubs
     got: list = []
