@@ -150,10 +150,13 @@ class PrefixCacheManager:
         """The request's prefill result was processed: its prompt's KV is written. The tree
         adopts those rows unless another request cached more of the prompt meanwhile (then its
         own rows stay its own until it finishes). Returns the rows the tree adopted (the
-        caller's reservation for the request shrinks by that much)."""
-        self.prefilling.pop(req.rid, None)
+        caller's reservation for the request shrinks by that much). A chunk of a longer prompt
+        leaves the request prefilling: requests that share its prompt keep waiting for all of it."""
         prompt = cache_key(req)
-        if req.finished is not None or req.slot < 0 or req.kv_len < len(prompt) or req.cache_node is None:
+        if req.finished is None and req.slot >= 0 and req.kv_len < len(prompt):
+            return 0
+        self.prefilling.pop(req.rid, None)
+        if req.finished is not None or req.slot < 0 or req.cache_node is None:
             return 0
         owned = req.cache_owned
         if len(prompt) <= owned or self.tree.match_len(prompt) != owned:

@@ -182,6 +182,25 @@ def test_concurrent_sharers_hit_the_first_ones_prefill(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_concurrent_sharers_of_a_chunked_prompt_wait_for_all_of_it(tiny_llama_dir, loop):
+    """A shared prompt longer than a chunk: one request prefills it chunk by chunk and the others
+    wait for the whole of it, rather than going ahead after its first chunk (n samples of one prompt
+    cost one prefill)."""
+    rng = random.Random(4)
+    system = [rng.randrange(3, 49000) for _ in range(100)]
+    prompts = [system + [rng.randrange(3, 49000) for _ in range(3)] for _ in range(4)]
+
+    def run(client):
+        res = client.generate(prompts, [_params(i) for i in range(4)])
+        assert client.engine.kv_all_free()
+        return [collect(r)[0] for r in res], sorted(collect(r)[2].cached_tokens for r in res)
+
+    outs = _off_and_on(tiny_llama_dir, loop, run, chunked_prefill_size=32)
+    assert outs[True][0] == outs[False][0]
+    assert outs[True][1] == [0] + [100] * 3
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_eviction_under_a_tiny_pool_while_requests_run(tiny_llama_dir, loop):
     rng = random.Random(4)
     prefixes = [[rng.randrange(3, 49000) for _ in range(60)] for _ in range(6)]

@@ -205,6 +205,9 @@ def test_n_samples_each_with_its_index(server, stubs):
         c.finish_reason == "length" for c in completes
     )
     assert [tokens[i] for i in range(3)] == samples
+    long = [(7 * i) % 40000 + 100 for i in range(300)]  # the samples share one prefill of the prompt
+    shared = [r.complete for r in generate(vllm, ids=long, n=4, max_tokens=2, **{"temperature": 1.0})]
+    assert sorted(c.cached_tokens for c in shared)[1:] == [len(long) - 1] * 3
     greedy = generate(vllm, n=2, max_tokens=6)
     assert list(greedy[0].complete.output_ids) == list(greedy[1].complete.output_ids)
     assert wait_until(server.engine.kv_all_free, 10)
