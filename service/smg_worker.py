@@ -248,6 +248,11 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         rid = request.request_id or f"smg-{uuid.uuid4().hex}"
         params = sampling_from_vllm(sp)
         n = max(sp.n, 1)
+        if n > self.engine.args.max_queued_requests:  # never fits the queue: not worth a retry
+            raise RequestError(
+                "INVALID_ARGUMENT",
+                f"sampling_params.n: {n} samples exceed the request queue ({self.engine.args.max_queued_requests})",
+            )
         reqs = [
             self.engine.build_request(
                 rid if n == 1 else f"{rid}/{i}",
@@ -290,6 +295,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Generate(self, request, context):
         rid, reqs, queue, lp = await self._start(request, context)
+        mine = self.samples.get(rid)
         index = {r.rid: i for i, r in enumerate(reqs)}
         live = set(index)  # the samples not finished yet
         fresh = set(index.values())  # the samples that have sent no chunk yet
@@ -335,7 +341,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             for sample in live:  # the gateway went away or sent a deadline: free the samples' KV now
                 self.engine.abort(sample)
-            self.samples.pop(rid, None)
+            if len(reqs) > 1 and self.samples.get(rid) is mine:  # not a later call's, same id
+                del self.samples[rid]
 
     def _complete(
         self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, index: int, stream: bool

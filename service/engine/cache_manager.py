@@ -47,6 +47,19 @@ def match_key(req: Req) -> list[int]:
     return key + req.output_ids if req.output_ids else key
 
 
+def common_prefix_len(a: list[int], b: list[int], known: int = 0) -> int:
+    """How many leading ids `a` and `b` share, given that the first `known` are equal (bisection over
+    slice comparisons)."""
+    lo, hi = known, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass
 class PrefixCacheInfo:
     """What GetServerInfo and the metrics report."""
@@ -79,18 +92,28 @@ class PrefixCacheManager:
         return limit if feature_limit is None else min(limit, feature_limit)
 
     def should_wait(self, req: Req, limit: int) -> bool:
-        """Whether a request whose prefill is under way will soon cache much more of this prompt
-        (at least SHARE_WAIT_TOKENS more than the cache holds now): then it waits for that."""
+        """Whether a request whose prefill is under way will cache much more of this prompt (at least
+        SHARE_WAIT_TOKENS more than the cache holds now) in about the time this one would take to
+        compute that part itself: then it waits for it. The tree takes a prompt whole, after its last
+        chunk, so a sharer with more of its prompt left to prefill than this one would gain from it
+        (a short chat behind a long document that shares only a system prompt) is not waited for."""
         if not self.prefilling:
             return False
         key = cache_key(req)
-        want = self.tree.match_len(key, limit) + SHARE_WAIT_TOKENS
+        cached = self.tree.match_len(key, limit)
+        want = cached + SHARE_WAIT_TOKENS
         if limit < want:
             return False
         head = key[:want]
-        return any(
-            len(o.prompt_ids) >= want and cache_key(o)[:want] == head for o in self.prefilling.values()
-        )
+        for o in self.prefilling.values():
+            other = cache_key(o)
+            if len(other) < want or other[:want] != head:
+                continue
+            left = len(other) - max(o.kv_len, o.cache_owned)  # its prompt rows still to prefill
+            gain = common_prefix_len(key[:limit], other, want) - cached
+            if left <= gain + SHARE_WAIT_TOKENS:
+                return True
+        return False
 
     def cached_len(self, req: Req, limit: int) -> int:
         """How many of the tokens `admit` would match are cached now (no split, no lock, no LRU touch)."""

@@ -83,15 +83,14 @@ async def all_or_none(calls: Iterable[Awaitable[T]]) -> list[T]:
             t.cancel()  # no-op for the finished ones
 
 
-async def interleave(streams: list[AsyncStream], firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
-    """(sample index, delta) as each stream delivers, after each stream's first delta (in `firsts`);
-    a stream is followed until its delta with a finish reason."""
-    pending: dict[asyncio.Future[Delta], int] = {}
+async def interleave(streams: list[AsyncStream], first: Delta) -> AsyncIterator[tuple[int, Delta]]:
+    """(sample index, delta) as each stream delivers, from stream 0's `first` delta (already read)
+    on; a stream is followed until its delta with a finish reason."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams[1:], 1)}
     try:
-        for i, delta in enumerate(firsts):
-            yield i, delta
-            if delta.finish_reason is None:
-                pending[asyncio.ensure_future(anext(streams[i]))] = i
+        yield 0, first
+        if first.finish_reason is None:
+            pending[asyncio.ensure_future(anext(streams[0]))] = 0
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in sorted(done, key=pending.__getitem__):
@@ -241,34 +240,36 @@ class Gateway:
         return JSONResponse(body)
 
     async def _stream(self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream]) -> Response:
-        # Each sample's first delta is awaited before answering, so that a request the service
-        # refuses gets its HTTP error status rather than a 200 stream carrying an error.
+        # The first delta is awaited before answering, so that a request the service refuses gets
+        # its HTTP error status rather than a 200 stream carrying an error (the other samples are
+        # the same request; one that fails later ends the stream with an error event).
         try:
-            firsts = await until_disconnected(request, all_or_none(anext(s) for s in streams))
+            first = await until_disconnected(request, anext(streams[0]))
         except BaseException:
             for s in streams:
                 s.cancel()
             raise
         return StreamingResponse(
-            self._events(call, rid, streams, firsts),
+            self._events(call, rid, streams, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, call: p.Call, rid: str, streams: list[AsyncStream], firsts: list[Delta]
+        self, call: p.Call, rid: str, streams: list[AsyncStream], first: Delta
     ) -> AsyncIterator[bytes]:
-        created, offsets, ends = p.now(), [0] * len(streams), list(firsts)
+        created, offsets, ends = p.now(), [0] * len(streams), [first] * len(streams)
+        started = [False] * len(streams)
         head = p.envelope(call, rid, created, chunk=True)
         if call.include_usage:
             head["usage"] = None
         try:
-            async with contextlib.aclosing(interleave(streams, firsts)) as deltas:
+            async with contextlib.aclosing(interleave(streams, first)) as deltas:
                 async for i, delta in deltas:
                     lp = await self._logprobs(call, [delta], offsets[i])
                     offsets[i] += len(delta.text)
-                    first = delta is firsts[i]
-                    out = p.choice(call, delta.text, delta.finish_reason, lp, True, first, index=i)
+                    out = p.choice(call, delta.text, delta.finish_reason, lp, True, not started[i], index=i)
+                    started[i] = True
                     yield p.sse(dict(head, choices=[out]))
                     ends[i] = delta
             if call.include_usage:

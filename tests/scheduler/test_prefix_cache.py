@@ -201,6 +201,22 @@ def test_concurrent_sharers_of_a_chunked_prompt_wait_for_all_of_it(tiny_llama_di
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_short_prompt_does_not_wait_for_a_long_one_that_shares_little(tiny_llama_dir, loop):
+    """A long prompt in chunks shares a 40-token system prompt with a short one: the short one computes
+    those 40 tokens itself rather than waiting for all of the long prefill (when the tree gets it)."""
+    rng = random.Random(5)
+    system = [rng.randrange(3, 49000) for _ in range(40)]
+    long = system + [rng.randrange(3, 49000) for _ in range(400)]
+    short = system + [rng.randrange(3, 49000) for _ in range(3)]
+
+    def run(client):
+        res = client.generate([long, short], [_params(0, 4), _params(1, 4)])
+        return [collect(r)[2].cached_tokens for r in res]
+
+    assert _off_and_on(tiny_llama_dir, loop, run, chunked_prefill_size=64)[True] == [0, 0]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_eviction_under_a_tiny_pool_while_requests_run(tiny_llama_dir, loop):
     rng = random.Random(4)
     prefixes = [[rng.randrange(3, 49000) for _ in range(60)] for _ in range(6)]
