@@ -110,6 +110,7 @@ def sampling_from_proto(sp) -> SamplingParams:
     p.stop = list(sp.stop)
     p.stop_token_ids = list(sp.stop_token_ids)
     p.ignore_eos = sp.ignore_eos
+    p.logit_bias = {t: float(f"{v:.7g}") for t, v in sp.logit_bias.items()}
     for name in (
         "temperature",
         "top_p",

@@ -12,8 +12,8 @@ vLLM's worker does); with a seed, sample i draws from its own seed derived from 
 (`service.core.request.sample_seed`).
 
 What zerogap cannot honour is refused with FAILED_PRECONDITION naming the field (the gateway answers
-400): images (mm_inputs, media_refs), PD disaggregation (kv_transfer_params), logit_bias,
-data-parallel ranks other than 0, all-vocabulary logprobs (-1). `Embed` and the profiler RPCs
+400): images (mm_inputs, media_refs), PD disaggregation (kv_transfer_params), data-parallel ranks
+other than 0, all-vocabulary logprobs (-1). `Embed` and the profiler RPCs
 answer UNIMPLEMENTED with the reason.
 """
 
@@ -99,6 +99,7 @@ def sampling_from_vllm(sp: Any) -> SamplingParams:
     p.stop_token_ids = list(sp.stop_token_ids)
     p.ignore_eos = sp.ignore_eos
     p.skip_special_tokens = sp.skip_special_tokens
+    p.logit_bias = {t: _f32(v) for t, v in sp.logit_bias.items()}
     if sp.HasField("seed"):
         p.seed = sp.seed % 2**64  # int32 on the wire: its bit pattern, as the engine takes uint64 seeds
     return p
@@ -142,8 +143,6 @@ def check_supported(request: Any) -> None:
         raise RequestError(
             "INVALID_ARGUMENT", f"sampling_params.n: must be at most {MAX_SAMPLES}, got {sp.n}"
         )
-    if sp.logit_bias:
-        raise _unsupported("sampling_params.logit_bias")
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
         raise _unsupported(
             "mm_inputs", "images are served by zerogap.v1's Generate, not this worker contract"

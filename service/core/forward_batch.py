@@ -44,6 +44,10 @@ class SamplingBatch:
     # (row, token) pairs to forbid this step: EOS / stop ids before min_new_tokens.
     banned_rows: torch.Tensor | None = None
     banned_tokens: torch.Tensor | None = None
+    # (row, token, bias) triples added to the logits: the requests' logit_bias.
+    bias_rows: torch.Tensor | None = None
+    bias_tokens: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None  # float32
     # [bs] bool: rows whose token counts (penalty state); None = all. A non-final prompt chunk's does not.
     kept: torch.Tensor | None = None
 

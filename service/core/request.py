@@ -32,6 +32,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 MAX_SEED = 2**64 - 1
 MAX_SAMPLES = 128  # `n` of one call (the SMG worker contract, the OpenAI gateway)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value's magnitude, as OpenAI's API
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -64,6 +66,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError(INVALID_ARGUMENT) naming the first bad field."""
@@ -108,6 +111,13 @@ class SamplingParams:
             raise bad("seed", f"must be in [0, 2^64), got {self.seed}")
         if any(s == "" for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+        for t, v in self.logit_bias.items():
+            if not 0 <= t < vocab_size:
+                raise bad("logit_bias", f"token id {t} outside the vocabulary [0, {vocab_size})")
+            if not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
+                raise bad("logit_bias", f"token {t}: the bias must be in [-100, 100], got {v}")
 
     @property
     def greedy(self) -> bool:
@@ -194,6 +204,8 @@ class Req:
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         )
         self.banned_ids = sorted(stop_ids)  # forbidden while below min_new_tokens
+        self.bias_ids = sorted(p.logit_bias)  # added to these tokens' logits at every step
+        self.bias_values = [p.logit_bias[t] for t in self.bias_ids]
 
     @property
     def budget_tokens(self) -> int:

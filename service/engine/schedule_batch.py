@@ -48,10 +48,17 @@ def build_sampling_batch(
     sampled = temps > 0
     banned_rows: list[int] = []
     banned_tokens: list[int] = []
+    bias_rows: list[int] = []
+    bias_tokens: list[int] = []
+    bias_values: list[float] = []
     for i, r in enumerate(reqs):
         if r.launched - 1 < r.params.min_new_tokens and r.ban_stop_before_min:
             banned_rows.extend([i] * len(r.banned_ids))
             banned_tokens.extend(r.banned_ids)
+        if r.bias_ids:
+            bias_rows.extend([i] * len(r.bias_ids))
+            bias_tokens.extend(r.bias_ids)
+            bias_values.extend(r.bias_values)
     return SamplingBatch(
         temperatures=temps,
         top_ks=top_k,
@@ -69,6 +76,9 @@ def build_sampling_batch(
         need_penalties=any(r.uses_penalties for r in reqs),
         banned_rows=torch.tensor(banned_rows, dtype=torch.int64) if banned_rows else None,
         banned_tokens=torch.tensor(banned_tokens, dtype=torch.int64) if banned_rows else None,
+        bias_rows=torch.tensor(bias_rows, dtype=torch.int64) if bias_rows else None,
+        bias_tokens=torch.tensor(bias_tokens, dtype=torch.int64) if bias_rows else None,
+        bias_values=torch.tensor(bias_values, dtype=torch.float32) if bias_rows else None,
         kept=torch.tensor([i not in discarded for i in range(len(reqs))]) if discarded else None,
     )
 
@@ -86,6 +96,9 @@ _SAMPLING_TENSORS = (
     "req_slots",
     "banned_rows",
     "banned_tokens",
+    "bias_rows",
+    "bias_tokens",
+    "bias_values",
     "kept",
 )
 

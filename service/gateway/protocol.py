@@ -4,7 +4,7 @@ Pure functions over dicts (no I/O): `parse_chat` / `parse_completion` validate a
 request body and return a `Call`; the `*_body` / `*_chunk` functions build the
 JSON of responses and stream chunks. `n` samples are n generation calls (`samplings`: sample i's
 seed derived from the request's), answered as choices 0..n-1. Parameters this server cannot honour
-(tools, logit_bias, echo, suffix, best_of > 1) are refused with a 400
+(tools, echo, suffix, best_of > 1) are refused with a 400
 naming them rather than silently ignored. Chat `image_url` parts carry `data:` URIs
 (base64 PNG / JPEG / WebP, decoded here); a remote http(s) URL is refused unless its
 host is allowed (`--allow-image-urls`), and then left as a `RemoteImage` for the app
@@ -104,6 +104,23 @@ def _refuse(body: Mapping[str, Any], names: Sequence[str]) -> None:
             raise unsupported(name)
 
 
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (the service checks the ids)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise invalid("logit_bias", "must be an object of token ids to biases")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+        out[token] = _number({"logit_bias": value}, "logit_bias", -100, 100)
+    return out or None
+
+
 def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> Sampling:
     seed = _number(body, "seed", 0, 2**64 - 1, integer=True)
     ids = body.get("stop_token_ids") or []
@@ -124,6 +141,7 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> Sampling:
         min_new_tokens=_number(body, "min_tokens", 0, 2**31 - 1, integer=True) or 0,
         ignore_eos=_bool(body, "ignore_eos"),
         stop_token_ids=ids,
+        logit_bias=_logit_bias(body),
     )
 
 
@@ -254,7 +272,7 @@ def parse_chat(
     body: Any, default_max_tokens: int | None = None, image_hosts: frozenset[str] = frozenset()
 ) -> Call:
     model, stream, include_usage, n = _common(body)
-    _refuse(body, ("tools", "functions", "logit_bias", "audio", "prediction"))
+    _refuse(body, ("tools", "functions", "audio", "prediction"))
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise invalid("messages", "must be a non-empty list")
@@ -283,7 +301,7 @@ def parse_chat(
 
 def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Call:
     model, stream, include_usage, n = _common(body)
-    _refuse(body, ("suffix", "logit_bias", "echo"))
+    _refuse(body, ("suffix", "echo"))
     if _number(body, "best_of", 1, 128, integer=True) not in (None, 1):
         raise unsupported("best_of", "must be 1 on this server")
     prompt = body.get("prompt")

@@ -94,6 +94,25 @@ def test_noise_is_strictly_inside_the_unit_interval():
     assert float(u.max()) < 1.0 and float(u.min()) > 0.0
 
 
+def test_logit_bias_forces_bans_and_leaves_other_rows_alone(smol_client, hf_tokenizer):
+    """logit_bias: +100 on a token makes greedy and sampling pick it; -100 on greedy's choice bans it
+    (the next best comes instead); a row without a bias in the same batch is what it is alone."""
+    prompt = hf_tokenizer.encode("Once upon a time")
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    plain = _ids(smol_client, prompt, greedy)
+    forced_id = hf_tokenizer.encode(" banana")[0]
+    forced = SamplingParams(**{**vars(greedy), "logit_bias": {forced_id: 100.0}})
+    sampled = SamplingParams(
+        temperature=1.0, seed=3, max_new_tokens=8, ignore_eos=True, logit_bias={forced_id: 100.0}
+    )
+    banned = SamplingParams(**{**vars(greedy), "logit_bias": {t: -100.0 for t in set(plain)}})
+    outs = smol_client.generate([prompt] * 4, [forced, sampled, banned, greedy])
+    got = [collect(o)[0] for o in outs]
+    assert got[0] == [forced_id] * 8 and got[1] == [forced_id] * 8
+    assert not set(got[2]) & set(plain) and len(got[2]) == 8
+    assert got[3] == plain
+
+
 def test_masked_tokens_are_never_sampled():
     vocab, bs = 49152, 64
     logits = torch.full((bs, vocab), float("-inf"))

@@ -210,6 +210,22 @@ def test_n_samples_are_indexed_choices(oai, model):
     assert all("".join(c.logprobs.tokens) == c.text and c.logprobs.text_offset[0] == 0 for c in done.choices)
 
 
+def test_logit_bias(oai, model, zg):
+    """OpenAI's logit_bias: +100 makes a token every answer; -100 keeps greedy's first choice out."""
+    token = zg.tokenize(" banana")[0]
+    kw = dict(model=model, messages=HI, max_tokens=4, temperature=0, extra_body=ENDLESS)
+    forced = oai.chat.completions.create(logit_bias={str(token): 100}, **kw).choices[0].message.content
+    assert forced == " banana" * 4
+    plain = (
+        oai.completions.create(model=model, prompt="1, 2, 3,", max_tokens=1, temperature=0).choices[0].text
+    )
+    first = zg.tokenize(plain)[0]
+    other = oai.completions.create(
+        model=model, prompt="1, 2, 3,", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
+    assert other.choices[0].text not in ("", plain)
+
+
 def test_json_schema_and_json_object_response_formats(oai, model):
     r = oai.chat.completions.create(
         model=model,
@@ -556,9 +572,14 @@ def test_parse_chat_refusals():
             "tools",
         ),
         (
-            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 5}},
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"one": 5}},
             "logit_bias",
         ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 101}},
+            "logit_bias",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, "logit_bias"),
         ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ]:
         with pytest.raises(APIError) as e:

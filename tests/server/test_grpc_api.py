@@ -128,6 +128,13 @@ def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
         ),
         (dict(text="hi", sampling=pb2.SamplingParams(stop_token_ids=[99999])), "sampling.stop_token_ids"),
         (dict(text="hi", sampling=pb2.SamplingParams(stop=[""])), "sampling.stop"),
+        (dict(text="hi", sampling=pb2.SamplingParams(logit_bias={49152: 1.0})), "sampling.logit_bias"),
+        (dict(text="hi", sampling=pb2.SamplingParams(logit_bias={5: 101.0})), "sampling.logit_bias"),
+        (dict(text="hi", sampling=pb2.SamplingParams(logit_bias={5: float("nan")})), "sampling.logit_bias"),
+        (
+            dict(text="hi", sampling=pb2.SamplingParams(logit_bias={t: 1.0 for t in range(1025)})),
+            "sampling.logit_bias",
+        ),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(stub, request_kw, field):

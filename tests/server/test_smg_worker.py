@@ -103,6 +103,8 @@ def test_seed_stop_and_sampling_fields(stubs):
     assert list(stopped.output_ids) == greedy[:4] and stopped.finish_reason == "stop"
     assert stopped.matched_token_id == greedy[3]
     assert len(generate(vllm, max_tokens=12, min_tokens=12, ignore_eos=True)[0].complete.output_ids) == 12
+    biased = generate(vllm, max_tokens=4, ignore_eos=True, logit_bias={777: 100.0})[0].complete
+    assert list(biased.output_ids) == [777] * 4
 
 
 @pytest.mark.parametrize(
@@ -153,7 +155,7 @@ def test_logprobs_output_and_prompt(stubs):
     "fields, code",
     [
         ({"sampling_params": sampling(n=129)}, grpc.StatusCode.INVALID_ARGUMENT),
-        ({"sampling_params": sampling(logit_bias={5: 1.0})}, grpc.StatusCode.FAILED_PRECONDITION),
+        ({"sampling_params": sampling(logit_bias={5: 200.0})}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"kv_transfer_params_json": "{}"}, grpc.StatusCode.FAILED_PRECONDITION),
         ({"data_parallel_rank": 1}, grpc.StatusCode.FAILED_PRECONDITION),
         ({"mm_inputs": vpb.MultimodalInputs(mm_hashes=["x"])}, grpc.StatusCode.FAILED_PRECONDITION),
@@ -164,7 +166,7 @@ def test_logprobs_output_and_prompt(stubs):
     ],
     ids=[
         "n_over_cap",
-        "logit_bias",
+        "logit_bias_range",
         "pd",
         "dp_rank",
         "images",

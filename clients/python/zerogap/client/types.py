@@ -74,6 +74,7 @@ class Sampling:
     ignore_eos: bool = False
     min_new_tokens: int = 0
     skip_special_tokens: bool | None = None
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def to_proto(self):
         kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
