@@ -28,6 +28,7 @@ import math
 import time
 import uuid
 import zipfile
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -198,6 +199,22 @@ class OutputLog:
         return lp
 
 
+class RateMeter:
+    """Tokens per second over about the last `window_s` seconds, from a running total read at each
+    poll (GetLoads); 0.0 until two polls lie `min_span_s` apart (the gateway then assumes its default)."""
+
+    def __init__(self, window_s: float = 10.0, min_span_s: float = 0.5):
+        self.window_s, self.min_span_s = window_s, min_span_s
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def rate(self, total: int, now: float) -> float:
+        self.samples.append((now, total))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window_s:
+            self.samples.popleft()
+        t0, n0 = self.samples[0]
+        return (total - n0) / (now - t0) if now - t0 >= self.min_span_s else 0.0
+
+
 class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """vllm.grpc.engine.VllmEngine over the engine that zerogap.v1 serves."""
 
@@ -218,6 +235,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
+        self.unstarted: dict[str, int] = {}  # requests with no output yet -> their prompt tokens
+        self.throughput = RateMeter()
 
     # ---- Generate ------------------------------------------------------------------
     def _build(self, request: Any) -> tuple[str, list[Req], OutputLog]:
@@ -286,6 +305,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
             for req in reqs:
                 self.router.open(req.rid, queue)
+                self.unstarted[req.rid] = len(req.prompt_ids)
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         if len(reqs) > 1:
@@ -305,6 +325,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 while not queue.empty():  # a slow reader gets merged deltas
                     batch.append(queue.get_nowait())
                 for sample, group in _by_request(batch):
+                    self.unstarted.pop(sample, None)
                     i, last = index[sample], group[-1]
                     done = last.finish_reason is not None
                     if done:
@@ -340,6 +361,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             for sample in live:  # the gateway went away or sent a deadline: free the samples' KV now
                 self.engine.abort(sample)
+                self.unstarted.pop(sample, None)
             if len(reqs) > 1 and self.samples.get(rid) is mine:  # not a later call's, same id
                 del self.samples[rid]
 
@@ -441,6 +463,10 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     cache_hit_rate=s.prefix_cache.hit_rate,
                     utilization=s.forward_busy_fraction,
                     max_running_requests=self.engine.args.max_running_requests,
+                    gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
+                    # the prompts of the requests it was sent that have not started (an upper bound:
+                    # their cached prefix is known only once they are admitted)
+                    num_waiting_uncached_tokens=sum(self.unstarted.values()),
                 )
             )
         return vllm_engine_pb2.GetLoadsResponse(

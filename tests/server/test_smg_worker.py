@@ -18,6 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from service.config import ServerArgs
 from service.server import BackgroundServer
+from service.smg_worker import RateMeter
 from tests.helpers import wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
@@ -290,6 +291,44 @@ def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
     assert (tiny_llama_dir / "tokenizer.json").read_bytes() == zipfile.ZipFile(io.BytesIO(data)).read(
         "tokenizer.json"
     )
+
+
+def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs):
+    """What SMG's least_load / power_of_two score by: the prompt tokens of the requests sent that
+    have not started (10 long requests on 8 running slots: 2 wait) and the tokens generated per
+    second between polls; both back to 0 / the rate's decay once the requests end."""
+    vllm, _ = stubs
+    req = vpb.GenerateRequest(
+        request_id="queued",
+        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=sampling(max_tokens=200, ignore_eos=True, n=10),
+        stream=True,
+    )
+    t = threading.Thread(target=lambda: list(vllm.Generate(req, timeout=60)))
+    t.start()
+
+    def load():
+        (one,) = vllm.GetLoads(vpb.GetLoadsRequest()).loads
+        return one
+
+    try:
+        assert wait_until(lambda: load().num_running_reqs == 8, 10)
+        first = load()
+        assert first.num_waiting_uncached_tokens == 2 * len(PROMPT) and first.num_waiting_reqs == 2
+        time.sleep(0.6)
+        assert load().gen_throughput > 0
+    finally:
+        vllm.Abort(vpb.AbortRequest(request_ids=["queued"]))
+        t.join(30)
+    assert load().num_waiting_uncached_tokens == 0
+
+
+def test_rate_meter_reads_a_running_total():
+    meter = RateMeter(window_s=10.0, min_span_s=0.5)
+    assert meter.rate(0, 100.0) == 0.0 and meter.rate(10, 100.2) == 0.0  # too short a span yet
+    assert meter.rate(50, 101.0) == pytest.approx(50.0)
+    assert meter.rate(150, 111.0) == pytest.approx((150 - 50) / 10.0)  # from the poll 10 s before
+    assert meter.rate(150, 130.0) == pytest.approx(0.0)  # idle: the window's rate decays to 0
 
 
 def test_flush_refused_while_requests_run(server, stubs):
