@@ -28,7 +28,7 @@ import math
 import time
 import uuid
 import zipfile
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -215,6 +215,28 @@ class RateMeter:
         return (total - n0) / (now - t0) if now - t0 >= self.min_span_s else 0.0
 
 
+class EarlyAborts:
+    """Request ids aborted before the engine knew them: an `Abort` that overtook its `Generate`, or
+    came while the Generate was still being validated (tokenizing, compiling its grammar). That
+    Generate is then refused as CANCELLED rather than run for nobody. An id is kept `ttl_s` seconds,
+    at most `cap` of them (SMG's ids are unique, so a later request never reuses one)."""
+
+    def __init__(self, ttl_s: float = 60.0, cap: int = 4096):
+        self.ttl_s, self.cap = ttl_s, cap
+        self.ids: OrderedDict[str, float] = OrderedDict()  # id -> when aborted, oldest first
+
+    def add(self, rid: str, now: float) -> None:
+        self.ids[rid] = now
+        self.ids.move_to_end(rid)
+        while self.ids and (len(self.ids) > self.cap or now - next(iter(self.ids.values())) > self.ttl_s):
+            self.ids.popitem(last=False)
+
+    def take(self, rid: str, now: float) -> bool:
+        """Whether `rid` was aborted early (and forget it)."""
+        when = self.ids.pop(rid, None)
+        return when is not None and now - when <= self.ttl_s
+
+
 class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """vllm.grpc.engine.VllmEngine over the engine that zerogap.v1 serves."""
 
@@ -235,7 +257,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
-        self.unstarted: dict[str, int] = {}  # requests with no output yet -> their prompt tokens
+        self.unstarted: dict[str, int] = {}  # requests with no output yet -> prompt tokens to prefill
+        self.early_aborts = EarlyAborts()
         self.throughput = RateMeter()
 
     # ---- Generate ------------------------------------------------------------------
@@ -301,11 +324,14 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for req in reqs:
                 for fut in self.engine.features.pending(req):  # a grammar's errors before admission
                     await asyncio.wrap_future(fut)
+            if self.early_aborts.take(rid, time.monotonic()):
+                raise RequestError("CANCELLED", f"request {rid!r} was aborted before it started")
             self.engine.submit_all(reqs)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            for req in reqs:
+            for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue)
-                self.unstarted[req.rid] = len(req.prompt_ids)
+                # n samples prefill their shared prompt once (the prefix cache): count it once
+                self.unstarted[req.rid] = len(req.prompt_ids) if i == 0 else 0
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         if len(reqs) > 1:
@@ -388,8 +414,12 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Abort(self, request, context):
         for rid in request.request_ids:
-            for sample in self.samples.get(rid, [rid]):
-                self.engine.abort(sample)
+            samples = self.samples.get(rid)
+            if samples is not None:
+                for sample in samples:
+                    self.engine.abort(sample)
+            elif not self.engine.abort(rid):  # not started yet (or already finished)
+                self.early_aborts.add(rid, time.monotonic())
         return vllm_engine_pb2.AbortResponse()
 
     # ---- what the contract has and zerogap does not offer: UNIMPLEMENTED, saying why ------------
@@ -464,8 +494,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     utilization=s.forward_busy_fraction,
                     max_running_requests=self.engine.args.max_running_requests,
                     gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
-                    # the prompts of the requests it was sent that have not started (an upper bound:
-                    # their cached prefix is known only once they are admitted)
+                    # the prompts of the requests this contract was sent that have not started (an
+                    # upper bound: their cached prefix is known only once they are admitted; a call's
+                    # n samples count their shared prompt once; zerogap.v1's requests are not counted)
                     num_waiting_uncached_tokens=sum(self.unstarted.values()),
                 )
             )

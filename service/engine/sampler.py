@@ -84,13 +84,12 @@ class Sampler:
         edits = sb.banned_rows is not None or sb.bias_rows is not None
         if sb.all_greedy and not sb.need_penalties and not edits:
             return argmax_rows(logits)  # the greedy fast path: no float copy, no softmax
-        logits = logits.float()
+        # Edits go to a copy: the model's logits stay as they are (logprobs read them).
+        logits = logits.to(torch.float32, copy=edits)
+        if sb.bias_rows is not None:  # before the penalties, as vLLM applies it
+            logits.index_put_((sb.bias_rows, sb.bias_tokens), sb.bias_values, accumulate=True)
         if sb.need_penalties:
             logits = self.apply_penalties(logits, sb)  # a new tensor
-        elif edits:
-            logits = logits.clone()  # the model's logits stay as they are (logprobs read them)
-        if sb.bias_rows is not None:
-            logits.index_put_((sb.bias_rows, sb.bias_tokens), sb.bias_values, accumulate=True)
         if sb.banned_rows is not None:
             logits.index_put_((sb.banned_rows, sb.banned_tokens), self._neg_inf)
         greedy = argmax_rows(logits)

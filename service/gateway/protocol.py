@@ -105,7 +105,11 @@ def _refuse(body: Mapping[str, Any], names: Sequence[str]) -> None:
 
 
 def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
-    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (the service checks the ids)."""
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (the service checks the ids against the vocab).
+
+    Keys are decimal token ids ("12", not " 12", "1_000" or "012": two spellings of one id would
+    silently merge); values are numbers (null is refused, not read as 0).
+    """
     bias = body.get("logit_bias")
     if bias is None:
         return None
@@ -113,10 +117,13 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
         raise invalid("logit_bias", "must be an object of token ids to biases")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise invalid("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}")
+        token = int(key)
+        if token >= 2**31:
+            raise invalid("logit_bias", f"token id {key} is out of range")
+        if value is None:
+            raise invalid("logit_bias", f"the bias of token {key} must be a number, got null")
         out[token] = _number({"logit_bias": value}, "logit_bias", -100, 100)
     return out or None
 

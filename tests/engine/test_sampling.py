@@ -122,6 +122,34 @@ def test_masked_tokens_are_never_sampled():
     assert set(ids.tolist()) <= {91, 4000}
 
 
+def test_logit_bias_goes_before_the_penalties_and_leaves_the_logits():
+    """vLLM's order: the bias is added, then the repetition penalty scales the sum (it was added
+    after, so a biased, penalised token won here: 1/4 - 2 > -3, where (1 - 2) * 4 < -3)."""
+    logits = torch.tensor([[1.0, -3.0, -10.0, -10.0]])
+    before = logits.clone()
+    s = Sampler(1, 4)
+    s.prompt_mask[0, 0] = True  # token 0 is in the prompt: the repetition penalty applies
+    sb = _sb(
+        1,
+        all_greedy=True,
+        need_penalties=True,
+        repetition_penalties=torch.tensor([4.0]),
+        bias_rows=torch.tensor([0]),
+        bias_tokens=torch.tensor([0]),
+        bias_values=torch.tensor([-2.0]),
+    )
+    assert s.sample(logits, sb).tolist() == [1]
+    assert torch.equal(logits, before)
+    no_penalty = _sb(
+        1,
+        all_greedy=True,
+        bias_rows=torch.tensor([0]),
+        bias_tokens=torch.tensor([0]),
+        bias_values=torch.tensor([-2.0]),
+    )
+    assert s.sample(logits, no_penalty).tolist() == [0] and torch.equal(logits, before)
+
+
 def _sb(bs: int, **kw) -> SamplingBatch:
     base = dict(
         temperatures=torch.ones(bs),

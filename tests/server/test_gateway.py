@@ -23,10 +23,11 @@ import pytest
 
 from service.config import ServerArgs
 from service.gateway import protocol
+from service.gateway.app import Gateway, GatewayConfig
 from service.gateway.errors import APIError
 from service.server import BackgroundServer
 from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
-from zerogap.client import GREEDY, Client, Logprobs, ZerogapError
+from zerogap.client import GREEDY, Client, Delta, Logprobs, ZerogapError
 
 ROOT = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "Hi! How are you?"}]
@@ -399,6 +400,60 @@ def test_grpc_status_mapping():
     assert (err.status, err.code, err.param) == (400, "context_length_exceeded", "input")
 
 
+class _FakeStream:
+    """An AsyncStream stand-in: yields its deltas (an exception item is raised), records cancel()."""
+
+    def __init__(self, *items: Delta | Exception):
+        self.items, self.cancelled = list(items), False
+
+    async def __anext__(self) -> Delta:
+        await asyncio.sleep(0)
+        item = self.items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _StaysConnected:
+    """A starlette Request stand-in whose HTTP client never goes away."""
+
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+
+def _delta(text: str, finish: str | None = None) -> Delta:
+    return Delta("r", text, [1], finish, None, 3, 1, [], [], None, None)
+
+
+def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
+    """A stream of n samples answers after every sample's first delta: sample 1 refused
+    (RESOURCE_EXHAUSTED: the queue took sample 0 only) is the request's 429, not a 200 stream
+    that then carries an error event (it waited for sample 0 alone)."""
+    gw = Gateway(GatewayConfig("unused"))
+    call = protocol.parse_completion({"model": "m", "prompt": "a", "n": 2, "stream": True})
+    full = ZerogapError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
+    streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(full)]
+    with pytest.raises(ZerogapError) as e:
+        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and all(s.cancelled for s in streams)
+
+    async def events() -> list[str]:
+        streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(_delta("c", "stop"))]
+        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams)
+        return [chunk async for chunk in response.body_iterator]
+
+    chunks = [json.loads(e[len("data: ") :]) for e in asyncio.run(events())[:-1]]
+    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [
+        (0, "a"),
+        (1, "c"),
+        (0, "b"),
+    ]
+
+
 def _aborts(server) -> int:
     return server.running.router.finished_by_reason.get("abort", 0)
 
@@ -560,6 +615,14 @@ def test_samples_seeds():
     assert [s.seed for s in protocol.samplings(unseeded)] == [None, None]
 
 
+def test_parse_logit_bias():
+    body = {"model": "m", "prompt": "a", "logit_bias": {"0": 1, "12": -5.5, str(2**31 - 1): 100}}
+    assert protocol.parse_completion(body).sampling.logit_bias == {0: 1, 12: -5.5, 2**31 - 1: 100}
+    assert (
+        protocol.parse_completion({"model": "m", "prompt": "a", "logit_bias": {}}).sampling.logit_bias is None
+    )
+
+
 def test_parse_chat_refusals():
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     for body, param in [
@@ -580,6 +643,19 @@ def test_parse_chat_refusals():
             "logit_bias",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": [1]}, "logit_bias"),
+        # null bias, ids past int32 and odd spellings of an id were a 500 or silently merged
+        *(
+            ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": bias}, "logit_bias")
+            for bias in (
+                {"5": None},
+                {str(2**31): 1},
+                {" 12 ": 1},
+                {"1_000": 1},
+                {"01": 1},
+                {"-1": 1},
+                {"": 1},
+            )
+        ),
         ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ]:
         with pytest.raises(APIError) as e:

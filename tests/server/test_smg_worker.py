@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from service.config import ServerArgs
 from service.server import BackgroundServer
-from service.smg_worker import RateMeter
+from service.smg_worker import EarlyAborts, RateMeter
 from tests.helpers import wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
@@ -267,6 +267,31 @@ def test_abort_ends_the_stream_and_frees_its_kv(server, stubs):
     assert wait_until(server.engine.kv_all_free, 10)
 
 
+def test_abort_before_its_generate_starts_cancels_it(server, stubs):
+    """An Abort that overtakes its Generate (or comes while the Generate is being validated) was
+    lost: the request then ran for nobody. Now that Generate is refused as CANCELLED, once."""
+    vllm, _ = stubs
+    vllm.Abort(vpb.AbortRequest(request_ids=["early", "early-n"]))
+    with pytest.raises(grpc.RpcError) as e:
+        generate(vllm, rid="early", max_tokens=50, ignore_eos=True)
+    assert e.value.code() == grpc.StatusCode.CANCELLED and "aborted" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        generate(vllm, rid="early-n", n=3, max_tokens=50, ignore_eos=True)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    assert server.engine.num_live() == 0
+    assert len(generate(vllm, rid="early", max_tokens=2, ignore_eos=True)[-1].complete.output_ids) == 2
+
+
+def test_early_aborts_expire_and_are_bounded():
+    early = EarlyAborts(ttl_s=60.0, cap=2)
+    for i, rid in enumerate("abc"):
+        early.add(rid, 100.0 + i)
+    assert list(early.ids) == ["b", "c"]  # at most cap, oldest dropped
+    assert not early.take("b", 161.5) and early.take("c", 161.5) and not early.take("c", 161.5)
+    early.add("d", 300.0)
+    assert list(early.ids) == ["d"]  # expired ones go as new ones come
+
+
 def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
     vllm, zg = stubs
     generate(vllm, max_tokens=4)
@@ -295,31 +320,39 @@ def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
 
 def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs):
     """What SMG's least_load / power_of_two score by: the prompt tokens of the requests sent that
-    have not started (10 long requests on 8 running slots: 2 wait) and the tokens generated per
-    second between polls; both back to 0 / the rate's decay once the requests end."""
+    have not started (8 long requests fill the 8 running slots; a second call's 3 samples wait and
+    count their shared prompt once, as they prefill it once) and the tokens generated per second
+    between polls; both back to 0 / the rate's decay once the requests end."""
     vllm, _ = stubs
-    req = vpb.GenerateRequest(
-        request_id="queued",
-        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
-        sampling_params=sampling(max_tokens=200, ignore_eos=True, n=10),
-        stream=True,
-    )
-    t = threading.Thread(target=lambda: list(vllm.Generate(req, timeout=60)))
-    t.start()
+    other = [1, 3681, 338, 263, 1243, 1058]
+
+    def call(rid: str, ids: list[int], n: int) -> threading.Thread:
+        req = vpb.GenerateRequest(
+            request_id=rid,
+            tokenized=vpb.TokenizedInput(input_ids=ids),
+            sampling_params=sampling(max_tokens=200, ignore_eos=True, n=n),
+            stream=True,
+        )
+        t = threading.Thread(target=lambda: list(vllm.Generate(req, timeout=60)))
+        t.start()
+        return t
 
     def load():
         (one,) = vllm.GetLoads(vpb.GetLoadsRequest()).loads
         return one
 
+    threads = [call("busy", PROMPT, 8)]
     try:
         assert wait_until(lambda: load().num_running_reqs == 8, 10)
-        first = load()
-        assert first.num_waiting_uncached_tokens == 2 * len(PROMPT) and first.num_waiting_reqs == 2
+        threads.append(call("queued", other, 3))
+        assert wait_until(lambda: load().num_waiting_reqs == 3, 10)
+        assert load().num_waiting_uncached_tokens == len(other)
         time.sleep(0.6)
         assert load().gen_throughput > 0
     finally:
-        vllm.Abort(vpb.AbortRequest(request_ids=["queued"]))
-        t.join(30)
+        vllm.Abort(vpb.AbortRequest(request_ids=["busy", "queued"]))
+        for t in threads:
+            t.join(30)
     assert load().num_waiting_uncached_tokens == 0
 
 
