@@ -36,6 +36,7 @@ from service.models.families import UnsupportedArchitecture
 from service.smg_worker import SERVICE_NAME as SMG_WORKER_SERVICE
 from service.smg_worker import SmgWorkerServicer, add_smg_worker
 from service.tokenizer import InputTooLong
+from zerogap.client.types import QUEUED_METADATA_KEY
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
@@ -271,6 +272,8 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context):
         rid, queue = await self._start(request, context)
+        # queued: the client knows now, its first token may wait for a slot (AsyncStream.queued)
+        await context.send_initial_metadata(((QUEUED_METADATA_KEY, "1"),))
         done = False
         try:
             while not done:

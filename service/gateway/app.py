@@ -83,15 +83,14 @@ async def all_or_none(calls: Iterable[Awaitable[T]]) -> list[T]:
             t.cancel()  # no-op for the finished ones
 
 
-async def interleave(streams: list[AsyncStream], firsts: list[Delta]) -> AsyncIterator[tuple[int, Delta]]:
-    """(sample index, delta) as each stream delivers, from each stream's first delta (`firsts`,
-    already read) on; a stream is followed until its delta with a finish reason."""
-    pending: dict[asyncio.Future[Delta], int] = {}
+async def interleave(streams: list[AsyncStream], first: Delta) -> AsyncIterator[tuple[int, Delta]]:
+    """(sample index, delta) as each stream delivers, from stream 0's `first` delta (already read)
+    on; a stream is followed until its delta with a finish reason."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams[1:], 1)}
     try:
-        for i, first in enumerate(firsts):
-            yield i, first
-            if first.finish_reason is None:
-                pending[asyncio.ensure_future(anext(streams[i]))] = i
+        yield 0, first
+        if first.finish_reason is None:
+            pending[asyncio.ensure_future(anext(streams[0]))] = 0
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in sorted(done, key=pending.__getitem__):
@@ -241,33 +240,35 @@ class Gateway:
         return JSONResponse(body)
 
     async def _stream(self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream]) -> Response:
-        # Every sample's first delta is awaited before answering, so that a request the service
-        # refuses (any of its samples: the queue may take some and not all) gets its HTTP error
-        # status rather than a 200 stream carrying an error. The samples share their prompt's
-        # prefill, so their first tokens come together; a sample failing later ends the stream
-        # with an error event.
+        # Sample 0's first delta, and every other sample's place in the queue, are awaited before
+        # answering, so that a request the service refuses (any of its samples: the queue may take
+        # some and not all) gets its HTTP error status rather than a 200 stream carrying an error.
+        # The other samples' first tokens are not awaited: they may wait for a free slot. One that
+        # fails later ends the stream with an error event.
         try:
-            firsts = await until_disconnected(request, all_or_none(anext(s) for s in streams))
+            first, *_ = await until_disconnected(
+                request, all_or_none([anext(streams[0]), *(s.queued() for s in streams[1:])])
+            )
         except BaseException:
             for s in streams:
                 s.cancel()
             raise
         return StreamingResponse(
-            self._events(call, rid, streams, firsts),
+            self._events(call, rid, streams, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, call: p.Call, rid: str, streams: list[AsyncStream], firsts: list[Delta]
+        self, call: p.Call, rid: str, streams: list[AsyncStream], first: Delta
     ) -> AsyncIterator[bytes]:
-        created, offsets, ends = p.now(), [0] * len(streams), list(firsts)
+        created, offsets, ends = p.now(), [0] * len(streams), [first] * len(streams)
         started = [False] * len(streams)
         head = p.envelope(call, rid, created, chunk=True)
         if call.include_usage:
             head["usage"] = None
         try:
-            async with contextlib.aclosing(interleave(streams, firsts)) as deltas:
+            async with contextlib.aclosing(interleave(streams, first)) as deltas:
                 async for i, delta in deltas:
                     lp = await self._logprobs(call, [delta], offsets[i])
                     offsets[i] += len(delta.text)

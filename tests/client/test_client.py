@@ -183,6 +183,32 @@ def test_async_client_generate_stream_and_cancellation(server):
     asyncio.run(main())
 
 
+def test_async_stream_queued_comes_before_a_slot(server):
+    """AsyncStream.queued() returns once the server queued the request (the initial metadata's
+    mark), not at its first token, which waits for one of the 8 running slots; a refusal raises."""
+
+    async def main() -> None:
+        async with AsyncClient(server.address) as c:
+            running = [c.stream("Count to a thousand:", **LONG) for _ in range(8)]
+            for s in running:
+                await anext(s)
+            waiting = c.stream("Count to a thousand:", **LONG)
+            await asyncio.wait_for(waiting.queued(), 10)
+            info = await c.server_info()
+            assert info.running_requests == 8 and info.queued_requests == 1 and not waiting.deltas
+            refused = c.stream("Count to a thousand:", temperature=-1.0)
+            with pytest.raises(ZerogapError) as e:
+                await refused.queued()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for s in running:
+                s.cancel()
+            assert (await asyncio.wait_for(anext(waiting), 30)).token_ids  # its slot came
+            waiting.cancel()
+            await _until_idle(c)
+
+    asyncio.run(main())
+
+
 async def _until_idle(c: AsyncClient) -> None:
     for _ in range(400):
         info = await c.server_info()

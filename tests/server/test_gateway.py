@@ -413,6 +413,11 @@ class _FakeStream:
             raise item
         return item
 
+    async def queued(self) -> None:
+        await asyncio.sleep(0)
+        if isinstance(self.items[0], Exception):
+            raise self.items.pop(0)
+
     def cancel(self) -> None:
         self.cancelled = True
 
@@ -430,9 +435,9 @@ def _delta(text: str, finish: str | None = None) -> Delta:
 
 
 def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
-    """A stream of n samples answers after every sample's first delta: sample 1 refused
-    (RESOURCE_EXHAUSTED: the queue took sample 0 only) is the request's 429, not a 200 stream
-    that then carries an error event (it waited for sample 0 alone)."""
+    """A stream of n samples answers once sample 0's first delta came and every other sample is
+    queued: sample 1 refused (RESOURCE_EXHAUSTED: the queue took sample 0 only) is the request's
+    429, not a 200 stream that then carries an error event (it waited for sample 0 alone)."""
     gw = Gateway(GatewayConfig("unused"))
     call = protocol.parse_completion({"model": "m", "prompt": "a", "n": 2, "stream": True})
     full = ZerogapError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
@@ -447,11 +452,29 @@ def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
         return [chunk async for chunk in response.body_iterator]
 
     chunks = [json.loads(e[len("data: ") :]) for e in asyncio.run(events())[:-1]]
-    assert [(c["choices"][0]["index"], c["choices"][0]["text"]) for c in chunks] == [
-        (0, "a"),
-        (1, "c"),
-        (0, "b"),
-    ]
+    texts = {i: [c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i] for i in (0, 1)}
+    assert texts == {0: ["a", "b"], 1: ["c"]}
+
+
+def test_n_sample_stream_starts_before_samples_wait_for_a_slot(oai, model):
+    """10 samples on 8 running slots: the stream starts with sample 0's first token; samples 8-9
+    start when slots free up, after sample 0 ended (waiting for every sample's first token held the
+    whole stream back that long)."""
+    chunks = list(
+        oai.completions.create(
+            model=model,
+            prompt="Count:",
+            n=10,
+            max_tokens=24,
+            temperature=1.0,
+            stream=True,
+            extra_body=ENDLESS,
+        )
+    )
+    order = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices]
+    assert order[0][0] == 0 and {i for i, _ in order} == set(range(10))
+    first_of_9 = next(k for k, (i, _) in enumerate(order) if i == 9)
+    assert order.index((0, "length")) < first_of_9
 
 
 def _aborts(server) -> int:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from zerogap.client.channel import ChannelOptions
 from zerogap.client.types import (
+    QUEUED_METADATA_KEY,
     Chat,
     Completion,
     Constraint,
@@ -44,11 +45,30 @@ class AsyncStream:
     def __init__(self, call):
         self._call = call
         self.deltas: list[Delta] = []
+        self._peeked: Delta | None = None  # read by queued(), not yet returned
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self
 
+    async def queued(self) -> None:
+        """Returns once the server has queued the request, which may be well before its first
+        token (it waits for a free slot); raises the server's refusal (ZerogapError) instead."""
+        try:
+            metadata = await self._call.initial_metadata()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if metadata is not None and QUEUED_METADATA_KEY in metadata:
+            return
+        try:  # no mark: refused (the status came alone), or an older server; the first delta says
+            self._peeked = await self.__anext__()
+        except StopAsyncIteration:
+            pass
+
     async def __anext__(self) -> Delta:
+        if self._peeked is not None:
+            d, self._peeked = self._peeked, None
+            return d
         try:
             r = await self._call.read()
         except asyncio.CancelledError:

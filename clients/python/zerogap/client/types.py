@@ -19,6 +19,10 @@ import grpc
 
 from zerogap.v1 import generation_pb2 as pb2
 
+# GenerateStream's initial metadata carries this key once the server has queued the request (before
+# its first token, which may wait for a free slot); a refused request ends with its status instead.
+QUEUED_METADATA_KEY = "zerogap-queued"
+
 FINISH_REASONS = {
     pb2.FINISH_REASON_UNSPECIFIED: None,
     pb2.FINISH_REASON_STOP: "stop",

@@ -89,7 +89,9 @@ class GenerationServicer:
     def GenerateStream(self, request, context):
         """Streams the result as deltas: concatenating the token_ids and text of all
         messages gives exactly what Generate returns. The last message carries
-        finish_reason, matched_stop and usage.
+        finish_reason, matched_stop and usage. The initial metadata carry "zerogap-queued: 1" once
+        the request is queued (its first token may wait for a slot); a refusal ends the call with its
+        status instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
