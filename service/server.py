@@ -272,10 +272,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, request, context):
         rid, queue = await self._start(request, context)
-        # queued: the client knows now, its first token may wait for a slot (AsyncStream.queued)
-        await context.send_initial_metadata(((QUEUED_METADATA_KEY, "1"),))
         done = False
-        try:
+        try:  # from here on, however the RPC ends, the request does not outlive it
+            # queued: the client knows now, its first token may wait for a slot (AsyncStream.queued)
+            await context.send_initial_metadata(((QUEUED_METADATA_KEY, "1"),))
             while not done:
                 outs = [await queue.get()]
                 while not queue.empty():  # a slow reader gets merged deltas

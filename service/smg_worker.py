@@ -28,7 +28,7 @@ import math
 import time
 import uuid
 import zipfile
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -215,28 +215,6 @@ class RateMeter:
         return (total - n0) / (now - t0) if now - t0 >= self.min_span_s else 0.0
 
 
-class EarlyAborts:
-    """Request ids aborted before the engine knew them: an `Abort` that overtook its `Generate`, or
-    came while the Generate was still being validated (tokenizing, compiling its grammar). That
-    Generate is then refused as CANCELLED rather than run for nobody. An id is kept `ttl_s` seconds,
-    at most `cap` of them (SMG's ids are unique, so a later request never reuses one)."""
-
-    def __init__(self, ttl_s: float = 60.0, cap: int = 4096):
-        self.ttl_s, self.cap = ttl_s, cap
-        self.ids: OrderedDict[str, float] = OrderedDict()  # id -> when aborted, oldest first
-
-    def add(self, rid: str, now: float) -> None:
-        self.ids[rid] = now
-        self.ids.move_to_end(rid)
-        while self.ids and (len(self.ids) > self.cap or now - next(iter(self.ids.values())) > self.ttl_s):
-            self.ids.popitem(last=False)
-
-    def take(self, rid: str, now: float) -> bool:
-        """Whether `rid` was aborted early (and forget it)."""
-        when = self.ids.pop(rid, None)
-        return when is not None and now - when <= self.ttl_s
-
-
 class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """vllm.grpc.engine.VllmEngine over the engine that zerogap.v1 serves."""
 
@@ -258,7 +236,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
         self.unstarted: dict[str, int] = {}  # requests with no output yet -> prompt tokens to prefill
-        self.early_aborts = EarlyAborts()
+        self.starting: set[str] = set()  # request ids being validated (tokenized, grammar compiled)
+        self.aborted_starting: set[str] = set()  # ... of which an Abort came meanwhile
         self.throughput = RateMeter()
 
     # ---- Generate ------------------------------------------------------------------
@@ -313,10 +292,14 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def _start(
         self, request: Any, context: Any
     ) -> tuple[str, list[Req], asyncio.Queue[RequestOutput], OutputLog]:
-        """Submit the request's samples together; their outputs all come through one queue."""
+        """Submit the request's samples together; their outputs all come through one queue. An
+        Abort that comes while it is being validated refuses it (CANCELLED) before it is submitted."""
         self.last_receive = time.time()
         if self.draining():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        key = request.request_id
+        if key:  # an empty id cannot be aborted
+            self.starting.add(key)
         try:
             rid, reqs, log_shape = await asyncio.get_running_loop().run_in_executor(
                 None, self._build, request
@@ -324,16 +307,20 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for req in reqs:
                 for fut in self.engine.features.pending(req):  # a grammar's errors before admission
                     await asyncio.wrap_future(fut)
-            if self.early_aborts.take(rid, time.monotonic()):
+            if key in self.aborted_starting:
                 raise RequestError("CANCELLED", f"request {rid!r} was aborted before it started")
             self.engine.submit_all(reqs)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            # n samples prefill their shared prompt once (the prefix cache): counted once then
+            shared = not self.engine.args.disable_prefix_cache
             for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue)
-                # n samples prefill their shared prompt once (the prefix cache): count it once
-                self.unstarted[req.rid] = len(req.prompt_ids) if i == 0 else 0
+                self.unstarted[req.rid] = len(req.prompt_ids) if i == 0 or not shared else 0
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        finally:
+            self.starting.discard(key)
+            self.aborted_starting.discard(key)
         if len(reqs) > 1:
             self.samples[rid] = [r.rid for r in reqs]
         return rid, reqs, queue, log_shape
@@ -418,8 +405,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if samples is not None:
                 for sample in samples:
                     self.engine.abort(sample)
-            elif not self.engine.abort(rid):  # not started yet (or already finished)
-                self.early_aborts.add(rid, time.monotonic())
+            elif not self.engine.abort(rid) and rid in self.starting:  # not submitted yet
+                self.aborted_starting.add(rid)
         return vllm_engine_pb2.AbortResponse()
 
     # ---- what the contract has and zerogap does not offer: UNIMPLEMENTED, saying why ------------

@@ -84,8 +84,10 @@ class Sampler:
         edits = sb.banned_rows is not None or sb.bias_rows is not None
         if sb.all_greedy and not sb.need_penalties and not edits:
             return argmax_rows(logits)  # the greedy fast path: no float copy, no softmax
-        # Edits go to a copy: the model's logits stay as they are (logprobs read them).
-        logits = logits.to(torch.float32, copy=edits)
+        # Edits go to a copy: the model's logits stay as they are (logprobs read them). The
+        # penalties make a new tensor before the bans, not before the bias.
+        copy = sb.bias_rows is not None or (sb.banned_rows is not None and not sb.need_penalties)
+        logits = logits.to(torch.float32, copy=copy)
         if sb.bias_rows is not None:  # before the penalties, as vLLM applies it
             logits.index_put_((sb.bias_rows, sb.bias_tokens), sb.bias_values, accumulate=True)
         if sb.need_penalties:

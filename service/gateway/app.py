@@ -83,24 +83,39 @@ async def all_or_none(calls: Iterable[Awaitable[T]]) -> list[T]:
             t.cancel()  # no-op for the finished ones
 
 
-async def interleave(streams: list[AsyncStream], first: Delta) -> AsyncIterator[tuple[int, Delta]]:
-    """(sample index, delta) as each stream delivers, from stream 0's `first` delta (already read)
-    on; a stream is followed until its delta with a finish reason."""
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams[1:], 1)}
+Reads = dict[asyncio.Future[Delta], int]  # a stream's next read -> the stream's (sample's) index
+
+
+async def opened(streams: list[AsyncStream]) -> Reads:
+    """Once every stream is queued and one has its first delta: each stream's first read (one at
+    least done). A refusal of any stream is raised (the others cancelled by the caller)."""
+    await all_or_none(s.queued() for s in streams)
+    reads = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
     try:
-        yield 0, first
-        if first.finish_reason is None:
-            pending[asyncio.ensure_future(anext(streams[0]))] = 0
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in sorted(done, key=pending.__getitem__):
-                i = pending.pop(fut)
+        done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+        for fut in done:
+            fut.result()  # raises a stream's error
+    except BaseException:
+        for fut in reads:
+            fut.cancel()
+        raise
+    return reads
+
+
+async def interleave(streams: list[AsyncStream], reads: Reads) -> AsyncIterator[tuple[int, Delta]]:
+    """(sample index, delta) as each stream delivers, from `reads` (a read per stream, in flight or
+    done) on; a stream is followed until its delta with a finish reason."""
+    try:
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=reads.__getitem__):
+                i = reads.pop(fut)
                 delta = fut.result()
                 yield i, delta
                 if delta.finish_reason is None:
-                    pending[asyncio.ensure_future(anext(streams[i]))] = i
+                    reads[asyncio.ensure_future(anext(streams[i]))] = i
     finally:
-        for fut in pending:
+        for fut in reads:
             fut.cancel()
 
 
@@ -240,44 +255,41 @@ class Gateway:
         return JSONResponse(body)
 
     async def _stream(self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream]) -> Response:
-        # Sample 0's first delta, and every other sample's place in the queue, are awaited before
+        # Every sample's place in the queue, and one sample's first delta, are awaited before
         # answering, so that a request the service refuses (any of its samples: the queue may take
         # some and not all) gets its HTTP error status rather than a 200 stream carrying an error.
         # The other samples' first tokens are not awaited: they may wait for a free slot. One that
         # fails later ends the stream with an error event.
         try:
-            first, *_ = await until_disconnected(
-                request, all_or_none([anext(streams[0]), *(s.queued() for s in streams[1:])])
-            )
+            reads = await until_disconnected(request, opened(streams))
         except BaseException:
             for s in streams:
                 s.cancel()
             raise
         return StreamingResponse(
-            self._events(call, rid, streams, first),
+            self._events(call, rid, streams, reads),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, call: p.Call, rid: str, streams: list[AsyncStream], first: Delta
+        self, call: p.Call, rid: str, streams: list[AsyncStream], reads: Reads
     ) -> AsyncIterator[bytes]:
-        created, offsets, ends = p.now(), [0] * len(streams), [first] * len(streams)
-        started = [False] * len(streams)
+        created, offsets = p.now(), [0] * len(streams)
+        ends: dict[int, Delta] = {}  # each sample's last delta
         head = p.envelope(call, rid, created, chunk=True)
         if call.include_usage:
             head["usage"] = None
         try:
-            async with contextlib.aclosing(interleave(streams, first)) as deltas:
+            async with contextlib.aclosing(interleave(streams, reads)) as deltas:
                 async for i, delta in deltas:
                     lp = await self._logprobs(call, [delta], offsets[i])
                     offsets[i] += len(delta.text)
-                    out = p.choice(call, delta.text, delta.finish_reason, lp, True, not started[i], index=i)
-                    started[i] = True
+                    out = p.choice(call, delta.text, delta.finish_reason, lp, True, i not in ends, index=i)
                     yield p.sse(dict(head, choices=[out]))
                     ends[i] = delta
             if call.include_usage:
-                tokens = sum(d.completion_tokens for d in ends)
+                tokens = sum(d.completion_tokens for d in ends.values())
                 usage = p.usage(ends[0].prompt_tokens, tokens, ends[0].cached_tokens)
                 yield p.sse(dict(head, choices=[], usage=usage))
             yield p.sse("[DONE]")

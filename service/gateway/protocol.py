@@ -117,8 +117,9 @@ def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
         raise invalid("logit_bias", "must be an object of token ids to biases")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and (key == "0" or key[0] != "0")):
-            raise invalid("logit_bias", f"keys must be token ids, got {key!r}")
+        digits = isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit()
+        if not (digits and (key == "0" or key[0] != "0")):
+            raise invalid("logit_bias", f"keys must be token ids, got {str(key)[:24]!r}")
         token = int(key)
         if token >= 2**31:
             raise invalid("logit_bias", f"token id {key} is out of range")

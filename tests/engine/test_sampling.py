@@ -148,6 +148,15 @@ def test_logit_bias_goes_before_the_penalties_and_leaves_the_logits():
         bias_values=torch.tensor([-2.0]),
     )
     assert s.sample(logits, no_penalty).tolist() == [0] and torch.equal(logits, before)
+    banned_penalised = _sb(
+        1,
+        all_greedy=True,
+        need_penalties=True,
+        repetition_penalties=torch.tensor([4.0]),
+        banned_rows=torch.tensor([0]),
+        banned_tokens=torch.tensor([1]),
+    )
+    assert s.sample(logits, banned_penalised).tolist() == [0] and torch.equal(logits, before)
 
 
 def _sb(bs: int, **kw) -> SamplingBatch:

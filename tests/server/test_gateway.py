@@ -435,8 +435,7 @@ def _delta(text: str, finish: str | None = None) -> Delta:
 
 
 def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
-    """A stream of n samples answers once sample 0's first delta came and every other sample is
-    queued: sample 1 refused (RESOURCE_EXHAUSTED: the queue took sample 0 only) is the request's
+    """A stream of n samples answers once every sample is queued and one has its first delta: sample 1 refused (RESOURCE_EXHAUSTED: the queue took sample 0 only) is the request's
     429, not a 200 stream that then carries an error event (it waited for sample 0 alone)."""
     gw = Gateway(GatewayConfig("unused"))
     call = protocol.parse_completion({"model": "m", "prompt": "a", "n": 2, "stream": True})
@@ -457,9 +456,9 @@ def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
 
 
 def test_n_sample_stream_starts_before_samples_wait_for_a_slot(oai, model):
-    """10 samples on 8 running slots: the stream starts with sample 0's first token; samples 8-9
-    start when slots free up, after sample 0 ended (waiting for every sample's first token held the
-    whole stream back that long)."""
+    """10 samples on 8 running slots: the stream starts with the first sample's first token; the
+    last two admitted start when slots free up, after a sample ended (waiting for every sample's
+    first token held the whole stream back that long)."""
     chunks = list(
         oai.completions.create(
             model=model,
@@ -472,9 +471,8 @@ def test_n_sample_stream_starts_before_samples_wait_for_a_slot(oai, model):
         )
     )
     order = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices]
-    assert order[0][0] == 0 and {i for i, _ in order} == set(range(10))
-    first_of_9 = next(k for k, (i, _) in enumerate(order) if i == 9)
-    assert order.index((0, "length")) < first_of_9
+    firsts = {i: next(k for k, (j, _) in enumerate(order) if j == i) for i in range(10)}
+    assert max(firsts.values()) > order.index(next(o for o in order if o[1] == "length"))
 
 
 def _aborts(server) -> int:
@@ -677,6 +675,7 @@ def test_parse_chat_refusals():
                 {"01": 1},
                 {"-1": 1},
                 {"": 1},
+                {"9" * 5000: 1},  # int() refuses over 4300 digits: was a 500
             )
         ),
         ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content"),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.config import ServerArgs
-from service.server import BackgroundServer
+from service.server import BackgroundServer, GenerationServicer
 from tests.helpers import before_each_forward, kv_idle, on_each_result, wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
@@ -163,6 +165,28 @@ def test_cancelled_stream_frees_kv(stub, server):
     assert server.engine.kv_pool.free_count < server.engine.kv_pool.size
     call.cancel()
     assert wait_until(lambda: kv_idle(server), 20)
+
+
+def test_stream_ended_between_submit_and_first_message_aborts_it(stub, server, monkeypatch):
+    """A stream cancelled (here: its deadline) after the request was submitted but before the
+    handler's first await returned left the request running for nobody: that await (sending the
+    initial metadata) was outside the handler's abort-on-exit. The event loop is held right after
+    the submit, so the deadline fires there."""
+    submit = GenerationServicer._start
+
+    async def held(self, request, context):
+        started = await submit(self, request, context)
+        time.sleep(0.6)  # blocks the event loop: the RPC's deadline passes meanwhile
+        return started
+
+    monkeypatch.setattr(GenerationServicer, "_start", held)
+    call = stub.GenerateStream(
+        pb2.GenerateRequest(text="Count to a million.", sampling=greedy(3000, ignore_eos=True)), timeout=0.3
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: kv_idle(server), 10), "the request outlived its RPC"
 
 
 def test_deadline_aborts_request(stub, server):

@@ -18,7 +18,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from service.config import ServerArgs
 from service.server import BackgroundServer
-from service.smg_worker import EarlyAborts, RateMeter
+from service.smg_worker import RateMeter, SmgWorkerServicer
 from tests.helpers import wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
@@ -267,29 +267,41 @@ def test_abort_ends_the_stream_and_frees_its_kv(server, stubs):
     assert wait_until(server.engine.kv_all_free, 10)
 
 
-def test_abort_before_its_generate_starts_cancels_it(server, stubs):
-    """An Abort that overtakes its Generate (or comes while the Generate is being validated) was
-    lost: the request then ran for nobody. Now that Generate is refused as CANCELLED, once."""
+def test_abort_while_its_generate_is_validated_cancels_it(server, stubs, monkeypatch):
+    """An Abort that came while its Generate was still being validated (tokenizing, compiling a
+    grammar) was lost: the request then ran for nobody. Now that Generate is refused as CANCELLED.
+    An Abort of a request that already finished leaves a later request with the same id alone."""
     vllm, _ = stubs
-    vllm.Abort(vpb.AbortRequest(request_ids=["early", "early-n"]))
-    with pytest.raises(grpc.RpcError) as e:
-        generate(vllm, rid="early", max_tokens=50, ignore_eos=True)
-    assert e.value.code() == grpc.StatusCode.CANCELLED and "aborted" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        generate(vllm, rid="early-n", n=3, max_tokens=50, ignore_eos=True)
-    assert e.value.code() == grpc.StatusCode.CANCELLED
+    entered, go = threading.Event(), threading.Event()
+    build = SmgWorkerServicer._build
+
+    def held(self, request):
+        entered.set()
+        go.wait(10)
+        return build(self, request)
+
+    monkeypatch.setattr(SmgWorkerServicer, "_build", held)
+    errors: list[grpc.RpcError] = []
+
+    def run() -> None:
+        try:
+            generate(vllm, rid="racing", n=2, max_tokens=50, ignore_eos=True)
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert entered.wait(10)
+    vllm.Abort(vpb.AbortRequest(request_ids=["racing"]))
+    go.set()
+    t.join(30)
+    assert [(e.code(), "aborted" in e.details()) for e in errors] == [(grpc.StatusCode.CANCELLED, True)]
     assert server.engine.num_live() == 0
-    assert len(generate(vllm, rid="early", max_tokens=2, ignore_eos=True)[-1].complete.output_ids) == 2
-
-
-def test_early_aborts_expire_and_are_bounded():
-    early = EarlyAborts(ttl_s=60.0, cap=2)
-    for i, rid in enumerate("abc"):
-        early.add(rid, 100.0 + i)
-    assert list(early.ids) == ["b", "c"]  # at most cap, oldest dropped
-    assert not early.take("b", 161.5) and early.take("c", 161.5) and not early.take("c", 161.5)
-    early.add("d", 300.0)
-    assert list(early.ids) == ["d"]  # expired ones go as new ones come
+    monkeypatch.undo()
+    assert len(generate(vllm, rid="racing", max_tokens=2, ignore_eos=True)[-1].complete.output_ids) == 2
+    vllm.Abort(vpb.AbortRequest(request_ids=["racing", "never-sent"]))  # finished; unknown
+    assert len(generate(vllm, rid="racing", max_tokens=2, ignore_eos=True)[-1].complete.output_ids) == 2
+    assert len(generate(vllm, rid="never-sent", max_tokens=2, ignore_eos=True)[-1].complete.output_ids) == 2
 
 
 def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
@@ -318,12 +330,16 @@ def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
     )
 
 
-def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs):
+@pytest.mark.parametrize("cache", ["prefix-cache", "no-prefix-cache"])
+def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeypatch, cache):
     """What SMG's least_load / power_of_two score by: the prompt tokens of the requests sent that
     have not started (8 long requests fill the 8 running slots; a second call's 3 samples wait and
-    count their shared prompt once, as they prefill it once) and the tokens generated per second
-    between polls; both back to 0 / the rate's decay once the requests end."""
+    count their shared prompt once, as the prefix cache prefills it once; without the cache, each
+    sample's) and the tokens generated per second between polls; both back to 0 / the rate's decay
+    once the requests end."""
     vllm, _ = stubs
+    if cache == "no-prefix-cache":  # how the worker counts (the scheduler's cache stays on here)
+        monkeypatch.setattr(server.engine.args, "disable_prefix_cache", True)
     other = [1, 3681, 338, 263, 1243, 1058]
 
     def call(rid: str, ids: list[int], n: int) -> threading.Thread:
@@ -346,7 +362,7 @@ def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs):
         assert wait_until(lambda: load().num_running_reqs == 8, 10)
         threads.append(call("queued", other, 3))
         assert wait_until(lambda: load().num_waiting_reqs == 3, 10)
-        assert load().num_waiting_uncached_tokens == len(other)
+        assert load().num_waiting_uncached_tokens == len(other) * (1 if cache == "prefix-cache" else 3)
         time.sleep(0.6)
         assert load().gen_throughput > 0
     finally:
