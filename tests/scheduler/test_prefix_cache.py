@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from service.config import ServerArgs
+from service.core.forward_batch import ForwardMode
 from service.core.request import FinishReason, SamplingParams
 from service.engine.engine import SyncClient, collect
 from service.engine.kv_cache import TokenToKVPool
 from service.engine.prefix_cache import RadixCache
-from tests.helpers import wait_until
+from tests.helpers import before_each_forward, wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
@@ -198,6 +199,30 @@ def test_concurrent_sharers_of_a_chunked_prompt_wait_for_all_of_it(tiny_llama_di
     outs = _off_and_on(tiny_llama_dir, loop, run, chunked_prefill_size=32)
     assert outs[True][0] == outs[False][0]
     assert outs[True][1] == [0] + [100] * 3
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_failed_final_chunk_leaves_its_prompt_out_of_the_cache(tiny_llama_dir, loop):
+    """The overlap loop processes a chunk's result while the prompt's final chunk is in flight. The
+    tree took the whole prompt's rows then; when that final chunk failed, its rows stayed in the
+    cache unwritten and the next request with the prompt read them (its output differed)."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49000) for _ in range(100)]
+
+    def fail_final_chunk(fb) -> None:
+        if fb.mode is ForwardMode.EXTEND and int(fb.positions.max()) == len(prompt) - 1:
+            raise RuntimeError("injected fault")
+
+    def run(client):
+        with before_each_forward(client.engine.worker, fail_final_chunk):
+            (failed,) = client.generate([prompt], [_params(0)])
+        assert failed[-1].finish_reason is FinishReason.ERROR
+        (again,) = client.generate([prompt], [_params(0)])
+        assert client.engine.kv_all_free()
+        return collect(again)[0], collect(again)[2].cached_tokens
+
+    outs = _off_and_on(tiny_llama_dir, loop, run, chunked_prefill_size=32)
+    assert outs[True] == outs[False] and outs[True][1] == 0
 
 
 @pytest.mark.parametrize("loop", LOOPS)

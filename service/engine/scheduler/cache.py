@@ -123,10 +123,13 @@ class CacheManager:
         return [ExtendRow(r, r.prefill_ids[r.cache_owned :], prefix_len=r.cache_owned) for r in admitted]
 
     def prefilled(self, batch: ScheduleBatch) -> None:
-        """An extend batch's result was processed: its prompts' KV is written and may be shared."""
+        """An extend batch's result was processed: its prompts' KV is written and may be shared.
+        Not a non-final chunk's: under overlap the final chunk may be in flight, its rows unwritten
+        (and never written, should that batch fail)."""
         if batch.mode is ForwardMode.EXTEND:
-            for req in batch.reqs:
-                self.reserved_tokens -= self.prefix.prefilled(req)
+            for i, req in enumerate(batch.reqs):
+                if i not in batch.partial_rows:
+                    self.reserved_tokens -= self.prefix.prefilled(req)
 
     def free_rows(self, want: int) -> int:
         """Free KV rows, after evicting unreferenced cached prefixes to reach `want` if needed."""
