@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from service.core.forward_batch import SamplingBatch
@@ -122,41 +123,32 @@ def test_masked_tokens_are_never_sampled():
     assert set(ids.tolist()) <= {91, 4000}
 
 
-def test_logit_bias_goes_before_the_penalties_and_leaves_the_logits():
-    """vLLM's order: the bias is added, then the repetition penalty scales the sum (it was added
-    after, so a biased, penalised token won here: 1/4 - 2 > -3, where (1 - 2) * 4 < -3)."""
+@pytest.mark.parametrize(
+    "penalty, edit, expected",
+    [
+        # vLLM's order: the bias is added, then the repetition penalty scales the sum (it was added
+        # after, so the biased, penalised token won: 1/4 - 2 > -3, where (1 - 2) * 4 < -3)
+        (4.0, "bias", 1),
+        (None, "bias", 0),  # 1 - 2 > -3
+        (4.0, "ban", 0),  # token 1 banned; the penalty makes a new tensor before the ban
+    ],
+)
+def test_logit_bias_goes_before_the_penalties_and_edits_leave_the_logits(penalty, edit, expected):
     logits = torch.tensor([[1.0, -3.0, -10.0, -10.0]])
     before = logits.clone()
     s = Sampler(1, 4)
     s.prompt_mask[0, 0] = True  # token 0 is in the prompt: the repetition penalty applies
-    sb = _sb(
-        1,
-        all_greedy=True,
-        need_penalties=True,
-        repetition_penalties=torch.tensor([4.0]),
-        bias_rows=torch.tensor([0]),
-        bias_tokens=torch.tensor([0]),
-        bias_values=torch.tensor([-2.0]),
-    )
-    assert s.sample(logits, sb).tolist() == [1]
-    assert torch.equal(logits, before)
-    no_penalty = _sb(
-        1,
-        all_greedy=True,
-        bias_rows=torch.tensor([0]),
-        bias_tokens=torch.tensor([0]),
-        bias_values=torch.tensor([-2.0]),
-    )
-    assert s.sample(logits, no_penalty).tolist() == [0] and torch.equal(logits, before)
-    banned_penalised = _sb(
-        1,
-        all_greedy=True,
-        need_penalties=True,
-        repetition_penalties=torch.tensor([4.0]),
-        banned_rows=torch.tensor([0]),
-        banned_tokens=torch.tensor([1]),
-    )
-    assert s.sample(logits, banned_penalised).tolist() == [0] and torch.equal(logits, before)
+    kw = dict(all_greedy=True, need_penalties=penalty is not None)
+    if penalty is not None:
+        kw["repetition_penalties"] = torch.tensor([penalty])
+    if edit == "bias":
+        kw |= dict(
+            bias_rows=torch.tensor([0]), bias_tokens=torch.tensor([0]), bias_values=torch.tensor([-2.0])
+        )
+    else:
+        kw |= dict(banned_rows=torch.tensor([0]), banned_tokens=torch.tensor([1]))
+    assert s.sample(logits, _sb(1, **kw)).tolist() == [expected]
+    assert torch.equal(logits, before)  # the model's logits stay (logprobs read them)
 
 
 def _sb(bs: int, **kw) -> SamplingBatch:
