@@ -225,12 +225,13 @@ class Gateway:
         ids = [rid] if call.n == 1 else [f"{rid}/{i}" for i in range(call.n)]  # a gRPC call per sample
         kw = dict(logprobs=call.logprobs, constraint=call.constraint)
         try:
+            echo = await self._echo(call)
             if call.stream:
                 streams = [
                     self.grpc.stream(call.prompt, sampling, request_id=i, **kw)
                     for i, sampling in zip(ids, p.samplings(call))
                 ]
-                return await self._stream(request, call, rid, streams)
+                return await self._stream(request, call, rid, streams, echo)
             done = await until_disconnected(
                 request,
                 all_or_none(
@@ -246,15 +247,35 @@ class Gateway:
             raise err from None
         body = p.envelope(call, rid, p.now(), chunk=False)
         body["choices"] = [
-            p.choice(call, d.text, d.finish_reason, await self._logprobs(call, [d]), False, index=i)
+            p.choice(
+                call,
+                p.choice_text(call, d.text, echo),
+                d.finish_reason,
+                await self._logprobs(call, [d], echo=echo),
+                False,
+                index=i,
+            )
             for i, d in enumerate(done)
         ]
-        body["usage"] = p.usage(
-            done[0].prompt_tokens, sum(d.completion_tokens for d in done), done[0].cached_tokens
-        )
+        tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in done)
+        body["usage"] = p.usage(done[0].prompt_tokens, tokens, done[0].cached_tokens)
         return JSONResponse(body)
 
-    async def _stream(self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream]) -> Response:
+    async def _echo(self, call: p.Call) -> p.Echo | None:
+        """For `echo`: the prompt's text and (for logprobs) its first token id."""
+        if not call.echo:
+            return None
+        if isinstance(call.prompt, str):
+            if call.logprobs is None:
+                return p.Echo(call.prompt)
+            ids = await self.grpc.tokenize(call.prompt, add_special_tokens=True)  # as the service does
+            return p.Echo(call.prompt, ids[0] if ids else None)
+        ids = list(call.prompt)  # token ids (parse_completion: a chat is never echoed)
+        return p.Echo(await self.grpc.detokenize(ids, skip_special_tokens=False), ids[0])
+
+    async def _stream(
+        self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream], echo: p.Echo | None
+    ) -> Response:
         # Every sample's place in the queue, and one sample's first delta, are awaited before
         # answering, so that a request the service refuses (any of its samples: the queue may take
         # some and not all) gets its HTTP error status rather than a 200 stream carrying an error.
@@ -267,13 +288,13 @@ class Gateway:
                 s.cancel()
             raise
         return StreamingResponse(
-            self._events(call, rid, streams, reads),
+            self._events(call, rid, streams, reads, echo),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, call: p.Call, rid: str, streams: list[AsyncStream], reads: Reads
+        self, call: p.Call, rid: str, streams: list[AsyncStream], reads: Reads, echo: p.Echo | None
     ) -> AsyncIterator[bytes]:
         created, offsets = p.now(), [0] * len(streams)
         ends: dict[int, Delta] = {}  # each sample's last delta
@@ -283,13 +304,17 @@ class Gateway:
         try:
             async with contextlib.aclosing(interleave(streams, reads)) as deltas:
                 async for i, delta in deltas:
-                    lp = await self._logprobs(call, [delta], offsets[i])
-                    offsets[i] += len(delta.text)
-                    out = p.choice(call, delta.text, delta.finish_reason, lp, True, i not in ends, index=i)
+                    first_echo = (
+                        echo if i not in ends else None
+                    )  # the prompt goes before a choice's first delta
+                    lp = await self._logprobs(call, [delta], offsets[i], first_echo)
+                    text = p.choice_text(call, delta.text, first_echo)
+                    offsets[i] += len(text)
+                    out = p.choice(call, text, delta.finish_reason, lp, True, i not in ends, index=i)
                     yield p.sse(dict(head, choices=[out]))
                     ends[i] = delta
             if call.include_usage:
-                tokens = sum(d.completion_tokens for d in ends.values())
+                tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in ends.values())
                 usage = p.usage(ends[0].prompt_tokens, tokens, ends[0].cached_tokens)
                 yield p.sse(dict(head, choices=[], usage=usage))
             yield p.sse("[DONE]")
@@ -300,14 +325,20 @@ class Gateway:
                 s.cancel()  # the HTTP client went away (or the streams ended): no-op once done
 
     async def _logprobs(
-        self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0
+        self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0, echo: p.Echo | None = None
     ) -> dict | None:
+        """The choice's logprobs over `parts`, after the prompt's with `echo` (its first delta's)."""
         if call.logprobs is None:
             return None
         entries = []
         for part in parts:
-            entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
-        missing = sorted(p.missing_texts(entries) - self._texts.keys())
+            if echo is not None:
+                entries += part.input_logprobs
+            if not call.prompt_only:
+                entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
+        first = echo.first_token if echo is not None else None
+        wanted = p.missing_texts(entries) | ({first} if first is not None else set())
+        missing = sorted(wanted - self._texts.keys())
         if missing:
             found = await asyncio.gather(
                 *(self.grpc.detokenize([t], skip_special_tokens=False) for t in missing)
@@ -315,7 +346,7 @@ class Gateway:
             self._texts.update(zip(missing, found, strict=True))
         if call.kind == "chat":
             return p.chat_logprobs(entries, self._texts)
-        return p.completion_logprobs(entries, self._texts, offset)
+        return p.completion_logprobs(entries, self._texts, offset, first)
 
 
 async def _json(request: Request) -> Any:

@@ -4,8 +4,10 @@ Pure functions over dicts (no I/O): `parse_chat` / `parse_completion` validate a
 request body and return a `Call`; the `*_body` / `*_chunk` functions build the
 JSON of responses and stream chunks. `n` samples are n generation calls (`samplings`: sample i's
 seed derived from the request's), answered as choices 0..n-1. Parameters this server cannot honour
-(tools, echo, suffix, best_of > 1) are refused with a 400
-naming them rather than silently ignored. Chat `image_url` parts carry `data:` URIs
+(tools, suffix, best_of > 1) are refused with a 400
+naming them rather than silently ignored. Completions' `echo` puts the prompt before each choice's
+text (and, with `logprobs`, the prompt tokens' logprobs before the output's, the first token's null:
+nothing scores it); with `max_tokens: 0` the prompt alone (how lm-eval scores a text). Chat `image_url` parts carry `data:` URIs
 (base64 PNG / JPEG / WebP, decoded here); a remote http(s) URL is refused unless its
 host is allowed (`--allow-image-urls`), and then left as a `RemoteImage` for the app
 to fetch.
@@ -51,6 +53,16 @@ class Call:
     stream: bool
     include_usage: bool
     n: int = 1  # samples: choices 0..n-1
+    echo: bool = False  # completions: the prompt before the text (and its logprobs before the output's)
+    prompt_only: bool = False  # echo with max_tokens 0: one token is generated and left out
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` puts before a choice: the prompt's text and, for logprobs, its first token."""
+
+    text: str
+    first_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,9 +165,11 @@ def _sampling(body: Mapping[str, Any], max_tokens: int | None) -> Sampling:
     )
 
 
-def _max_tokens(body: Mapping[str, Any], names: Sequence[str], default: int | None) -> int | None:
+def _max_tokens(
+    body: Mapping[str, Any], names: Sequence[str], default: int | None, lowest: int = 1
+) -> int | None:
     for name in names:
-        v = _number(body, name, 1, 2**31 - 1, integer=True)
+        v = _number(body, name, lowest, 2**31 - 1, integer=True)
         if v is not None:
             return v
     return default
@@ -309,7 +323,7 @@ def parse_chat(
 
 def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS) -> Call:
     model, stream, include_usage, n = _common(body)
-    _refuse(body, ("suffix", "echo"))
+    _refuse(body, ("suffix",))
     if _number(body, "best_of", 1, 128, integer=True) not in (None, 1):
         raise unsupported("best_of", "must be 1 on this server")
     prompt = body.get("prompt")
@@ -326,17 +340,20 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
     elif not isinstance(prompt, str) or not prompt:
         raise invalid("prompt", "must be a non-empty string or a list of token ids")
     top = _number(body, "logprobs", 0, 20, integer=True)
-    max_tokens = _max_tokens(body, ("max_tokens",), default_max_tokens)
+    echo = _bool(body, "echo")
+    max_tokens = _max_tokens(body, ("max_tokens",), default_max_tokens, lowest=0 if echo else 1)
     return Call(
         "completion",
         model,
         prompt,
-        _sampling(body, max_tokens),
-        None if top is None else Logprobs(top=top),
+        _sampling(body, 1 if max_tokens == 0 else max_tokens),
+        None if top is None else Logprobs(top=top, input_from=0 if echo else None),
         _response_format(body),
         stream,
         include_usage,
         n,
+        echo=echo,
+        prompt_only=max_tokens == 0,
     )
 
 
@@ -408,19 +425,27 @@ def chat_logprobs(entries: Sequence[TokenLogprob], texts: Mapping[int, str]) -> 
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int
+    entries: Sequence[TokenLogprob], texts: Mapping[int, str], offset: int, first_token: int | None = None
 ) -> dict[str, Any]:
+    """The legacy completions' logprobs of `entries` (their text from `offset` on); an echoed
+    prompt's `first_token` leads them with nulls (nothing scores a prompt's first token)."""
     tokens = [token_text(e, texts) for e in entries]
+    logprobs: list[float | None] = [e.logprob for e in entries]
+    tops: list[dict[str, float] | None] = [{t.text: t.logprob for t in e.top} for e in entries]
+    if first_token is not None:
+        tokens, logprobs, tops = [texts[first_token], *tokens], [None, *logprobs], [None, *tops]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.text: t.logprob for t in e.top} for e in entries],
-        "text_offset": offsets,
-    }
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def choice_text(call: Call, text: str, echo: Echo | None) -> str:
+    """A choice's text (or a stream's delta of it): `echo`'s prompt first (on the first delta only:
+    pass None after), the output left out with max_tokens 0."""
+    out = "" if call.prompt_only else text
+    return out if echo is None else echo.text + out
 
 
 def envelope(call: Call, rid: str, created: int, chunk: bool) -> dict[str, Any]:

@@ -179,6 +179,50 @@ def test_completions_stop_seed_and_stream(oai, model):
     )
 
 
+def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model):
+    """`echo`: the prompt before the text; with logprobs the prompt tokens' before the output's (the
+    first null), as lm-eval's loglikelihood reads them (token ids in, max_tokens 1, logprobs 1);
+    max_tokens 0: the prompt alone. Streamed, the prompt leads each choice's first chunk."""
+    text = "The capital of France is"
+    plain = oai.completions.create(model=model, prompt=text, max_tokens=4, temperature=0)
+    echoed = oai.completions.create(model=model, prompt=text, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == text + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 4
+
+    ids = zg.tokenize(text, add_special_tokens=True)
+    want = zg.generate(ids, GREEDY, max_new_tokens=1, logprobs=Logprobs(top=1, input_from=0))
+    lm_eval = oai.completions.create(
+        model=model, prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234
+    )
+    lp = lm_eval.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx([e.logprob for e in want.input_logprobs], abs=1e-5)
+    assert lp.token_logprobs[-1] == pytest.approx(want.logprobs[0].logprob, abs=1e-5)
+    assert all(
+        len(top) == 1 and max(top.values()) >= tok
+        for tok, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:])
+    )
+    assert "".join(lp.tokens) == lm_eval.choices[0].text and lp.text_offset[0] == 0
+    assert lm_eval.choices[0].text.startswith(text)
+
+    only = oai.completions.create(model=model, prompt=text, max_tokens=0, logprobs=0, echo=True)
+    assert only.choices[0].text == text and only.usage.completion_tokens == 0
+    assert len(only.choices[0].logprobs.token_logprobs) == len(ids)
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-5)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt=text, max_tokens=0)
+
+    chunks = list(
+        oai.completions.create(
+            model=model, prompt=text, max_tokens=4, temperature=0, echo=True, n=2, stream=True
+        )
+    )
+    for i in range(2):
+        parts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i]
+        assert parts[0].startswith(text) and "".join(parts) == echoed.choices[0].text
+
+
 def test_n_samples_are_indexed_choices(oai, model):
     """n: n choices, each its own sample, streamed as chunks tagged with their index; usage counts the
     prompt once and every sample's tokens. (bf16 here: a sample's bits may depend on which samples
@@ -442,12 +486,12 @@ def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
     full = ZerogapError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
     streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(full)]
     with pytest.raises(ZerogapError) as e:
-        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams))
+        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams, None))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and all(s.cancelled for s in streams)
 
     async def events() -> list[str]:
         streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(_delta("c", "stop"))]
-        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams)
+        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams, None)
         return [chunk async for chunk in response.body_iterator]
 
     chunks = [json.loads(e[len("data: ") :]) for e in asyncio.run(events())[:-1]]
@@ -611,7 +655,9 @@ def test_parse_chat_and_completion_variants():
     "body, param",
     [
         ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
-        ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "a", "suffix": "b"}, "suffix"),
+        ({"model": "m", "prompt": "a", "echo": 1}, "echo"),
+        ({"model": "m", "prompt": "a", "echo": True, "max_tokens": -1}, "max_tokens"),
         ({"model": "m", "prompt": "a", "best_of": 2}, "best_of"),
         ({"model": "m", "prompt": "a", "seed": -1}, "seed"),
         ({"model": "m", "prompt": "a", "max_tokens": 0}, "max_tokens"),
