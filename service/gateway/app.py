@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,7 +26,7 @@ from starlette.routing import Route
 from service.gateway import protocol as p
 from service.gateway.errors import APIError, invalid
 from service.gateway.images import FetchError, fetch_image
-from zerogap.client import AsyncClient, AsyncStream, ChannelOptions, Completion, Delta, ZerogapError
+from zerogap.client import AsyncClient, AsyncStream, ChannelOptions, Chat, Completion, Delta, ZerogapError
 
 if TYPE_CHECKING:
     import grpc
@@ -222,22 +222,18 @@ class Gateway:
     async def _generate(self, request: Request, call: p.Call, prefix: str) -> Response:
         await self._check_model(call.model)
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        ids = [rid] if call.n == 1 else [f"{rid}/{i}" for i in range(call.n)]  # a gRPC call per sample
+        # a gRPC call per choice: prompt k's sample i is choice k * n + i
+        work = [(prompt, sampling) for prompt in call.prompts for sampling in p.samplings(call)]
+        ids = [rid] if len(work) == 1 else [f"{rid}/{c}" for c in range(len(work))]
         kw = dict(logprobs=call.logprobs, constraint=call.constraint)
         try:
-            echo = await self._echo(call)
+            echoes = await asyncio.gather(*(self._echo(call, prompt) for prompt, _ in work))
             if call.stream:
-                streams = [
-                    self.grpc.stream(call.prompt, sampling, request_id=i, **kw)
-                    for i, sampling in zip(ids, p.samplings(call))
-                ]
-                return await self._stream(request, call, rid, streams, echo)
+                streams = [self.grpc.stream(pr, s, request_id=i, **kw) for i, (pr, s) in zip(ids, work)]
+                return await self._stream(request, call, rid, streams, echoes)
             done = await until_disconnected(
                 request,
-                all_or_none(
-                    self.grpc.generate(call.prompt, sampling, request_id=i, **kw)
-                    for i, sampling in zip(ids, p.samplings(call))
-                ),
+                all_or_none(self.grpc.generate(pr, s, request_id=i, **kw) for i, (pr, s) in zip(ids, work)),
             )
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_CLOSED)
@@ -249,32 +245,43 @@ class Gateway:
         body["choices"] = [
             p.choice(
                 call,
-                p.choice_text(call, d.text, echo),
+                p.choice_text(call, d.text, echoes[c]),
                 d.finish_reason,
-                await self._logprobs(call, [d], echo=echo),
+                await self._logprobs(call, [d], echo=echoes[c]),
                 False,
-                index=i,
+                index=c,
             )
-            for i, d in enumerate(done)
+            for c, d in enumerate(done)
         ]
-        tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in done)
-        body["usage"] = p.usage(done[0].prompt_tokens, tokens, done[0].cached_tokens)
+        body["usage"] = self._usage(call, done)
         return JSONResponse(body)
 
-    async def _echo(self, call: p.Call) -> p.Echo | None:
+    @staticmethod
+    def _usage(call: p.Call, ends: Sequence[Completion | Delta]) -> dict[str, Any]:
+        """Each prompt counted once (its first sample's figures), the output of every choice."""
+        firsts = ends[:: call.n]
+        tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in ends)
+        return p.usage(sum(d.prompt_tokens for d in firsts), tokens, sum(d.cached_tokens for d in firsts))
+
+    async def _echo(self, call: p.Call, prompt: str | list[int] | Chat) -> p.Echo | None:
         """For `echo`: the prompt's text and (for logprobs) its first token id."""
         if not call.echo:
             return None
-        if isinstance(call.prompt, str):
+        if isinstance(prompt, str):
             if call.logprobs is None:
-                return p.Echo(call.prompt)
-            ids = await self.grpc.tokenize(call.prompt, add_special_tokens=True)  # as the service does
-            return p.Echo(call.prompt, ids[0] if ids else None)
-        ids = list(call.prompt)  # token ids (parse_completion: a chat is never echoed)
-        return p.Echo(await self.grpc.detokenize(ids, skip_special_tokens=False), ids[0])
+                return p.Echo(prompt)
+            ids = await self.grpc.tokenize(prompt, add_special_tokens=True)  # as the service does
+            return p.Echo(prompt, ids[0] if ids else None)
+        assert isinstance(prompt, list)  # token ids (parse_completion: a chat is never echoed)
+        return p.Echo(await self.grpc.detokenize(prompt, skip_special_tokens=False), prompt[0])
 
     async def _stream(
-        self, request: Request, call: p.Call, rid: str, streams: list[AsyncStream], echo: p.Echo | None
+        self,
+        request: Request,
+        call: p.Call,
+        rid: str,
+        streams: list[AsyncStream],
+        echoes: Sequence[p.Echo | None],
     ) -> Response:
         # Every sample's place in the queue, and one sample's first delta, are awaited before
         # answering, so that a request the service refuses (any of its samples: the queue may take
@@ -288,13 +295,18 @@ class Gateway:
                 s.cancel()
             raise
         return StreamingResponse(
-            self._events(call, rid, streams, reads, echo),
+            self._events(call, rid, streams, reads, echoes),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, call: p.Call, rid: str, streams: list[AsyncStream], reads: Reads, echo: p.Echo | None
+        self,
+        call: p.Call,
+        rid: str,
+        streams: list[AsyncStream],
+        reads: Reads,
+        echoes: Sequence[p.Echo | None],
     ) -> AsyncIterator[bytes]:
         created, offsets = p.now(), [0] * len(streams)
         ends: dict[int, Delta] = {}  # each sample's last delta
@@ -304,9 +316,7 @@ class Gateway:
         try:
             async with contextlib.aclosing(interleave(streams, reads)) as deltas:
                 async for i, delta in deltas:
-                    first_echo = (
-                        echo if i not in ends else None
-                    )  # the prompt goes before a choice's first delta
+                    first_echo = echoes[i] if i not in ends else None  # leads a choice's first delta
                     lp = await self._logprobs(call, [delta], offsets[i], first_echo)
                     text = p.choice_text(call, delta.text, first_echo)
                     offsets[i] += len(text)
@@ -314,8 +324,7 @@ class Gateway:
                     yield p.sse(dict(head, choices=[out]))
                     ends[i] = delta
             if call.include_usage:
-                tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in ends.values())
-                usage = p.usage(ends[0].prompt_tokens, tokens, ends[0].cached_tokens)
+                usage = self._usage(call, [ends[c] for c in range(len(streams))])
                 yield p.sse(dict(head, choices=[], usage=usage))
             yield p.sse("[DONE]")
         except ZerogapError as e:  # after the 200 went out: an error event, as OpenAI's servers send

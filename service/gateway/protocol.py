@@ -3,7 +3,8 @@
 Pure functions over dicts (no I/O): `parse_chat` / `parse_completion` validate a
 request body and return a `Call`; the `*_body` / `*_chunk` functions build the
 JSON of responses and stream chunks. `n` samples are n generation calls (`samplings`: sample i's
-seed derived from the request's), answered as choices 0..n-1. Parameters this server cannot honour
+seed derived from the request's), answered as choices 0..n-1; a completions batch of prompts is a
+call per prompt and sample, choice k * n + i prompt k's sample i. Parameters this server cannot honour
 (tools, suffix, best_of > 1) are refused with a 400
 naming them rather than silently ignored. Completions' `echo` puts the prompt before each choice's
 text (and, with `logprobs`, the prompt tokens' logprobs before the output's, the first token's null:
@@ -55,6 +56,12 @@ class Call:
     n: int = 1  # samples: choices 0..n-1
     echo: bool = False  # completions: the prompt before the text (and its logprobs before the output's)
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated and left out
+    batch: tuple[str | list[int], ...] = ()  # completions' prompts when several (`prompt` is the first)
+
+    @property
+    def prompts(self) -> list[str | list[int] | Chat]:
+        """The prompts; choice k * n + i is prompt k's sample i (OpenAI's order)."""
+        return list(self.batch) if self.batch else [self.prompt]
 
 
 @dataclass(frozen=True)
@@ -326,26 +333,16 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
     _refuse(body, ("suffix",))
     if _number(body, "best_of", 1, 128, integer=True) not in (None, 1):
         raise unsupported("best_of", "must be 1 on this server")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        pass
-    elif isinstance(prompt, list):
-        raise unsupported("prompt", "must be one string or one list of token ids (no batches)")
-    elif not isinstance(prompt, str) or not prompt:
-        raise invalid("prompt", "must be a non-empty string or a list of token ids")
+    batch = _prompts(body.get("prompt"))
+    if len(batch) * n > MAX_SAMPLES:
+        raise invalid("prompt", f"{len(batch)} prompts x n {n} exceed {MAX_SAMPLES} choices")
     top = _number(body, "logprobs", 0, 20, integer=True)
     echo = _bool(body, "echo")
     max_tokens = _max_tokens(body, ("max_tokens",), default_max_tokens, lowest=0 if echo else 1)
     return Call(
         "completion",
         model,
-        prompt,
+        batch[0],
         _sampling(body, 1 if max_tokens == 0 else max_tokens),
         None if top is None else Logprobs(top=top, input_from=0 if echo else None),
         _response_format(body),
@@ -354,7 +351,21 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
         n,
         echo=echo,
         prompt_only=max_tokens == 0,
+        batch=tuple(batch) if len(batch) > 1 else (),
     )
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """A completions prompt: a string, a list of token ids, or a batch (a list) of either."""
+    if (isinstance(prompt, str) and prompt) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all((isinstance(x, str) and x) or _is_ids(x) for x in prompt):
+        return list(prompt)
+    raise invalid("prompt", "must be a non-empty string, a list of token ids, or a list of either")
 
 
 def samplings(call: Call) -> list[Sampling]:

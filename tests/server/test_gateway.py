@@ -223,6 +223,34 @@ def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model):
         assert parts[0].startswith(text) and "".join(parts) == echoed.choices[0].text
 
 
+def test_completions_prompt_batches(oai, zg, model):
+    """A batch of prompts (strings or token id lists): choice k * n + i is prompt k's sample i, as
+    each prompt alone gives it; usage counts each prompt once. lm-eval sends its batches so."""
+    prompts = ["1, 2, 3,", "The capital of France is"]
+    alone = [oai.completions.create(model=model, prompt=pr, max_tokens=4, temperature=0) for pr in prompts]
+    both = oai.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert both.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert both.usage.completion_tokens == 4 * 4
+    chunks = list(
+        oai.completions.create(
+            model=model, prompt=prompts, max_tokens=4, temperature=0, n=2, stream=True, echo=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts = [
+        "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == k) for k in range(4)
+    ]
+    assert texts == [pr + a.choices[0].text for pr, a in zip(prompts, alone) for _ in range(2)]
+    assert chunks[-1].usage.prompt_tokens == both.usage.prompt_tokens
+    ids = [zg.tokenize(pr, add_special_tokens=True) for pr in prompts]
+    scored = oai.completions.create(
+        model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    assert [len(c.logprobs.token_logprobs) for c in scored.choices] == [len(i) + 1 for i in ids]
+
+
 def test_n_samples_are_indexed_choices(oai, model):
     """n: n choices, each its own sample, streamed as chunks tagged with their index; usage counts the
     prompt once and every sample's tokens. (bf16 here: a sample's bits may depend on which samples
@@ -486,12 +514,12 @@ def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
     full = ZerogapError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
     streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(full)]
     with pytest.raises(ZerogapError) as e:
-        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams, None))
+        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams, [None, None]))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and all(s.cancelled for s in streams)
 
     async def events() -> list[str]:
         streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(_delta("c", "stop"))]
-        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams, None)
+        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams, [None, None])
         return [chunk async for chunk in response.body_iterator]
 
     chunks = [json.loads(e[len("data: ") :]) for e in asyncio.run(events())[:-1]]
@@ -654,7 +682,11 @@ def test_parse_chat_and_completion_variants():
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": ["a", 1]}, "prompt"),
+        ({"model": "m", "prompt": ["a", ""]}, "prompt"),
+        ({"model": "m", "prompt": [[1, 2], []]}, "prompt"),
+        ({"model": "m", "prompt": ["a"] * 65, "n": 2}, "prompt"),  # 130 choices
         ({"model": "m", "prompt": "a", "suffix": "b"}, "suffix"),
         ({"model": "m", "prompt": "a", "echo": 1}, "echo"),
         ({"model": "m", "prompt": "a", "echo": True, "max_tokens": -1}, "max_tokens"),
