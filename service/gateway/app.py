@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 STATUS_CLIENT_CLOSED = 499  # nginx's "client closed request"; never reaches the (gone) client
+ECHO_HEAD_CHARS = 4096  # an echoed text prompt's first token is found in this much of it
 
 
 @dataclass(frozen=True)
@@ -227,14 +228,14 @@ class Gateway:
         ids = [rid] if len(work) == 1 else [f"{rid}/{c}" for c in range(len(work))]
         kw = dict(logprobs=call.logprobs, constraint=call.constraint)
         try:
-            echoes = await asyncio.gather(*(self._echo(call, prompt) for prompt, _ in work))
             if call.stream:
                 streams = [self.grpc.stream(pr, s, request_id=i, **kw) for i, (pr, s) in zip(ids, work)]
-                return await self._stream(request, call, rid, streams, echoes)
+                return await self._stream(request, call, rid, streams)
             done = await until_disconnected(
                 request,
                 all_or_none(self.grpc.generate(pr, s, request_id=i, **kw) for i, (pr, s) in zip(ids, work)),
             )
+            echoes = await until_disconnected(request, self._echoes(call))  # the prompts were accepted
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         except ZerogapError as e:
@@ -263,14 +264,22 @@ class Gateway:
         tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in ends)
         return p.usage(sum(d.prompt_tokens for d in firsts), tokens, sum(d.cached_tokens for d in firsts))
 
-    async def _echo(self, call: p.Call, prompt: str | list[int] | Chat) -> p.Echo | None:
-        """For `echo`: the prompt's text and (for logprobs) its first token id."""
+    async def _echoes(self, call: p.Call) -> list[p.Echo | None]:
+        """Each choice's `echo` (None without it), worked out once per prompt; called once the
+        service has accepted the prompts (so an over-long one is refused before any work here)."""
         if not call.echo:
-            return None
+            return [None] * (len(call.prompts) * call.n)
+        per_prompt = await asyncio.gather(*(self._echo(call, prompt) for prompt in call.prompts))
+        return [echo for echo in per_prompt for _ in range(call.n)]
+
+    async def _echo(self, call: p.Call, prompt: str | list[int] | Chat) -> p.Echo:
+        """The prompt's text and (for logprobs) its first token id."""
         if isinstance(prompt, str):
             if call.logprobs is None:
                 return p.Echo(prompt)
-            ids = await self.grpc.tokenize(prompt, add_special_tokens=True)  # as the service does
+            # The first token as the service tokenizes the text (special tokens too); its head is
+            # enough: no token spans thousands of characters.
+            ids = await self.grpc.tokenize(prompt[:ECHO_HEAD_CHARS], add_special_tokens=True)
             return p.Echo(prompt, ids[0] if ids else None)
         assert isinstance(prompt, list)  # token ids (parse_completion: a chat is never echoed)
         return p.Echo(await self.grpc.detokenize(prompt, skip_special_tokens=False), prompt[0])
@@ -281,16 +290,19 @@ class Gateway:
         call: p.Call,
         rid: str,
         streams: list[AsyncStream],
-        echoes: Sequence[p.Echo | None],
     ) -> Response:
         # Every sample's place in the queue, and one sample's first delta, are awaited before
         # answering, so that a request the service refuses (any of its samples: the queue may take
         # some and not all) gets its HTTP error status rather than a 200 stream carrying an error.
         # The other samples' first tokens are not awaited: they may wait for a free slot. One that
         # fails later ends the stream with an error event.
+        reads: Reads = {}
         try:
             reads = await until_disconnected(request, opened(streams))
+            echoes = await until_disconnected(request, self._echoes(call))  # the prompts were accepted
         except BaseException:
+            for fut in reads:
+                fut.cancel()
             for s in streams:
                 s.cancel()
             raise
@@ -343,7 +355,9 @@ class Gateway:
         for part in parts:
             if echo is not None:
                 entries += part.input_logprobs
-            if not call.prompt_only:
+            if call.echo:  # every generated token, a stop token too: lm-eval reads them by position
+                entries += [] if call.prompt_only else part.logprobs
+            else:
                 entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
         first = echo.first_token if echo is not None else None
         wanted = p.missing_texts(entries) | ({first} if first is not None else set())

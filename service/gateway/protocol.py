@@ -339,6 +339,8 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
     top = _number(body, "logprobs", 0, 20, integer=True)
     echo = _bool(body, "echo")
     max_tokens = _max_tokens(body, ("max_tokens",), default_max_tokens, lowest=0 if echo else 1)
+    if max_tokens == 0 and body.get("min_tokens"):
+        raise invalid("min_tokens", "must be 0 with max_tokens 0")
     return Call(
         "completion",
         model,
@@ -356,7 +358,11 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
 
 
 def _is_ids(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in v)
+    )
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

@@ -206,6 +206,16 @@ def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model):
     assert "".join(lp.tokens) == lm_eval.choices[0].text and lp.text_offset[0] == 0
     assert lm_eval.choices[0].text.startswith(text)
 
+    eos = zg.model_info().eos_token_ids[0]  # generated (forced), it keeps its entry: lm-eval's [:-1]
+    ended = oai.completions.create(
+        model=model, prompt=[ids], max_tokens=1, logprobs=1, echo=True, logit_bias={str(eos): 100}
+    )
+    assert (
+        ended.choices[0].finish_reason == "stop"
+        and len(ended.choices[0].logprobs.token_logprobs) == len(ids) + 1
+    )
+    assert ended.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(lp.token_logprobs[1:-1], abs=1e-5)
+
     only = oai.completions.create(model=model, prompt=text, max_tokens=0, logprobs=0, echo=True)
     assert only.choices[0].text == text and only.usage.completion_tokens == 0
     assert len(only.choices[0].logprobs.token_logprobs) == len(ids)
@@ -514,12 +524,12 @@ def test_n_sample_stream_refused_by_any_sample_answers_an_http_error():
     full = ZerogapError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
     streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(full)]
     with pytest.raises(ZerogapError) as e:
-        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams, [None, None]))
+        asyncio.run(gw._stream(_StaysConnected(), call, "cmpl-x", streams))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and all(s.cancelled for s in streams)
 
     async def events() -> list[str]:
         streams = [_FakeStream(_delta("a"), _delta("b", "length")), _FakeStream(_delta("c", "stop"))]
-        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams, [None, None])
+        response = await gw._stream(_StaysConnected(), call, "cmpl-x", streams)
         return [chunk async for chunk in response.body_iterator]
 
     chunks = [json.loads(e[len("data: ") :]) for e in asyncio.run(events())[:-1]]
@@ -686,6 +696,9 @@ def test_parse_chat_and_completion_variants():
         ({"model": "m", "prompt": ["a", 1]}, "prompt"),
         ({"model": "m", "prompt": ["a", ""]}, "prompt"),
         ({"model": "m", "prompt": [[1, 2], []]}, "prompt"),
+        ({"model": "m", "prompt": [1, 2**31]}, "prompt"),  # past int32: was a 500
+        ({"model": "m", "prompt": [-1]}, "prompt"),
+        ({"model": "m", "prompt": "a", "echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens"),
         ({"model": "m", "prompt": ["a"] * 65, "n": 2}, "prompt"),  # 130 choices
         ({"model": "m", "prompt": "a", "suffix": "b"}, "suffix"),
         ({"model": "m", "prompt": "a", "echo": 1}, "echo"),
