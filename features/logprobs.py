@@ -180,16 +180,16 @@ class LogprobsFeature(Feature):
     def to_proto(self, response: Any, fields: list[LogprobFields]) -> None:
         for f in fields:
             for e in f.output:
-                self._add(response.output_logprobs, e)
+                self._add(response.output_logprobs, e, self._text(e[0]))
             if f.input is not None:
                 for e in f.input:
-                    self._add(response.input_logprobs, e)
+                    self._add(response.input_logprobs, e, self._text(e[0]))
                 response.input_logprobs_start = f.input_start
                 response.normalized_prompt_logprob = f.normalized_prompt_logprob
 
     @staticmethod
-    def _add(repeated: Any, e: TokenEntry) -> None:
-        m = repeated.add(token_id=e[0], logprob=e[1])
+    def _add(repeated: Any, e: TokenEntry, text: str) -> None:
+        m = repeated.add(token_id=e[0], logprob=e[1], text=text)
         for tid, lp, text in e[2]:
             m.top_logprobs.add(token_id=tid, logprob=lp, text=text)
         for tid, lp in e[3]:

@@ -417,6 +417,8 @@ def content_logprobs(
 
 
 def token_text(entry: TokenLogprob, texts: Mapping[int, str]) -> str:
+    if entry.text:
+        return entry.text
     for t in entry.top:
         if t.token_id == entry.token_id:
             return t.text
@@ -424,8 +426,9 @@ def token_text(entry: TokenLogprob, texts: Mapping[int, str]) -> str:
 
 
 def missing_texts(entries: Sequence[TokenLogprob]) -> set[int]:
-    """Ids whose text token_text() needs from elsewhere (the chosen token outside its top list)."""
-    return {e.token_id for e in entries if all(t.token_id != e.token_id for t in e.top)}
+    """Ids whose text token_text() needs from elsewhere (from a server that does not send the
+    chosen token's text, when it is outside its top list)."""
+    return {e.token_id for e in entries if not e.text and all(t.token_id != e.token_id for t in e.top)}
 
 
 def _token(text: str, logprob: float) -> dict[str, Any]:

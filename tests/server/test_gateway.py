@@ -179,7 +179,7 @@ def test_completions_stop_seed_and_stream(oai, model):
     )
 
 
-def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model):
+def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model, hf_tokenizer):
     """`echo`: the prompt before the text; with logprobs the prompt tokens' before the output's (the
     first null), as lm-eval's loglikelihood reads them (token ids in, max_tokens 1, logprobs 1);
     max_tokens 0: the prompt alone. Streamed, the prompt leads each choice's first chunk."""
@@ -204,6 +204,12 @@ def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model):
         for tok, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:])
     )
     assert "".join(lp.tokens) == lm_eval.choices[0].text and lp.text_offset[0] == 0
+    # each entry carries its token's text (the gateway needs no Detokenize call for it)
+    assert (
+        [e.text for e in want.input_logprobs]
+        == [hf_tokenizer.decode([t]) for t in ids[1:]]
+        == lp.tokens[1:-1]
+    )
     assert lm_eval.choices[0].text.startswith(text)
 
     eos = zg.model_info().eos_token_ids[0]  # generated (forced), it keeps its entry: lm-eval's [:-1]

@@ -298,13 +298,14 @@ class TokenLogprob:
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
     asked: list[TopLogprob] = field(default_factory=list)  # GenerateRequest.token_ids_logprob order
+    text: str = ""  # the token decoded alone (special tokens kept); "" from servers before it
 
     @staticmethod
     def from_proto(p) -> TokenLogprob:
         def tops(xs) -> list[TopLogprob]:
             return [TopLogprob(t.token_id, t.logprob, t.text) for t in xs]
 
-        return TokenLogprob(p.token_id, p.logprob, tops(p.top_logprobs), tops(p.token_ids_logprobs))
+        return TokenLogprob(p.token_id, p.logprob, tops(p.top_logprobs), tops(p.token_ids_logprobs), p.text)
 
 
 @dataclass(frozen=True)
