@@ -145,6 +145,14 @@ def chat_messages(chat) -> list[dict]:
     return out
 
 
+def chat_flags(chat) -> dict[str, bool]:
+    """The template flags of a ChatInput: add_generation_prompt defaults to true, or to false when
+    the final message is continued."""
+    cont = chat.continue_final_message
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+    return {"add_generation_prompt": add, "continue_final": cont}
+
+
 class GenerationServicer(pb2_grpc.GenerationServicer):
     """zerogap.v1.Generation over the engine."""
 
@@ -183,11 +191,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         if which == "chat":
             if not request.chat.messages:
                 raise RequestError("INVALID_ARGUMENT", "input.chat.messages: empty")
-            add = (
-                request.chat.add_generation_prompt if request.chat.HasField("add_generation_prompt") else True
-            )
             try:
-                return tok.encode_chat(chat_messages(request.chat), add, max_tokens=limit)[1]
+                return tok.encode_chat(
+                    chat_messages(request.chat), max_tokens=limit, **chat_flags(request.chat)
+                )[1]
             except InputTooLong as e:
                 raise RequestError(
                     "OUT_OF_RANGE",
@@ -297,12 +304,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
 
         def encode() -> tuple[str, list[int]]:
             if which == "chat":
-                add = (
-                    request.chat.add_generation_prompt
-                    if request.chat.HasField("add_generation_prompt")
-                    else True
-                )
-                return tok.encode_chat(chat_messages(request.chat), add)
+                return tok.encode_chat(chat_messages(request.chat), **chat_flags(request.chat))
             if which == "text":
                 return request.text, tok.encode(request.text, add_special_tokens=request.add_special_tokens)
             raise ValueError("input: set text or chat")

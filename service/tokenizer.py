@@ -59,8 +59,15 @@ class Tokenizer:
                 raise InputTooLong(f"more than {n - 8} tokens in its first {cut} characters already")
         return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Apply the model's chat template; raises ValueError for bad roles / no template."""
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False
+    ) -> str:
+        """Apply the model's chat template; raises ValueError for bad roles / no template.
+        `continue_final`: the last message, an assistant's, is left open to be continued."""
+        if continue_final and add_generation_prompt:
+            raise ValueError("chat.continue_final_message: not with add_generation_prompt")
+        if continue_final and (not messages or messages[-1]["role"] != "assistant"):
+            raise ValueError("chat.continue_final_message: the last message must be the assistant's")
         for i, m in enumerate(messages):
             if m["role"] not in CHAT_ROLES:
                 raise ValueError(
@@ -68,13 +75,12 @@ class Tokenizer:
                 )
         if not self.has_chat_template:
             raise ValueError("chat: this model has no chat template; send text or token_ids")
+        flags = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
         if any(isinstance(m["content"], list) for m in messages):
-            return self._render_chat_parts(messages, add_generation_prompt)
-        return self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+            return self._render_chat_parts(messages, flags)
+        return self.hf.apply_chat_template(messages, tokenize=False, **flags)
 
-    def _render_chat_parts(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render_chat_parts(self, messages: list[dict], flags: dict[str, bool]) -> str:
         """Messages whose content is a list of parts ({"type": "text", "text": ...} / {"type": "image"}).
         A template that renders such lists (LLaVA's) is used as it is when it puts one image
         placeholder per image; a text-only template gets each message's parts joined into one
@@ -87,9 +93,7 @@ class Tokenizer:
             if p["type"] == "image"
         )
         try:
-            text = self.hf.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+            text = self.hf.apply_chat_template(messages, tokenize=False, **flags)
             if text.count(self.image_token) == n:
                 return text
         except Exception:  # noqa: BLE001 (a template that expects string content may fail on lists)
@@ -105,12 +109,16 @@ class Tokenizer:
             else m
             for m in messages
         ]
-        return self.hf.apply_chat_template(flat, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.hf.apply_chat_template(flat, tokenize=False, **flags)
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_tokens: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+        continue_final: bool = False,
     ) -> tuple[str, list[int]]:
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, continue_final)
         # The template already holds the special tokens it wants.
         if max_tokens is None:
             return text, self.encode(text, add_special_tokens=False)

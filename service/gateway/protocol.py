@@ -315,10 +315,19 @@ def parse_chat(
     if top and not want:
         raise invalid("top_logprobs", "needs logprobs: true")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default_max_tokens)
+    # vLLM's extensions: continue the last (assistant) message instead of opening a new turn
+    cont = _bool(body, "continue_final_message")
+    add = body.get("add_generation_prompt")
+    if add is not None and not isinstance(add, bool):
+        raise invalid("add_generation_prompt", "must be a boolean")
+    if cont and add:
+        raise invalid("continue_final_message", "not with add_generation_prompt: true")
+    if cont and body["messages"][-1].get("role") != "assistant":
+        raise invalid("continue_final_message", "the last message must be the assistant's")
     return Call(
         "chat",
         model,
-        Chat(chat),
+        Chat(chat, add_generation_prompt=add, continue_final_message=cont),
         _sampling(body, max_tokens),
         Logprobs(top=top or 0) if want else None,
         _response_format(body),

@@ -27,7 +27,7 @@ from service.gateway.app import Gateway, GatewayConfig
 from service.gateway.errors import APIError
 from service.server import BackgroundServer
 from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
-from zerogap.client import GREEDY, Client, Delta, Logprobs, ZerogapError
+from zerogap.client import GREEDY, Chat, Client, Delta, Logprobs, ZerogapError
 
 ROOT = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "Hi! How are you?"}]
@@ -237,6 +237,20 @@ def test_completions_echo_the_prompt_and_its_logprobs(oai, zg, model, hf_tokeniz
     for i in range(2):
         parts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i]
         assert parts[0].startswith(text) and "".join(parts) == echoed.choices[0].text
+
+
+def test_chat_continue_final_message(oai, zg, model):
+    """vLLM's extension: the answer continues the last (assistant) message's text."""
+    messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3,"}]
+    r = oai.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"continue_final_message": True},
+    )
+    want = zg.generate(Chat(messages, continue_final_message=True), GREEDY, max_new_tokens=4)
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == want.prompt_tokens
 
 
 def test_completions_prompt_batches(oai, zg, model):
@@ -776,6 +790,23 @@ def test_parse_chat_refusals():
             )
         ),
         ({"model": "m", "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            "continue_final_message",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "assistant", "content": "x"}],
+                "continue_final_message": True,
+                "add_generation_prompt": True,
+            },
+            "continue_final_message",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"},
+            "add_generation_prompt",
+        ),
     ]:
         with pytest.raises(APIError) as e:
             protocol.parse_chat(body)

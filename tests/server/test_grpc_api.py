@@ -86,6 +86,34 @@ def test_stop_token_id(stub):
     assert list(r.token_ids) == list(base.token_ids[: list(base.token_ids).index(stop_tok) + 1])
 
 
+def test_chat_continues_the_final_assistant_message(stub, hf_tokenizer):
+    """continue_final_message leaves the last (assistant) message open, as transformers renders it;
+    add_generation_prompt then defaults to false; the answer continues that text."""
+    turns = [("user", "Write a JSON object with a name."), ("assistant", '{"name": "')]
+    messages = [pb2.ChatMessage(role=r, content=c) for r, c in turns]
+    t = stub.Tokenize(pb2.TokenizeRequest(chat=pb2.ChatInput(messages=messages, continue_final_message=True)))
+    want = hf_tokenizer.apply_chat_template(
+        [{"role": r, "content": c} for r, c in turns], continue_final_message=True, tokenize=False
+    )
+    assert t.text == want and t.text.endswith('{"name": "')
+    r = stub.Generate(
+        pb2.GenerateRequest(
+            chat=pb2.ChatInput(messages=messages, continue_final_message=True), sampling=greedy(8)
+        )
+    )
+    assert r.usage.prompt_tokens == len(t.token_ids)
+    for chat in (
+        pb2.ChatInput(messages=messages[:1], continue_final_message=True),  # the last is the user's
+        pb2.ChatInput(messages=messages, continue_final_message=True, add_generation_prompt=True),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(pb2.GenerateRequest(chat=chat, sampling=greedy(2)))
+        assert (
+            e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "continue_final_message" in e.value.details()
+        )
+
+
 def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
     t = stub.Tokenize(pb2.TokenizeRequest(text="Hello world"))
     assert list(t.token_ids) == hf_tokenizer.encode("Hello world")

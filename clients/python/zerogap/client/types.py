@@ -217,11 +217,15 @@ class Chat:
     """Chat input; the server applies the model's chat template (images go where it puts them)."""
 
     messages: Sequence[Message | Mapping[str, Any] | tuple[str, Content]]
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: true, or false with continue_final_message
+    continue_final_message: bool = False  # the last (assistant) message is left open and continued
 
     def to_proto(self):
         msgs = [_message_proto(r, c) for r, c in map(_role_content, self.messages)]
-        return pb2.ChatInput(messages=msgs, add_generation_prompt=self.add_generation_prompt)
+        chat = pb2.ChatInput(messages=msgs, continue_final_message=self.continue_final_message)
+        if self.add_generation_prompt is not None:
+            chat.add_generation_prompt = self.add_generation_prompt
+        return chat
 
 
 def _part_proto(part: Any):
