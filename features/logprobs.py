@@ -38,8 +38,9 @@ from service.core.request import Req, RequestError
 MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_IDS = 128
 
-# (token_id, logprob, top [(id, logprob, text)], token_ids [(id, logprob)])
-TokenEntry = tuple[int, float, list[tuple[int, float, str]], list[tuple[int, float]]]
+# (token_id, logprob, top [(id, logprob)], token_ids [(id, logprob)]); the texts are decoded when a
+# zerogap.v1 response is built (to_proto), off the scheduler thread
+TokenEntry = tuple[int, float, list[tuple[int, float]], list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -180,18 +181,17 @@ class LogprobsFeature(Feature):
     def to_proto(self, response: Any, fields: list[LogprobFields]) -> None:
         for f in fields:
             for e in f.output:
-                self._add(response.output_logprobs, e, self._text(e[0]))
+                self._add(response.output_logprobs, e)
             if f.input is not None:
                 for e in f.input:
-                    self._add(response.input_logprobs, e, self._text(e[0]))
+                    self._add(response.input_logprobs, e)
                 response.input_logprobs_start = f.input_start
                 response.normalized_prompt_logprob = f.normalized_prompt_logprob
 
-    @staticmethod
-    def _add(repeated: Any, e: TokenEntry, text: str) -> None:
-        m = repeated.add(token_id=e[0], logprob=e[1], text=text)
-        for tid, lp, text in e[2]:
-            m.top_logprobs.add(token_id=tid, logprob=lp, text=text)
+    def _add(self, repeated: Any, e: TokenEntry) -> None:
+        m = repeated.add(token_id=e[0], logprob=e[1], text=self._text(e[0]))
+        for tid, lp in e[2]:
+            m.top_logprobs.add(token_id=tid, logprob=lp, text=self._text(tid))
         for tid, lp in e[3]:
             m.token_ids_logprobs.add(token_id=tid, logprob=lp)
 
@@ -324,11 +324,9 @@ class LogprobsFeature(Feature):
         return None
 
     def _entry(self, token: int, values: LogprobLists, i: int, p: LogprobParams) -> TokenEntry:
-        top: list[tuple[int, float, str]] = []
+        top: list[tuple[int, float]] = []
         if p.top_logprobs_num and values.top_ids is not None and values.top_vals is not None:
-            ids = values.top_ids[i][: p.top_logprobs_num]
-            vals = values.top_vals[i][: p.top_logprobs_num]
-            top = [(t, v, self._text(t)) for t, v in zip(ids, vals)]
+            top = list(zip(values.top_ids[i][: p.top_logprobs_num], values.top_vals[i][: p.top_logprobs_num]))
         tids: list[tuple[int, float]] = []
         if p.token_ids_logprob and values.tid_vals is not None:
             tids = list(zip(p.token_ids_logprob, values.tid_vals[i][: len(p.token_ids_logprob)]))
