@@ -17,6 +17,13 @@ history (a subscriber resuming at sequence s gets the batches after s; one whose
 history no longer reaches, or one from before a restart, gets OUT_OF_RANGE, and the gateway then
 clears this worker and subscribes from 0). A subscriber that falls far behind gets DATA_LOSS, with
 the same recovery.
+
+With a load reader (`report_load`, the SMG worker's), every batch also carries the engine's load
+(`EngineLoad`: running and waiting requests, queued prompt tokens, KV usage, rate), and each stream
+gets a `load_only` batch, numbered like the last batch it got, when that load changed without a KV
+event (an admission served from cache, a completion) and at least once a second: the gateway then
+routes by the load of the last scheduler step instead of its GetLoads poll (every 10 s by default).
+Batches replayed from the history carry no load (theirs is old); the stream's first record does.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from smg_grpc_proto.generated import common_pb2
@@ -36,7 +43,12 @@ from service.engine.prefix_cache import CacheEvent
 BLOCK_SIZE = 16  # tokens per published block (vLLM's default block size)
 HISTORY_BATCHES = 4096  # batches kept for subscribers that resume
 MAX_BEHIND = 8192  # batches queued for one subscriber before it is cut off (DATA_LOSS)
+LOAD_CHECK_S = 0.05  # how often the load is read for load-only batches
+LOAD_HEARTBEAT_S = 1.0  # a load-only batch at least this often when nothing else went out
 _U32 = 0xFFFFFFFF
+
+# The engine's load now: full=True adds the telemetry beyond the routing core (heartbeat cadence).
+LoadReader = Callable[[bool], common_pb2.EngineLoad]
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,34 @@ class Unavailable(Exception):
         self.message = message
 
 
+class _Stream:
+    """One subscription: its queue, the last sequence put on it and the load it was last told."""
+
+    def __init__(self, early_loads: bool):
+        self.queue: asyncio.Queue[common_pb2.KvEventBatch | None] = asyncio.Queue()
+        self.sequence: int | None = None  # of the last batch put on it; None before the first
+        self.early_loads = early_loads  # load-only batches numbered 0 before the first batch
+        self.told: tuple[object, ...] | None = None  # the routing part of the last load sent
+        self.told_at = 0.0
+
+    def put(self, batch: common_pb2.KvEventBatch) -> None:
+        self.queue.put_nowait(batch)
+        self.sequence = batch.sequence_number
+        if batch.HasField("load"):
+            self.told, self.told_at = _routing(batch.load), time.monotonic()
+
+
+def _routing(load: common_pb2.EngineLoad) -> tuple[object, ...]:
+    """What a gateway routes by: a change sends a load-only batch (the rate alone does not)."""
+    return (
+        load.running_requests,
+        load.waiting_requests,
+        load.waiting_uncached_tokens,
+        round(load.token_usage, 2),
+        load.max_running_requests,
+    )
+
+
 class KvEventPublisher:
     """The tree's events, numbered and fanned out to subscribers (event loop), fed from the scheduler."""
 
@@ -86,10 +126,17 @@ class KvEventPublisher:
         self.sequence = 0  # of the last batch sent
         self.live: dict[int, Block] = {}  # insertion order: parents before children
         self.history: deque[common_pb2.KvEventBatch] = deque(maxlen=HISTORY_BATCHES)
-        self._subscribers: set[asyncio.Queue[common_pb2.KvEventBatch | None]] = set()
+        self._subscribers: set[_Stream] = set()
         self._pending: list[CacheEvent] = []
         self._lock = threading.Lock()  # _pending is shared with the scheduler thread
         self._next_event_id = 0
+        self._read_load: LoadReader | None = None
+        self._load_sample = 0  # numbers the load records, in the order they are made
+        self._ticker: asyncio.Task[None] | None = None
+
+    def report_load(self, read: LoadReader) -> None:
+        """Attach `read`'s record to every batch and send load-only batches when it changes."""
+        self._read_load = read
 
     # ---- scheduler thread ----------------------------------------------------------
     def observe(self, event: CacheEvent) -> None:
@@ -112,13 +159,46 @@ class KvEventPublisher:
             return
         self.sequence += 1
         batch = common_pb2.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), events=events)
+        if self._read_load is not None:
+            batch.load.CopyFrom(self._load(full=False))
         self.history.append(batch)
-        for queue in list(self._subscribers):
-            if queue.qsize() >= MAX_BEHIND:
-                self._subscribers.discard(queue)
-                queue.put_nowait(None)  # the subscriber ends with DATA_LOSS
-            else:
-                queue.put_nowait(batch)
+        for stream in list(self._subscribers):
+            self._put(stream, batch)
+
+    def _put(self, stream: _Stream, batch: common_pb2.KvEventBatch) -> None:
+        if stream.queue.qsize() >= MAX_BEHIND:
+            self._subscribers.discard(stream)
+            stream.queue.put_nowait(None)  # the subscriber ends with DATA_LOSS
+        else:
+            stream.put(batch)
+
+    def _load(self, full: bool) -> common_pb2.EngineLoad:
+        assert self._read_load is not None
+        load = self._read_load(full)
+        self._load_sample += 1
+        load.sample = self._load_sample
+        return load
+
+    async def _tick(self) -> None:
+        """While anyone listens: a load-only batch to each stream whose load changed, or went untold
+        for a heartbeat; the load is read once per check."""
+        assert self._read_load is not None
+        while self._subscribers:
+            await asyncio.sleep(LOAD_CHECK_S)
+            load, now = None, time.monotonic()
+            for stream in list(self._subscribers):
+                if stream.sequence is None and not stream.early_loads:
+                    continue  # an older gateway takes its first record with the first batch
+                load = load or self._read_load(True)
+                if _routing(load) == stream.told and now - stream.told_at < LOAD_HEARTBEAT_S:
+                    continue
+                record = common_pb2.EngineLoad()
+                record.CopyFrom(load)
+                self._load_sample += 1
+                record.sample, record.load_only = self._load_sample, True
+                only = common_pb2.KvEventBatch(sequence_number=stream.sequence or 0, timestamp=time.time())
+                only.load.CopyFrom(record)
+                self._put(stream, only)
 
     def _event_id(self) -> int:
         self._next_event_id += 1
@@ -159,10 +239,13 @@ class KvEventPublisher:
         events += [self._stored([b]) for b in self.live.values()]
         return common_pb2.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), events=events)
 
-    async def subscribe(self, start_sequence: int) -> AsyncIterator[common_pb2.KvEventBatch]:
-        """Batches after `start_sequence` (0: the live blocks first), then each new one as it is sent.
-        Raises Unavailable(OUT_OF_RANGE) when those batches are gone, (DATA_LOSS) when it falls behind."""
-        queue: asyncio.Queue[common_pb2.KvEventBatch | None] = asyncio.Queue()
+    async def subscribe(
+        self, start_sequence: int, early_loads: bool = False
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """Batches after `start_sequence` (0: the live blocks first), then each new one as it is sent;
+        with `early_loads`, load-only batches numbered 0 before the first one. Raises
+        Unavailable(OUT_OF_RANGE) when those batches are gone, (DATA_LOSS) when it falls behind."""
+        stream = _Stream(early_loads)
         if start_sequence == 0:
             first = [self._snapshot()] if self.sequence else []
         elif start_sequence > self.sequence:
@@ -175,15 +258,33 @@ class KvEventPublisher:
         ):
             raise Unavailable("OUT_OF_RANGE", f"sequence {start_sequence} is older than the history kept")
         else:
-            first = [b for b in self.history if b.sequence_number > start_sequence]
-        self._subscribers.add(queue)  # no await since the first batches were taken: no gap
+            first = [_without_load(b) for b in self.history if b.sequence_number > start_sequence]
+            stream.sequence = start_sequence
+        if first and self._read_load is not None:  # the stream's first record: all of it
+            last = common_pb2.KvEventBatch()
+            last.CopyFrom(first[-1])
+            last.load.CopyFrom(self._load(full=True))
+            first[-1] = last
+        for batch in first:
+            stream.put(batch)
+        self._subscribers.add(stream)  # no await since the first batches were taken: no gap
+        if self._read_load is not None and (self._ticker is None or self._ticker.done()):
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
         try:
-            for batch in first:
-                yield batch
             while True:
-                batch = await queue.get()
+                batch = await stream.queue.get()
                 if batch is None:
                     raise Unavailable("DATA_LOSS", "subscriber fell behind; subscribe again from 0")
                 yield batch
         finally:
-            self._subscribers.discard(queue)
+            self._subscribers.discard(stream)
+
+
+def _without_load(batch: common_pb2.KvEventBatch) -> common_pb2.KvEventBatch:
+    """A batch from the history, replayed: its load is old, so it goes without."""
+    if not batch.HasField("load"):
+        return batch
+    copy = common_pb2.KvEventBatch()
+    copy.CopyFrom(batch)
+    copy.ClearField("load")
+    return copy

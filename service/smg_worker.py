@@ -30,7 +30,7 @@ import uuid
 import zipfile
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +197,23 @@ class OutputLog:
             )
             lp.top_logprobs.append(self._top(e, self.top_prompt) if e else vllm_engine_pb2.TopLogProbs())
         return lp
+
+
+@dataclass
+class WorkerLoad:
+    running: int
+    waiting: int
+    waiting_uncached_tokens: int
+    used_tokens: int  # KV rows held by requests (cached prefixes nobody uses count as free)
+    total_tokens: int
+    gen_throughput: float
+    cache_hit_rate: float
+    utilization: float
+    max_running: int
+
+    @property
+    def token_usage(self) -> float:
+        return self.used_tokens / self.total_tokens if self.total_tokens else 0.0
 
 
 class RateMeter:
@@ -462,29 +479,65 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_num_seqs=self.engine.args.max_running_requests,
         )
 
+    def load(self) -> WorkerLoad:
+        """The engine's load now, as GetLoads answers and the KV event stream pushes it."""
+        s = self.engine.stats()
+        total = s.kv_pool_total_tokens
+        return WorkerLoad(
+            running=s.running_requests,
+            waiting=s.queued_requests,
+            # the prompts of the requests this contract was sent that have not started (an upper
+            # bound: their cached prefix is known only once they are admitted; a call's n samples
+            # count their shared prompt once; zerogap.v1's requests are not counted)
+            waiting_uncached_tokens=sum(self.unstarted.values()),
+            used_tokens=total
+            - s.kv_pool_free_tokens
+            - s.prefix_cache.evictable_tokens,  # cached, unused: free
+            total_tokens=total,
+            gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
+            cache_hit_rate=s.prefix_cache.hit_rate,
+            utilization=s.forward_busy_fraction,
+            max_running=self.engine.args.max_running_requests,
+        )
+
+    def engine_load(self, full: bool) -> common_pb2.EngineLoad:
+        """The load record the KV event stream carries (SMG routes by it between GetLoads polls);
+        `full` adds the telemetry beyond the routing core."""
+        w = self.load()
+        record = common_pb2.EngineLoad(
+            running_requests=w.running,
+            waiting_requests=w.waiting,
+            waiting_uncached_tokens=w.waiting_uncached_tokens,
+            token_usage=w.token_usage,
+            active_token_usage=w.token_usage,  # evictable cached prefixes are not counted as used
+            gen_throughput=w.gen_throughput,
+            max_running_requests=w.max_running,
+        )
+        if full:
+            record.cache_hit_rate = w.cache_hit_rate
+            record.num_used_tokens = w.used_tokens
+            record.max_total_num_tokens = w.total_tokens
+            record.queues.waiting = w.waiting
+        return record
+
     async def GetLoads(self, request, context):
         loads = []
         if not request.HasField("dp_rank") or request.dp_rank == 0:
-            s = self.engine.stats()
-            total = s.kv_pool_total_tokens
-            used = total - s.kv_pool_free_tokens - s.prefix_cache.evictable_tokens  # cached, unused: free
+            w = self.load()
             loads.append(
                 vllm_engine_pb2.SchedulerLoad(
                     dp_rank=0,
-                    num_running_reqs=s.running_requests,
-                    num_waiting_reqs=s.queued_requests,
-                    num_total_reqs=s.running_requests + s.queued_requests,
-                    num_used_tokens=used,
-                    max_total_num_tokens=total,
-                    token_usage=used / total if total else 0.0,
-                    cache_hit_rate=s.prefix_cache.hit_rate,
-                    utilization=s.forward_busy_fraction,
-                    max_running_requests=self.engine.args.max_running_requests,
-                    gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
-                    # the prompts of the requests this contract was sent that have not started (an
-                    # upper bound: their cached prefix is known only once they are admitted; a call's
-                    # n samples count their shared prompt once; zerogap.v1's requests are not counted)
-                    num_waiting_uncached_tokens=sum(self.unstarted.values()),
+                    num_running_reqs=w.running,
+                    num_waiting_reqs=w.waiting,
+                    num_total_reqs=w.running + w.waiting,
+                    num_used_tokens=w.used_tokens,
+                    max_total_num_tokens=w.total_tokens,
+                    token_usage=w.token_usage,
+                    cache_hit_rate=w.cache_hit_rate,
+                    utilization=w.utilization,
+                    max_running_requests=w.max_running,
+                    gen_throughput=w.gen_throughput,
+                    num_waiting_uncached_tokens=w.waiting_uncached_tokens,
                 )
             )
         return vllm_engine_pb2.GetLoadsResponse(
@@ -532,7 +585,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the prefix cache is off: no KV events")
         await context.send_initial_metadata(())  # the gateway's subscribe call returns at once
         try:
-            async for batch in self.kv_events.subscribe(request.start_sequence_number):
+            async for batch in self.kv_events.subscribe(
+                request.start_sequence_number, request.load_records_before_first_batch
+            ):
                 yield batch
         except Unavailable as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
@@ -564,5 +619,7 @@ def add_smg_worker(
     if not engine.observe_prefix_cache(publisher.observe):
         publisher = None
     servicer = SmgWorkerServicer(engine, router, model_path, draining, publisher)
+    if publisher is not None:
+        publisher.report_load(servicer.engine_load)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     return servicer

@@ -91,6 +91,9 @@ class Replay:
         self.orphans = 0  # stored events whose parent was unknown (the indexer would misplace them)
 
     def apply(self, batch: common_pb2.KvEventBatch) -> None:
+        if batch.load.load_only:  # a load record between batches: numbered like the last one, no events
+            assert batch.sequence_number == self.last_seq and not batch.events
+            return
         assert self.last_seq == 0 or batch.sequence_number == self.last_seq + 1, "a gap in the stream"
         self.last_seq = batch.sequence_number
         for e in batch.events:
@@ -221,3 +224,118 @@ def _copy(replay: Replay) -> Replay:
     out = Replay(replay.block_size)
     out.blocks, out.last_seq = dict(replay.blocks), replay.last_seq
     return out
+
+
+def test_batches_carry_the_load_and_load_only_batches_follow_its_changes(monkeypatch):
+    """With a load reader, every batch carries the load; a change without a KV event, and a heartbeat,
+    reach each stream as a load-only batch numbered like its last one; only a gateway that asks gets
+    load records before the first batch; replayed batches carry no (old) load but the last one."""
+    import asyncio
+
+    from service import kv_events
+    from service.kv_events import KvEventPublisher
+
+    monkeypatch.setattr(kv_events, "LOAD_CHECK_S", 0.01)
+    monkeypatch.setattr(kv_events, "LOAD_HEARTBEAT_S", 0.3)
+    running = [0]
+
+    def read(full: bool) -> common_pb2.EngineLoad:
+        record = common_pb2.EngineLoad(running_requests=running[0], max_running_requests=8)
+        if full:
+            record.num_used_tokens = 5
+        return record
+
+    async def collect(gen, out: list) -> None:
+        async for batch in gen:
+            out.append(batch)
+
+    async def run() -> None:
+        publisher = KvEventPublisher(asyncio.get_running_loop(), block_size=4)
+        publisher.report_load(read)
+        early, plain = [], []
+        tasks = [
+            asyncio.create_task(collect(publisher.subscribe(0, early_loads=True), early)),
+            asyncio.create_task(collect(publisher.subscribe(0), plain)),
+        ]
+        await asyncio.sleep(0.1)
+        assert early and all(b.load.load_only and b.sequence_number == 0 and not b.events for b in early)
+        assert early[0].load.HasField("num_used_tokens")  # load-only records carry the telemetry
+        assert plain == []  # an older gateway takes its first record with the first batch
+        publisher.observe(CacheEvent("stored", tuple(range(8)), 0))
+        await asyncio.sleep(0.05)
+        for stream in (early, plain):
+            batch = stream[-1]
+            assert batch.sequence_number == 1 and batch.events and not batch.load.load_only
+            assert not batch.load.HasField("num_used_tokens")  # the routing core only, on event batches
+        told = len(plain)
+        await asyncio.sleep(0.1)
+        assert len(plain) == told  # nothing changed, no heartbeat due yet: nothing sent
+        running[0] = 2
+        await asyncio.sleep(0.05)
+        for stream in (early, plain):
+            batch = stream[-1]
+            assert batch.load.load_only and batch.sequence_number == 1 and batch.load.running_requests == 2
+        told = len(plain)
+        await asyncio.sleep(0.45)
+        assert len(plain) > told and plain[-1].load.load_only  # a heartbeat
+        for stream in (early, plain):
+            samples = [b.load.sample for b in stream]
+            assert samples == sorted(set(samples))  # monotonic per stream
+        publisher.observe(CacheEvent("stored", tuple(range(100, 108)), 0))
+        publisher.observe(CacheEvent("stored", tuple(range(200, 208)), 0))  # one batch per event loop turn
+        await asyncio.sleep(0)
+        publisher.observe(CacheEvent("stored", tuple(range(300, 308)), 0))
+        await asyncio.sleep(0.02)
+        assert publisher.sequence == 3
+        resumed: list = []
+        tasks.append(asyncio.create_task(collect(publisher.subscribe(1), resumed)))
+        await asyncio.sleep(0.02)
+        assert [b.sequence_number for b in resumed[:2]] == [2, 3]
+        assert not resumed[0].HasField("load")  # replayed: its load is old
+        assert resumed[1].load.HasField("num_used_tokens")  # the stream's first record, read now
+        assert not publisher.history[-1].load.HasField("num_used_tokens")  # the history is untouched
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+def test_the_load_reaches_a_subscriber_while_a_request_runs(server):
+    """Through the RPC: records before the first batch when asked, a running request within a
+    scheduler step or two, and back to idle when it ends (what SMG routes by between its polls)."""
+    call = None
+    with grpc.insecure_channel(server.address) as ch:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        call = stub.SubscribeKvEvents(
+            common_pb2.SubscribeKvEventsRequest(start_sequence_number=0, load_records_before_first_batch=True)
+        )
+        loads: list[common_pb2.EngineLoad] = []
+
+        def read() -> None:
+            try:
+                for batch in call:
+                    if batch.HasField("load"):
+                        loads.append(batch.load)
+            except grpc.RpcError:
+                pass
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert wait_until(lambda: bool(loads), 5)
+        req = vpb.GenerateRequest(
+            request_id="load-watch",
+            tokenized=vpb.TokenizedInput(input_ids=list(range(300, 340))),
+            sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
+            stream=True,
+        )
+        stream = stub.Generate(req, timeout=120)
+        next(stream)
+        assert wait_until(lambda: loads[-1].running_requests >= 1, 5)
+        assert loads[-1].max_running_requests == 12 and loads[-1].token_usage > 0
+        list(stream)
+        assert wait_until(lambda: loads[-1].running_requests == 0 and loads[-1].waiting_requests == 0, 5)
+        samples = [r.sample for r in loads]
+        assert samples == sorted(set(samples))
+        call.cancel()
+        reader.join(5)

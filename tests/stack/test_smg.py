@@ -86,14 +86,14 @@ class Replica:
 
 class Gateway:
     def __init__(self, replicas: list[Replica], model_dir: Path, tmp: Path, policy: str = "cache_aware"):
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.log_path = tmp / f"smg-{policy}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--worker-urls", *[f"grpc://127.0.0.1:{r.port}" for r in replicas],
              "--model-path", str(model_dir), "--policy", policy,
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
              "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
              "--balance-abs-threshold", "1", "--log-level", "warn"],
@@ -283,6 +283,34 @@ def test_round_robin_finds_the_history_about_half_the_time(stack, tmp_path):
         f"round_robin: of {total} turns 2-4, {hit} cached > 0 (the system prompt), {whole} the whole previous prompt"
     )
     assert reached == 2 and whole / total < 0.85, (whole, total)  # about half; cache_aware: >= 0.9
+
+
+def test_the_gateway_routes_by_the_loads_the_replicas_push(stack):
+    """Each replica pushes its load on the KV event stream: the gateway's view follows a request
+    within a scheduler step or so (its GetLoads poll comes every 10 s) and it skips the polls."""
+    gateway, _, model = stack
+
+    def running() -> int:
+        with urllib.request.urlopen(f"{gateway.url}/get_loads", timeout=2) as r:
+            return sum(load["num_running_reqs"] for load in json.loads(r.read())["loads"])
+
+    def polls(mode: str) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=2) as r:
+            lines = r.read().decode().splitlines()
+        return sum(
+            int(float(line.rsplit(" ", 1)[1]))
+            for line in lines
+            if line.startswith("smg_engine_load_polls_total{") and f'mode="{mode}"' in line
+        )
+
+    assert wait_until(lambda: running() == 0, 10)
+    stream = chat(gateway.client(), model, [{"role": "user", "content": "count slowly"}], max_tokens=200,
+                  stream=True, extra_body=LONG)  # fmt: skip
+    next(iter(stream))
+    assert wait_until(lambda: running() == 1, 2, 0.02), "the gateway did not see the running request"
+    stream.close()  # the gateway aborts it
+    assert wait_until(lambda: running() == 0, 5, 0.02)
+    assert wait_until(lambda: polls("skipped_fresh_push") > 0, 15, 0.5), "the gateway still polls"
 
 
 def test_a_killed_replica_is_routed_around_and_used_again_once_restarted(stack):
