@@ -252,7 +252,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
-        self.unstarted: dict[str, int] = {}  # requests with no output yet -> prompt tokens to prefill
+        # requests with no output yet (their prefill is the engine's queued work); a sample of n
+        # whose prompt another sample prefills (the prefix cache shares it) maps to None
+        self.unstarted: dict[str, Req | None] = {}
         self.starting: set[str] = set()  # request ids being validated (tokenized, grammar compiled)
         self.aborted_starting: set[str] = set()  # ... of which an Abort came meanwhile
         self.throughput = RateMeter()
@@ -332,7 +334,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             shared = not self.engine.args.disable_prefix_cache
             for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue)
-                self.unstarted[req.rid] = len(req.prompt_ids) if i == 0 or not shared else 0
+                self.unstarted[req.rid] = req if i == 0 or not shared else None
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         finally:
@@ -486,10 +488,10 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return WorkerLoad(
             running=s.running_requests,
             waiting=s.queued_requests,
-            # the prompts of the requests this contract was sent that have not started (an upper
-            # bound: their cached prefix is known only once they are admitted; a call's n samples
-            # count their shared prompt once; zerogap.v1's requests are not counted)
-            waiting_uncached_tokens=sum(self.unstarted.values()),
+            # what the prompts of the requests this contract was sent that have no output yet
+            # leave to compute: past their KV (a cached prefix and launched chunks, once admitted;
+            # before that the whole prompt); zerogap.v1's requests are not counted
+            waiting_uncached_tokens=sum(_to_prefill(r) for r in list(self.unstarted.values()) if r),
             used_tokens=total
             - s.kv_pool_free_tokens
             - s.prefix_cache.evictable_tokens,  # cached, unused: free
@@ -599,6 +601,12 @@ def _by_request(outputs: list[RequestOutput]) -> list[tuple[str, list[RequestOut
     for o in outputs:
         groups.setdefault(o.rid, []).append(o)
     return list(groups.items())
+
+
+def _to_prefill(req: Req) -> int:
+    """Prompt tokens a request has still to compute (read off the scheduler's request: racy, an
+    estimate): past its cached prefix and launched chunks once admitted, the whole prompt before."""
+    return max(0, len(req.prompt_ids) - req.kv_len)
 
 
 def _int(*values: Any) -> int:

@@ -372,6 +372,21 @@ def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeyp
     assert load().num_waiting_uncached_tokens == 0
 
 
+def test_queued_prompt_tokens_leave_out_what_an_admitted_request_has_in_kv():
+    """A request counts its whole prompt until admitted, then only what is past its KV rows (a cached
+    prefix, launched chunks): SGLang's waiting tokens minus their matched prefix, plus the rest of a
+    chunked prompt."""
+    from service.core.request import Req, SamplingParams
+    from service.smg_worker import _to_prefill
+
+    req = Req("q", list(range(100)), SamplingParams(max_new_tokens=4), 0, None, frozenset())  # type: ignore[arg-type]
+    assert _to_prefill(req) == 100  # waiting: its match is known only at admission
+    req.kv_len = 64  # admitted on a 48-token cached prefix, its first 16-token chunk launched
+    assert _to_prefill(req) == 36
+    req.kv_len = 100
+    assert _to_prefill(req) == 0
+
+
 def test_rate_meter_reads_a_running_total():
     meter = RateMeter(window_s=10.0, min_span_s=0.5)
     assert meter.rate(0, 100.0) == 0.0 and meter.rate(10, 100.2) == 0.0  # too short a span yet
