@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from service import __version__
 from service.config import ServerArgs
 from service.core.omp import serial_cpu_ops_on_this_thread
-from service.core.request import FinishReason, RequestError, RequestOutput, SamplingParams
+from service.core.request import FinishReason, Req, RequestError, RequestOutput, SamplingParams
 from service.engine.engine import Engine
 from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_tokens, open_service_names
 from service.limits import InputLimits
@@ -59,6 +59,9 @@ class OutputRouter:
         self.engine: Engine | None = None
         self.finished_by_reason: dict[str, int] = {}
         self.completion_tokens = 0
+        # requests with no output yet (their prompts are the engine's queued work); None: a sample of
+        # n whose prompt another sample prefills (the prefix cache shares it)
+        self.unstarted: dict[str, Req | None] = {}
 
     def sink(self, outputs: list[RequestOutput]) -> None:
         """Scheduler thread: one hop into the event loop per step."""
@@ -67,6 +70,7 @@ class OutputRouter:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
             self.completion_tokens += len(o.token_ids)
+            self.unstarted.pop(o.rid, None)
             q = self.queues.get(o.rid)
             if q is not None:
                 q.put_nowait(o)
@@ -78,12 +82,25 @@ class OutputRouter:
                 self.engine.on_finished(o.rid)
 
     def open(
-        self, rid: str, queue: asyncio.Queue[RequestOutput] | None = None
+        self, rid: str, queue: asyncio.Queue[RequestOutput] | None = None, prefill: Req | None = None
     ) -> asyncio.Queue[RequestOutput]:
-        """The queue `rid`'s outputs go to: a new one, or `queue` (shared by the samples of one call)."""
+        """The queue `rid`'s outputs go to: a new one, or `queue` (shared by the samples of one call).
+        `prefill`: the submitted request whose prompt counts as queued work until its first output."""
         q: asyncio.Queue[RequestOutput] = asyncio.Queue() if queue is None else queue
         self.queues[rid] = q
+        self.unstarted[rid] = prefill
         return q
+
+    def queued_prompt_tokens(self) -> int:
+        """What the prompts of the requests with no output yet leave to compute: the whole prompt
+        while one waits, what lies past its KV rows (a cached prefix, launched chunks) once admitted
+        (read off the scheduler's requests: an estimate). SGLang's waiting tokens less their matched
+        prefix, plus the rest of a chunked prompt."""
+        return sum(
+            max(0, len(r.prompt_ids) - r.kv_len)
+            for r in list(self.unstarted.values())
+            if r is not None and r.finished is None
+        )
 
 
 def _code(name: str) -> grpc.StatusCode:
@@ -227,7 +244,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                 raise RequestError("UNAVAILABLE", "server is shutting down")
             self.engine.submit(req)  # raises ALREADY_EXISTS for a live id: its queue stays untouched
             # No await since submit: outputs reach the router through this loop, after the queue exists.
-            queue = self.router.open(rid)
+            queue = self.router.open(rid, prefill=req)
         except RequestError as e:
             await context.abort(_code(e.code), e.message)
         return rid, queue

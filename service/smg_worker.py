@@ -252,9 +252,6 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
-        # requests with no output yet (their prefill is the engine's queued work); a sample of n
-        # whose prompt another sample prefills (the prefix cache shares it) maps to None
-        self.unstarted: dict[str, Req | None] = {}
         self.starting: set[str] = set()  # request ids being validated (tokenized, grammar compiled)
         self.aborted_starting: set[str] = set()  # ... of which an Abort came meanwhile
         self.throughput = RateMeter()
@@ -333,8 +330,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # n samples prefill their shared prompt once (the prefix cache): counted once then
             shared = not self.engine.args.disable_prefix_cache
             for i, req in enumerate(reqs):
-                self.router.open(req.rid, queue)
-                self.unstarted[req.rid] = req if i == 0 or not shared else None
+                self.router.open(req.rid, queue, prefill=req if i == 0 or not shared else None)
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         finally:
@@ -357,7 +353,6 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 while not queue.empty():  # a slow reader gets merged deltas
                     batch.append(queue.get_nowait())
                 for sample, group in _by_request(batch):
-                    self.unstarted.pop(sample, None)
                     i, last = index[sample], group[-1]
                     done = last.finish_reason is not None
                     if done:
@@ -393,7 +388,6 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             for sample in live:  # the gateway went away or sent a deadline: free the samples' KV now
                 self.engine.abort(sample)
-                self.unstarted.pop(sample, None)
             if len(reqs) > 1 and self.samples.get(rid) is mine:  # not a later call's, same id
                 del self.samples[rid]
 
@@ -488,10 +482,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return WorkerLoad(
             running=s.running_requests,
             waiting=s.queued_requests,
-            # what the prompts of the requests this contract was sent that have no output yet
-            # leave to compute: past their KV (a cached prefix and launched chunks, once admitted;
-            # before that the whole prompt); zerogap.v1's requests are not counted
-            waiting_uncached_tokens=sum(_to_prefill(r) for r in list(self.unstarted.values()) if r),
+            waiting_uncached_tokens=self.router.queued_prompt_tokens(),  # both services' requests
             used_tokens=total
             - s.kv_pool_free_tokens
             - s.prefix_cache.evictable_tokens,  # cached, unused: free
@@ -601,12 +592,6 @@ def _by_request(outputs: list[RequestOutput]) -> list[tuple[str, list[RequestOut
     for o in outputs:
         groups.setdefault(o.rid, []).append(o)
     return list(groups.items())
-
-
-def _to_prefill(req: Req) -> int:
-    """Prompt tokens a request has still to compute (read off the scheduler's request: racy, an
-    estimate): past its cached prefix and launched chunks once admitted, the whole prompt before."""
-    return max(0, len(req.prompt_ids) - req.kv_len)
 
 
 def _int(*values: Any) -> int:

@@ -337,7 +337,6 @@ def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeyp
     count their shared prompt once, as the prefix cache prefills it once; without the cache, each
     sample's) and the tokens generated per second between polls; both back to 0 / the rate's decay
     once the requests end."""
-    vllm, _ = stubs
     if cache == "no-prefix-cache":  # how the worker counts (the scheduler's cache stays on here)
         monkeypatch.setattr(server.engine.args, "disable_prefix_cache", True)
     other = [1, 3681, 338, 263, 1243, 1058]
@@ -357,16 +356,31 @@ def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeyp
         (one,) = vllm.GetLoads(vpb.GetLoadsRequest()).loads
         return one
 
+    def zerogap_call() -> threading.Thread:  # the other service's requests are queued work too
+        req = pb2.GenerateRequest(
+            request_id="zg-queued",
+            token_ids=pb2.TokenIds(ids=[5, 6, 7, 8]),
+            sampling=pb2.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True),
+        )
+        t = threading.Thread(target=lambda: list(zg.GenerateStream(req, timeout=60)))
+        t.start()
+        return t
+
+    vllm, zg = stubs
     threads = [call("busy", PROMPT, 8)]
     try:
         assert wait_until(lambda: load().num_running_reqs == 8, 10)
         threads.append(call("queued", other, 3))
         assert wait_until(lambda: load().num_waiting_reqs == 3, 10)
         assert load().num_waiting_uncached_tokens == len(other) * (1 if cache == "prefix-cache" else 3)
+        threads.append(zerogap_call())
+        assert wait_until(lambda: load().num_waiting_reqs == 4, 10)
+        assert load().num_waiting_uncached_tokens == len(other) * (1 if cache == "prefix-cache" else 3) + 4
         time.sleep(0.6)
         assert load().gen_throughput > 0
     finally:
         vllm.Abort(vpb.AbortRequest(request_ids=["busy", "queued"]))
+        zg.Abort(pb2.AbortRequest(request_id="zg-queued"))
         for t in threads:
             t.join(30)
     assert load().num_waiting_uncached_tokens == 0
@@ -374,17 +388,34 @@ def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeyp
 
 def test_queued_prompt_tokens_leave_out_what_an_admitted_request_has_in_kv():
     """A request counts its whole prompt until admitted, then only what is past its KV rows (a cached
-    prefix, launched chunks): SGLang's waiting tokens minus their matched prefix, plus the rest of a
-    chunked prompt."""
-    from service.core.request import Req, SamplingParams
-    from service.smg_worker import _to_prefill
+    prefix, launched chunks), until its first output: SGLang's waiting tokens minus their matched
+    prefix, plus the rest of a chunked prompt; a sample sharing another's prompt counts nothing."""
+    import asyncio
 
-    req = Req("q", list(range(100)), SamplingParams(max_new_tokens=4), 0, None, frozenset())  # type: ignore[arg-type]
-    assert _to_prefill(req) == 100  # waiting: its match is known only at admission
-    req.kv_len = 64  # admitted on a 48-token cached prefix, its first 16-token chunk launched
-    assert _to_prefill(req) == 36
-    req.kv_len = 100
-    assert _to_prefill(req) == 0
+    from service.core.request import FinishReason, Req, RequestOutput, SamplingParams
+    from service.server import OutputRouter
+
+    def req(rid: str, n: int) -> Req:
+        return Req(rid, list(range(n)), SamplingParams(max_new_tokens=4), 0, None, frozenset())  # type: ignore[arg-type]
+
+    class Engine:
+        def on_finished(self, rid: str) -> None:
+            pass
+
+    router = OutputRouter(asyncio.new_event_loop())
+    router.engine = Engine()  # type: ignore[assignment]
+    a, b = req("a", 100), req("b", 30)
+    router.open("a", prefill=a)
+    router.open("b", prefill=b)
+    router.open("b/1", prefill=None)  # n = 2: its prompt is b's
+    assert router.queued_prompt_tokens() == 130  # waiting: a match is known only at admission
+    a.kv_len = 64  # admitted on a 48-token cached prefix, its first 16-token chunk launched
+    assert router.queued_prompt_tokens() == 66
+    router._dispatch([RequestOutput("b", [7], "x", 30, 1)])  # b's first token
+    assert router.queued_prompt_tokens() == 36
+    a.finished = FinishReason.ABORT  # aborted before its output reached the router
+    assert router.queued_prompt_tokens() == 0
+    router.loop.close()
 
 
 def test_rate_meter_reads_a_running_total():
