@@ -351,7 +351,8 @@ class Engine:
         s = self.scheduler
         return EngineStats(
             scheduler_mode=self.mode,
-            running_requests=len(s.running),
+            # (finished ones leave the list at the next batch formed: up to an idle wait later)
+            running_requests=sum(1 for r in list(s.running) if r.finished is None),
             queued_requests=len(s.waiting) + s.inbox.qsize(),
             kv_pool_total_tokens=self.kv_pool.size,
             kv_pool_free_tokens=self.kv_pool.free_count,

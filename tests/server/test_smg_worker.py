@@ -418,6 +418,16 @@ def test_queued_prompt_tokens_leave_out_what_an_admitted_request_has_in_kv():
     router.loop.close()
 
 
+def test_loads_count_no_finished_request_as_running(stubs):
+    """A request that has ended is not running, though the scheduler drops it from its list only
+    when it forms the next batch (an idle wait later)."""
+    vllm, _ = stubs
+    for _ in range(3):
+        generate(vllm, max_tokens=4)
+        (load,) = vllm.GetLoads(vpb.GetLoadsRequest()).loads
+        assert load.num_running_reqs == 0
+
+
 def test_rate_meter_reads_a_running_total():
     meter = RateMeter(window_s=10.0, min_span_s=0.5)
     assert meter.rate(0, 100.0) == 0.0 and meter.rate(10, 100.2) == 0.0  # too short a span yet
