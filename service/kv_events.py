@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import threading
 import time
 from collections import deque
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from smg_grpc_proto.generated import common_pb2
 
 from service.engine.prefix_cache import CacheEvent
+
+log = logging.getLogger("zerogap.kv_events")
 
 BLOCK_SIZE = 16  # tokens per published block (vLLM's default block size)
 HISTORY_BATCHES = 4096  # batches kept for subscribers that resume
@@ -133,6 +136,7 @@ class KvEventPublisher:
         self._read_load: LoadReader | None = None
         self._load_sample = 0  # numbers the load records, in the order they are made
         self._ticker: asyncio.Task[None] | None = None
+        self._load_failing = False
 
     def report_load(self, read: LoadReader) -> None:
         """Attach `read`'s record to every batch and send load-only batches when it changes."""
@@ -159,11 +163,17 @@ class KvEventPublisher:
             return
         self.sequence += 1
         batch = common_pb2.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), events=events)
-        if self._read_load is not None:
-            batch.load.CopyFrom(self._load(full=False))
+        load = self._load(full=False)
+        if load is not None:
+            batch.load.CopyFrom(load)
         self.history.append(batch)
+        first = None  # the batch as a stream's first record goes: with the telemetry
         for stream in list(self._subscribers):
-            self._put(stream, batch)
+            if stream.told is None and load is not None:
+                first = first or self._with_load(batch, full=True)
+                self._put(stream, first)
+            else:
+                self._put(stream, batch)
 
     def _put(self, stream: _Stream, batch: common_pb2.KvEventBatch) -> None:
         if stream.queue.qsize() >= MAX_BEHIND:
@@ -172,24 +182,49 @@ class KvEventPublisher:
         else:
             stream.put(batch)
 
-    def _load(self, full: bool) -> common_pb2.EngineLoad:
-        assert self._read_load is not None
-        load = self._read_load(full)
+    def _load(self, full: bool) -> common_pb2.EngineLoad | None:
+        """A new load record (numbered), or None without a reader or when it failed (the batch goes
+        without: the KV events matter more)."""
+        if self._read_load is None:
+            return None
+        try:
+            load = self._read_load(full)
+        except Exception:  # noqa: BLE001 - a stats read must not cost the gateway a KV batch
+            if not self._load_failing:  # once until a read works again
+                log.exception("reading the engine's load failed; batches go without it meanwhile")
+            self._load_failing = True
+            return None
+        self._load_failing = False
         self._load_sample += 1
         load.sample = self._load_sample
         return load
 
+    def _with_load(self, batch: common_pb2.KvEventBatch, full: bool) -> common_pb2.KvEventBatch:
+        """A copy of `batch` carrying a new load record (the original, maybe in the history, is kept)."""
+        copy = common_pb2.KvEventBatch()
+        copy.CopyFrom(batch)
+        load = self._load(full)
+        if load is None:
+            copy.ClearField("load")
+        else:
+            copy.load.CopyFrom(load)
+        return copy
+
     async def _tick(self) -> None:
         """While anyone listens: a load-only batch to each stream whose load changed, or went untold
-        for a heartbeat; the load is read once per check."""
-        assert self._read_load is not None
+        for a heartbeat, unless batches still wait on it (the next check sends the newest load);
+        the load is read once per check."""
         while self._subscribers:
             await asyncio.sleep(LOAD_CHECK_S)
             load, now = None, time.monotonic()
             for stream in list(self._subscribers):
                 if stream.sequence is None and not stream.early_loads:
                     continue  # an older gateway takes its first record with the first batch
-                load = load or self._read_load(True)
+                if not stream.queue.empty():
+                    continue  # coalesced: it has not read what it has yet
+                load = load or self._load(full=True)
+                if load is None:
+                    break
                 if _routing(load) == stream.told and now - stream.told_at < LOAD_HEARTBEAT_S:
                     continue
                 record = common_pb2.EngineLoad()
@@ -261,10 +296,7 @@ class KvEventPublisher:
             first = [_without_load(b) for b in self.history if b.sequence_number > start_sequence]
             stream.sequence = start_sequence
         if first and self._read_load is not None:  # the stream's first record: all of it
-            last = common_pb2.KvEventBatch()
-            last.CopyFrom(first[-1])
-            last.load.CopyFrom(self._load(full=True))
-            first[-1] = last
+            first[-1] = self._with_load(first[-1], full=True)
         for batch in first:
             stream.put(batch)
         self._subscribers.add(stream)  # no await since the first batches were taken: no gap

@@ -91,6 +91,12 @@ class OutputRouter:
         self.unstarted[rid] = prefill
         return q
 
+    def forget(self, rid: str) -> None:
+        """The request's RPC ended: its prompt is nobody's queued work any more (normally its first
+        output already took it off; an abort's output may come later, or never for a request lost
+        to a scheduler failure)."""
+        self.unstarted.pop(rid, None)
+
     def queued_prompt_tokens(self) -> int:
         """What the prompts of the requests with no output yet leave to compute: the whole prompt
         while one waits, what lies past its KV rows (a cached prefix, launched chunks) once admitted
@@ -291,6 +297,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         finally:
             if not outs or outs[-1].finish_reason is None:  # cancelled or deadline
                 self.engine.abort(rid)
+            self.router.forget(rid)
         await self._fail_if_error(outs[-1], context)
         return self._response(rid, outs)
 
@@ -311,6 +318,7 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
         finally:
             if not done:
                 self.engine.abort(rid)
+            self.router.forget(rid)
 
     async def Abort(self, request, context):
         return pb2.AbortResponse(found=self.engine.abort(request.request_id))

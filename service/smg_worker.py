@@ -20,6 +20,7 @@ answer UNIMPLEMENTED with the reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import json
@@ -388,6 +389,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         finally:
             for sample in live:  # the gateway went away or sent a deadline: free the samples' KV now
                 self.engine.abort(sample)
+            for req in reqs:
+                self.router.forget(req.rid)
             if len(reqs) > 1 and self.samples.get(rid) is mine:  # not a later call's, same id
                 del self.samples[rid]
 
@@ -475,28 +478,27 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_num_seqs=self.engine.args.max_running_requests,
         )
 
-    def load(self) -> WorkerLoad:
-        """The engine's load now, as GetLoads answers and the KV event stream pushes it."""
-        s = self.engine.stats()
-        total = s.kv_pool_total_tokens
+    def load(self, utilization: bool = True) -> WorkerLoad:
+        """The engine's load now, as GetLoads answers and the KV event stream pushes it (the pushes
+        leave out `utilization`, a pass over the timeline, and report 0 there)."""
+        o = self.engine.occupancy()
+        total = o.kv_pool_total_tokens
         return WorkerLoad(
-            running=s.running_requests,
-            waiting=s.queued_requests,
+            running=o.running_requests,
+            waiting=o.queued_requests,
             waiting_uncached_tokens=self.router.queued_prompt_tokens(),  # both services' requests
-            used_tokens=total
-            - s.kv_pool_free_tokens
-            - s.prefix_cache.evictable_tokens,  # cached, unused: free
+            used_tokens=total - o.kv_pool_free_tokens - o.evictable_tokens,  # cached, unused: free
             total_tokens=total,
             gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
-            cache_hit_rate=s.prefix_cache.hit_rate,
-            utilization=s.forward_busy_fraction,
+            cache_hit_rate=o.prefix_hit_rate,
+            utilization=self.engine.stats().forward_busy_fraction if utilization else 0.0,
             max_running=self.engine.args.max_running_requests,
         )
 
     def engine_load(self, full: bool) -> common_pb2.EngineLoad:
         """The load record the KV event stream carries (SMG routes by it between GetLoads polls);
         `full` adds the telemetry beyond the routing core."""
-        w = self.load()
+        w = self.load(utilization=False)
         record = common_pb2.EngineLoad(
             running_requests=w.running,
             waiting_requests=w.waiting,
@@ -578,10 +580,12 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the prefix cache is off: no KV events")
         await context.send_initial_metadata(())  # the gateway's subscribe call returns at once
         try:
-            async for batch in self.kv_events.subscribe(
+            batches = self.kv_events.subscribe(
                 request.start_sequence_number, request.load_records_before_first_batch
-            ):
-                yield batch
+            )
+            async with contextlib.aclosing(batches):  # a cancelled RPC unsubscribes at once
+                async for batch in batches:
+                    yield batch
         except Unavailable as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
 

@@ -72,6 +72,19 @@ class EngineStats:
     new_token_ratio: float = 1.0
 
 
+@dataclass
+class EngineOccupancy:
+    """What a router balances by, cheap to read from another thread (an estimate: the scheduler
+    thread may be part-way through a step)."""
+
+    running_requests: int  # holding a slot, not finished (a prompt part-way through its chunks too)
+    queued_requests: int
+    kv_pool_total_tokens: int
+    kv_pool_free_tokens: int
+    evictable_tokens: int  # rows of cached prefixes no request uses: free for the taking
+    prefix_hit_rate: float  # prompt tokens served from the prefix cache, over all prompt tokens
+
+
 def _host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -346,16 +359,30 @@ class Engine:
         with self._live_lock:
             return len(self._live)
 
-    def stats(self) -> EngineStats:
-        busy, gap = self.timeline.forward_stats()
+    def occupancy(self) -> EngineOccupancy:
         s = self.scheduler
-        return EngineStats(
-            scheduler_mode=self.mode,
+        cache = s.prefix_cache.info()
+        return EngineOccupancy(
             # (finished ones leave the list at the next batch formed: up to an idle wait later)
-            running_requests=sum(1 for r in list(s.running) if r.finished is None),
+            running_requests=sum(1 for r in list(s.running) if r.finished is None)
+            + (s.chunker.holding if s.chunker is not None else 0),
             queued_requests=len(s.waiting) + s.inbox.qsize(),
             kv_pool_total_tokens=self.kv_pool.size,
             kv_pool_free_tokens=self.kv_pool.free_count,
+            evictable_tokens=cache.evictable_tokens,
+            prefix_hit_rate=cache.hit_rate,
+        )
+
+    def stats(self) -> EngineStats:
+        busy, gap = self.timeline.forward_stats()
+        s = self.scheduler
+        o = self.occupancy()
+        return EngineStats(
+            scheduler_mode=self.mode,
+            running_requests=o.running_requests,
+            queued_requests=o.queued_requests,
+            kv_pool_total_tokens=o.kv_pool_total_tokens,
+            kv_pool_free_tokens=o.kv_pool_free_tokens,
             forward_busy_fraction=busy,
             median_forward_gap_s=gap,
             forward_steps=self.timeline.forward_steps,

@@ -232,6 +232,22 @@ def test_abort_during_chunked_prefill_frees_its_kv(tiny_llama_dir):
             c.close()
 
 
+def test_a_prompt_part_way_through_its_chunks_counts_as_running(tiny_llama_dir):
+    """What the loads report (GetLoads, the pushes to SMG): the request the chunker holds between its
+    chunks is neither in the running list nor waiting, and is running all the same."""
+    c = client(tiny_llama_dir, chunked_prefill_size=1, loop="overlap")
+    try:
+        c.submit("long", prompt(15, 300), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+        sched = c.engine.scheduler
+        assert wait_until(lambda: sched.chunker.stats.chunks > 20, 60)
+        occupancy = c.engine.occupancy()
+        assert sched.chunker.holding == 1
+        assert (occupancy.running_requests, occupancy.queued_requests) == (1, 0)
+        collect(c.wait("long"))
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("cached", [0, 60], ids=["short-prompt", "cached-next-turn"])
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_short_prompt_overtakes_a_long_one_part_way(loop, cached, tiny_llama_dir):

@@ -226,17 +226,43 @@ def _copy(replay: Replay) -> Replay:
     return out
 
 
-def test_batches_carry_the_load_and_load_only_batches_follow_its_changes(monkeypatch):
-    """With a load reader, every batch carries the load; a change without a KV event, and a heartbeat,
-    reach each stream as a load-only batch numbered like its last one; only a gateway that asks gets
-    load records before the first batch; replayed batches carry no (old) load but the last one."""
+def _loaded_publisher(monkeypatch, read):
     import asyncio
 
     from service import kv_events
     from service.kv_events import KvEventPublisher
 
     monkeypatch.setattr(kv_events, "LOAD_CHECK_S", 0.01)
-    monkeypatch.setattr(kv_events, "LOAD_HEARTBEAT_S", 0.3)
+    monkeypatch.setattr(kv_events, "LOAD_HEARTBEAT_S", 1.5)
+    publisher = KvEventPublisher(asyncio.get_running_loop(), block_size=4)
+    publisher.report_load(read)
+    return publisher
+
+
+async def _collect(gen, out: list, go=None) -> None:
+    async for batch in gen:
+        out.append(batch)
+        if go is not None:
+            await go.wait()  # a reader that stalls after its first batch
+
+
+async def _until(cond, timeout: float = 3.0) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_batches_carry_the_load_and_load_only_batches_follow_its_changes(monkeypatch):
+    """With a load reader, every batch carries the load; a change without a KV event, and a heartbeat,
+    reach each stream as a load-only batch numbered like its last one; only a gateway that asks gets
+    load records before the first batch; a stream's first record and load-only batches carry the
+    telemetry, event batches after the first the routing core; replayed batches carry no (old) load
+    but the last one."""
+    import asyncio
+
     running = [0]
 
     def read(full: bool) -> common_pb2.EngineLoad:
@@ -245,55 +271,95 @@ def test_batches_carry_the_load_and_load_only_batches_follow_its_changes(monkeyp
             record.num_used_tokens = 5
         return record
 
-    async def collect(gen, out: list) -> None:
-        async for batch in gen:
-            out.append(batch)
-
     async def run() -> None:
-        publisher = KvEventPublisher(asyncio.get_running_loop(), block_size=4)
-        publisher.report_load(read)
+        publisher = _loaded_publisher(monkeypatch, read)
         early, plain = [], []
         tasks = [
-            asyncio.create_task(collect(publisher.subscribe(0, early_loads=True), early)),
-            asyncio.create_task(collect(publisher.subscribe(0), plain)),
+            asyncio.create_task(_collect(publisher.subscribe(0, early_loads=True), early)),
+            asyncio.create_task(_collect(publisher.subscribe(0), plain)),
         ]
-        await asyncio.sleep(0.1)
-        assert early and all(b.load.load_only and b.sequence_number == 0 and not b.events for b in early)
+        await _until(lambda: bool(early))
+        assert all(b.load.load_only and b.sequence_number == 0 and not b.events for b in early)
         assert early[0].load.HasField("num_used_tokens")  # load-only records carry the telemetry
         assert plain == []  # an older gateway takes its first record with the first batch
         publisher.observe(CacheEvent("stored", tuple(range(8)), 0))
-        await asyncio.sleep(0.05)
+        await _until(lambda: bool(plain) and early[-1].sequence_number == 1)
         for stream in (early, plain):
             batch = stream[-1]
             assert batch.sequence_number == 1 and batch.events and not batch.load.load_only
-            assert not batch.load.HasField("num_used_tokens")  # the routing core only, on event batches
+        assert not early[-1].load.HasField("num_used_tokens")  # told before: the routing core only
+        assert plain[-1].load.HasField("num_used_tokens")  # its first record: all of it
+        assert not publisher.history[-1].load.HasField("num_used_tokens")  # the history's own copy
         told = len(plain)
         await asyncio.sleep(0.1)
         assert len(plain) == told  # nothing changed, no heartbeat due yet: nothing sent
         running[0] = 2
-        await asyncio.sleep(0.05)
+        await _until(lambda: len(plain) > told and early[-1].load.running_requests == 2)
         for stream in (early, plain):
             batch = stream[-1]
             assert batch.load.load_only and batch.sequence_number == 1 and batch.load.running_requests == 2
         told = len(plain)
-        await asyncio.sleep(0.45)
-        assert len(plain) > told and plain[-1].load.load_only  # a heartbeat
+        await _until(lambda: len(plain) > told, timeout=5)  # a heartbeat, nothing having changed
+        assert plain[-1].load.load_only and plain[-1].load.running_requests == 2
         for stream in (early, plain):
             samples = [b.load.sample for b in stream]
             assert samples == sorted(set(samples))  # monotonic per stream
         publisher.observe(CacheEvent("stored", tuple(range(100, 108)), 0))
-        publisher.observe(CacheEvent("stored", tuple(range(200, 208)), 0))  # one batch per event loop turn
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one batch per event loop turn
         publisher.observe(CacheEvent("stored", tuple(range(300, 308)), 0))
-        await asyncio.sleep(0.02)
-        assert publisher.sequence == 3
+        await _until(lambda: publisher.sequence == 3)
         resumed: list = []
-        tasks.append(asyncio.create_task(collect(publisher.subscribe(1), resumed)))
-        await asyncio.sleep(0.02)
+        tasks.append(asyncio.create_task(_collect(publisher.subscribe(1), resumed)))
+        await _until(lambda: len(resumed) >= 2)
         assert [b.sequence_number for b in resumed[:2]] == [2, 3]
         assert not resumed[0].HasField("load")  # replayed: its load is old
         assert resumed[1].load.HasField("num_used_tokens")  # the stream's first record, read now
         assert not publisher.history[-1].load.HasField("num_used_tokens")  # the history is untouched
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+def test_a_failing_load_read_costs_no_batch_and_a_slow_reader_no_pile_of_loads(monkeypatch):
+    """A load read that raises: the batch goes out without a load, in sequence, and the checks go on
+    once reads work again. A reader that stalls gets no load-only batches queued behind the ones it
+    has not read (the next check after it catches up sends the newest load)."""
+    import asyncio
+
+    running, broken = [0], [True]
+
+    def read(full: bool) -> common_pb2.EngineLoad:
+        if broken[0]:
+            raise RuntimeError("stats read failed")
+        return common_pb2.EngineLoad(running_requests=running[0])
+
+    async def run() -> None:
+        publisher = _loaded_publisher(monkeypatch, read)
+        got, stalled = [], []
+        go = asyncio.Event()
+        tasks = [
+            asyncio.create_task(_collect(publisher.subscribe(0), got)),
+            asyncio.create_task(_collect(publisher.subscribe(0), stalled, go)),
+        ]
+        await asyncio.sleep(0.02)
+        publisher.observe(CacheEvent("stored", tuple(range(8)), 0))
+        await _until(lambda: bool(got) and bool(stalled))
+        assert got[0].sequence_number == 1 and got[0].events and not got[0].HasField("load")
+        broken[0] = False
+        await _until(lambda: got[-1].load.load_only)  # the checks went on
+        for _ in range(20):  # the load changes every check; the stalled reader reads none of it
+            running[0] += 1
+            publisher.observe(CacheEvent("stored", tuple(range(20 * running[0], 20 * running[0] + 8)), 0))
+            await asyncio.sleep(0.015)
+        (slow,) = [st for st in publisher._subscribers if st.queue.qsize() > 0]
+        waiting = list(slow.queue._queue)
+        assert (
+            len(waiting) > 10 and sum(b.load.load_only for b in waiting) <= 1
+        )  # the one sent ere it stalled
+        go.set()
+        await _until(lambda: stalled[-1].load.running_requests == running[0])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

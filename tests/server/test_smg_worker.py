@@ -413,6 +413,9 @@ def test_queued_prompt_tokens_leave_out_what_an_admitted_request_has_in_kv():
     assert router.queued_prompt_tokens() == 66
     router._dispatch([RequestOutput("b", [7], "x", 30, 1)])  # b's first token
     assert router.queued_prompt_tokens() == 36
+    router.open("c", prefill=req("c", 50))
+    router.forget("c")  # its RPC ended before any output (an abort's output may never come)
+    assert router.queued_prompt_tokens() == 36
     a.finished = FinishReason.ABORT  # aborted before its output reached the router
     assert router.queued_prompt_tokens() == 0
     router.loop.close()

@@ -307,7 +307,7 @@ def test_the_gateway_routes_by_the_loads_the_replicas_push(stack):
     stream = chat(gateway.client(), model, [{"role": "user", "content": "count slowly"}], max_tokens=200,
                   stream=True, extra_body=LONG)  # fmt: skip
     next(iter(stream))
-    assert wait_until(lambda: running() == 1, 2, 0.02), "the gateway did not see the running request"
+    assert wait_until(lambda: running() == 1, 5, 0.02), "the gateway did not see the running request"
     stream.close()  # the gateway aborts it
     assert wait_until(lambda: running() == 0, 5, 0.02)
     assert wait_until(lambda: polls("skipped_fresh_push") > 0, 15, 0.5), "the gateway still polls"
