@@ -335,8 +335,7 @@ class Engine:
                 if rid in self._live or rid in seen:
                     raise RequestError("ALREADY_EXISTS", f"request_id {rid!r} is already running")
                 seen.add(rid)
-            queued = len(self.scheduler.waiting) + self.scheduler.inbox.qsize()
-            if queued + len(reqs) > self.args.max_queued_requests:
+            if self.scheduler.queued_requests + len(reqs) > self.args.max_queued_requests:
                 raise RequestError(
                     "RESOURCE_EXHAUSTED", f"the request queue is full ({self.args.max_queued_requests})"
                 )
@@ -366,7 +365,7 @@ class Engine:
             # (finished ones leave the list at the next batch formed: up to an idle wait later)
             running_requests=sum(1 for r in list(s.running) if r.finished is None)
             + (s.chunker.holding if s.chunker is not None else 0),
-            queued_requests=len(s.waiting) + s.inbox.qsize(),
+            queued_requests=s.queued_requests,
             kv_pool_total_tokens=self.kv_pool.size,
             kv_pool_free_tokens=self.kv_pool.free_count,
             evictable_tokens=cache.evictable_tokens,

@@ -138,3 +138,47 @@ def test_prometheus_metrics_endpoint(tiny_llama_dir):
             assert name in body, name
     finally:
         srv.stop()
+
+
+def test_the_queue_counts_requests_not_inbox_commands(tiny_llama_dir):
+    """Sent requests that the scheduler has not taken yet count one each, however they were sent (a
+    call's n samples come as one command) and whatever else waits beside them (aborts): for the
+    queue's bound and for the loads a router balances by."""
+    import threading
+
+    from service.core.request import RequestError, SamplingParams
+    from service.engine.engine import SyncClient
+    from tests.helpers import before_each_forward
+
+    c = SyncClient(
+        ServerArgs(
+            model=str(tiny_llama_dir), dtype="float32", loop="normal", kv_cache_tokens=400,
+            max_running_requests=1, max_queued_requests=5,
+        ),
+        tiny_llama_dir,
+    )  # fmt: skip
+    entered, go = threading.Event(), threading.Event()
+
+    def hold(fb) -> None:  # the normal loop runs the forward on the scheduler thread: it stops there
+        entered.set()
+        go.wait(30)
+
+    sp = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    try:
+        with before_each_forward(c.engine.worker, hold):
+            c.submit("busy", [5, 6], sp)
+            assert entered.wait(30)
+            c.engine.submit_all([c.engine.build_request(f"n/{i}", [7, 8], sp) for i in range(4)])
+            c.engine.abort("nobody")  # not live: no command
+            c.engine.abort("n/3")
+            assert c.engine.occupancy().queued_requests == 4
+            with pytest.raises(RequestError) as e:  # 4 queued + 2 > 5
+                c.engine.submit_all([c.engine.build_request(f"m/{i}", [7, 8], sp) for i in range(2)])
+            assert e.value.code == "RESOURCE_EXHAUSTED"
+            go.set()
+        for rid in ("busy", "n/0", "n/1", "n/2", "n/3"):
+            c.wait(rid)
+        assert c.engine.occupancy().queued_requests == 0
+    finally:
+        go.set()
+        c.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -81,6 +82,8 @@ class Scheduler:
         # this stream; each batch's `ready` event marks its end.
         self.schedule_stream = self.device.new_stream()
         self.inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox_requests = 0  # requests in the inbox's commands not taken yet (not the aborts, ...)
+        self._inbox_lock = threading.Lock()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # edited in place: the managers share it
         self.reqs: dict[str, Req] = {}
@@ -139,11 +142,18 @@ class Scheduler:
 
     # ---- thread-safe entry points -------------------------------------------------
     def add_request(self, req: Req) -> None:
-        self.inbox.put(("add", req))
+        self.add_requests([req])
 
     def add_requests(self, reqs: list[Req]) -> None:
         """Several requests in one command: admitted in the same scheduler step."""
-        self.inbox.put(("add_all", reqs))
+        with self._inbox_lock:
+            self._inbox_requests += len(reqs)
+            self.inbox.put(("add_all", reqs))
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests sent that have no slot yet: waiting, or still in the inbox (any thread)."""
+        return len(self.waiting) + self._inbox_requests
 
     def abort_request(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
@@ -237,12 +247,16 @@ class Scheduler:
 
     def process_input_requests(self, cmds: list[tuple[str, object]]) -> None:
         for kind, arg in cmds:
-            if kind in ("add", "add_all"):
-                for req in arg if kind == "add_all" else [arg]:  # type: ignore[union-attr]
-                    assert isinstance(req, Req)
-                    self.reqs[req.rid] = req
-                    self.waiting.append(req)
-                    self.features.on_admit(req)
+            if kind == "add_all":
+                assert isinstance(arg, list)
+                try:
+                    for req in arg:
+                        self.reqs[req.rid] = req
+                        self.waiting.append(req)
+                        self.features.on_admit(req)
+                finally:
+                    with self._inbox_lock:  # in the waiting queue now, counted there
+                        self._inbox_requests -= len(arg)
             elif kind == "abort":
                 req = self.reqs.get(arg)  # type: ignore[arg-type]
                 if req is not None:
