@@ -59,9 +59,8 @@ class OutputRouter:
         self.engine: Engine | None = None
         self.finished_by_reason: dict[str, int] = {}
         self.completion_tokens = 0
-        # requests with no output yet (their prompts are the engine's queued work); None: a sample of
-        # n whose prompt another sample prefills (the prefix cache shares it)
-        self.unstarted: dict[str, Req | None] = {}
+        # requests with no output yet: their prompts are the engine's queued work
+        self.unstarted: dict[str, Req] = {}
 
     def sink(self, outputs: list[RequestOutput]) -> None:
         """Scheduler thread: one hop into the event loop per step."""
@@ -85,10 +84,12 @@ class OutputRouter:
         self, rid: str, queue: asyncio.Queue[RequestOutput] | None = None, prefill: Req | None = None
     ) -> asyncio.Queue[RequestOutput]:
         """The queue `rid`'s outputs go to: a new one, or `queue` (shared by the samples of one call).
-        `prefill`: the submitted request whose prompt counts as queued work until its first output."""
+        `prefill`: the submitted request whose prompt counts as queued work until its first output
+        (None for a sample of n whose prompt another sample prefills: the prefix cache shares it)."""
         q: asyncio.Queue[RequestOutput] = asyncio.Queue() if queue is None else queue
         self.queues[rid] = q
-        self.unstarted[rid] = prefill
+        if prefill is not None:
+            self.unstarted[rid] = prefill
         return q
 
     def forget(self, rid: str) -> None:
@@ -103,9 +104,7 @@ class OutputRouter:
         (read off the scheduler's requests: an estimate). SGLang's waiting tokens less their matched
         prefix, plus the rest of a chunked prompt."""
         return sum(
-            max(0, len(r.prompt_ids) - r.kv_len)
-            for r in list(self.unstarted.values())
-            if r is not None and r.finished is None
+            max(0, len(r.prompt_ids) - r.kv_len) for r in self.unstarted.values() if r.finished is None
         )
 
 
@@ -173,7 +172,7 @@ def chat_flags(chat) -> dict[str, bool]:
     the final message is continued."""
     cont = chat.continue_final_message
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
-    return {"add_generation_prompt": add, "continue_final": cont}
+    return {"add_generation_prompt": add, "continue_final_message": cont}
 
 
 class GenerationServicer(pb2_grpc.GenerationServicer):

@@ -31,7 +31,7 @@ import uuid
 import zipfile
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -200,23 +200,6 @@ class OutputLog:
         return lp
 
 
-@dataclass
-class WorkerLoad:
-    running: int
-    waiting: int
-    waiting_uncached_tokens: int
-    used_tokens: int  # KV rows held by requests (cached prefixes nobody uses count as free)
-    total_tokens: int
-    gen_throughput: float
-    cache_hit_rate: float
-    utilization: float
-    max_running: int
-
-    @property
-    def token_usage(self) -> float:
-        return self.used_tokens / self.total_tokens if self.total_tokens else 0.0
-
-
 class RateMeter:
     """Tokens per second over about the last `window_s` seconds, from a running total read at each
     poll (GetLoads); 0.0 until two polls lie `min_span_s` apart (the gateway then assumes its default)."""
@@ -253,8 +236,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self.samples: dict[str, list[str]] = {}  # an n > 1 request's id -> its samples' ids (for Abort)
-        self.starting: set[str] = set()  # request ids being validated (tokenized, grammar compiled)
-        self.aborted_starting: set[str] = set()  # ... of which an Abort came meanwhile
+        # request ids being validated (tokenized, grammar compiled) -> whether an Abort came meanwhile
+        self.starting: dict[str, bool] = {}
         self.throughput = RateMeter()
 
     # ---- Generate ------------------------------------------------------------------
@@ -316,7 +299,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         key = request.request_id
         if key:  # an empty id cannot be aborted
-            self.starting.add(key)
+            self.starting.setdefault(key, False)
         try:
             rid, reqs, log_shape = await asyncio.get_running_loop().run_in_executor(
                 None, self._build, request
@@ -324,7 +307,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for req in reqs:
                 for fut in self.engine.features.pending(req):  # a grammar's errors before admission
                     await asyncio.wrap_future(fut)
-            if key in self.aborted_starting:
+            if self.starting.get(key):
                 raise RequestError("CANCELLED", f"request {rid!r} was aborted before it started")
             self.engine.submit_all(reqs)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -335,8 +318,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         finally:
-            self.starting.discard(key)
-            self.aborted_starting.discard(key)
+            self.starting.pop(key, None)
         if len(reqs) > 1:
             self.samples[rid] = [r.rid for r in reqs]
         return rid, reqs, queue, log_shape
@@ -422,7 +404,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 for sample in samples:
                     self.engine.abort(sample)
             elif not self.engine.abort(rid) and rid in self.starting:  # not submitted yet
-                self.aborted_starting.add(rid)
+                self.starting[rid] = True
         return vllm_engine_pb2.AbortResponse()
 
     # ---- what the contract has and zerogap does not offer: UNIMPLEMENTED, saying why ------------
@@ -478,61 +460,47 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_num_seqs=self.engine.args.max_running_requests,
         )
 
-    def load(self, utilization: bool = True) -> WorkerLoad:
-        """The engine's load now, as GetLoads answers and the KV event stream pushes it (the pushes
-        leave out `utilization`, a pass over the timeline, and report 0 there)."""
+    def engine_load(self, full: bool) -> common_pb2.EngineLoad:
+        """The engine's load now: what GetLoads answers, and the record the KV event stream carries
+        (SMG routes by it between GetLoads polls); `full` adds the telemetry beyond the routing core."""
         o = self.engine.occupancy()
         total = o.kv_pool_total_tokens
-        return WorkerLoad(
-            running=o.running_requests,
-            waiting=o.queued_requests,
-            waiting_uncached_tokens=self.router.queued_prompt_tokens(),  # both services' requests
-            used_tokens=total - o.kv_pool_free_tokens - o.evictable_tokens,  # cached, unused: free
-            total_tokens=total,
-            gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
-            cache_hit_rate=o.prefix_hit_rate,
-            utilization=self.engine.stats().forward_busy_fraction if utilization else 0.0,
-            max_running=self.engine.args.max_running_requests,
-        )
-
-    def engine_load(self, full: bool) -> common_pb2.EngineLoad:
-        """The load record the KV event stream carries (SMG routes by it between GetLoads polls);
-        `full` adds the telemetry beyond the routing core."""
-        w = self.load(utilization=False)
+        used = total - o.kv_pool_free_tokens - o.evictable_tokens  # cached prefixes nobody uses: free
+        usage = used / total if total else 0.0
         record = common_pb2.EngineLoad(
-            running_requests=w.running,
-            waiting_requests=w.waiting,
-            waiting_uncached_tokens=w.waiting_uncached_tokens,
-            token_usage=w.token_usage,
-            active_token_usage=w.token_usage,  # evictable cached prefixes are not counted as used
-            gen_throughput=w.gen_throughput,
-            max_running_requests=w.max_running,
+            running_requests=o.running_requests,
+            waiting_requests=o.queued_requests,
+            waiting_uncached_tokens=self.router.queued_prompt_tokens(),  # both services' requests
+            token_usage=usage,
+            active_token_usage=usage,  # evictable cached prefixes are not counted as used
+            gen_throughput=self.throughput.rate(self.router.completion_tokens, time.monotonic()),
+            max_running_requests=self.engine.args.max_running_requests,
         )
         if full:
-            record.cache_hit_rate = w.cache_hit_rate
-            record.num_used_tokens = w.used_tokens
-            record.max_total_num_tokens = w.total_tokens
-            record.queues.waiting = w.waiting
+            record.cache_hit_rate = o.prefix_hit_rate
+            record.num_used_tokens = used
+            record.max_total_num_tokens = total
+            record.queues.waiting = o.queued_requests
         return record
 
     async def GetLoads(self, request, context):
         loads = []
         if not request.HasField("dp_rank") or request.dp_rank == 0:
-            w = self.load()
+            r = self.engine_load(full=True)
             loads.append(
                 vllm_engine_pb2.SchedulerLoad(
                     dp_rank=0,
-                    num_running_reqs=w.running,
-                    num_waiting_reqs=w.waiting,
-                    num_total_reqs=w.running + w.waiting,
-                    num_used_tokens=w.used_tokens,
-                    max_total_num_tokens=w.total_tokens,
-                    token_usage=w.token_usage,
-                    cache_hit_rate=w.cache_hit_rate,
-                    utilization=w.utilization,
-                    max_running_requests=w.max_running,
-                    gen_throughput=w.gen_throughput,
-                    num_waiting_uncached_tokens=w.waiting_uncached_tokens,
+                    num_running_reqs=r.running_requests,
+                    num_waiting_reqs=r.waiting_requests,
+                    num_total_reqs=r.running_requests + r.waiting_requests,
+                    num_used_tokens=r.num_used_tokens,
+                    max_total_num_tokens=r.max_total_num_tokens,
+                    token_usage=r.token_usage,
+                    cache_hit_rate=r.cache_hit_rate,
+                    utilization=self.engine.timeline.forward_stats()[0],
+                    max_running_requests=r.max_running_requests,
+                    gen_throughput=r.gen_throughput,
+                    num_waiting_uncached_tokens=r.waiting_uncached_tokens,
                 )
             )
         return vllm_engine_pb2.GetLoadsResponse(

@@ -60,13 +60,13 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False
     ) -> str:
         """Apply the model's chat template; raises ValueError for bad roles / no template.
-        `continue_final`: the last message, an assistant's, is left open to be continued."""
-        if continue_final and add_generation_prompt:
+        `continue_final_message`: the last message, an assistant's, is left open to be continued."""
+        if continue_final_message and add_generation_prompt:
             raise ValueError("chat.continue_final_message: not with add_generation_prompt")
-        if continue_final and (not messages or messages[-1]["role"] != "assistant"):
+        if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
             raise ValueError("chat.continue_final_message: the last message must be the assistant's")
         for i, m in enumerate(messages):
             if m["role"] not in CHAT_ROLES:
@@ -75,7 +75,9 @@ class Tokenizer:
                 )
         if not self.has_chat_template:
             raise ValueError("chat: this model has no chat template; send text or token_ids")
-        flags = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
+        flags = dict(
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+        )
         if any(isinstance(m["content"], list) for m in messages):
             return self._render_chat_parts(messages, flags)
         return self.hf.apply_chat_template(messages, tokenize=False, **flags)
@@ -116,9 +118,9 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         max_tokens: int | None = None,
-        continue_final: bool = False,
+        continue_final_message: bool = False,
     ) -> tuple[str, list[int]]:
-        text = self.render_chat(messages, add_generation_prompt, continue_final)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
         # The template already holds the special tokens it wants.
         if max_tokens is None:
             return text, self.encode(text, add_special_tokens=False)

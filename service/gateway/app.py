@@ -235,7 +235,7 @@ class Gateway:
                 request,
                 all_or_none(self.grpc.generate(pr, s, request_id=i, **kw) for i, (pr, s) in zip(ids, work)),
             )
-            echoes = await until_disconnected(request, self._echoes(call))  # the prompts were accepted
+            echoes = await self._echoes(request, call, len(work))  # the prompts were accepted
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         except ZerogapError as e:
@@ -248,7 +248,7 @@ class Gateway:
                 call,
                 p.choice_text(call, d.text, echoes[c]),
                 d.finish_reason,
-                await self._logprobs(call, [d], echo=echoes[c]),
+                await self._logprobs(call, d, echo=echoes[c]),
                 False,
                 index=c,
             )
@@ -264,12 +264,13 @@ class Gateway:
         tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in ends)
         return p.usage(sum(d.prompt_tokens for d in firsts), tokens, sum(d.cached_tokens for d in firsts))
 
-    async def _echoes(self, call: p.Call) -> list[p.Echo | None]:
+    async def _echoes(self, request: Request, call: p.Call, choices: int) -> list[p.Echo | None]:
         """Each choice's `echo` (None without it), worked out once per prompt; called once the
         service has accepted the prompts (so an over-long one is refused before any work here)."""
         if not call.echo:
-            return [None] * (len(call.prompts) * call.n)
-        per_prompt = await asyncio.gather(*(self._echo(call, prompt) for prompt in call.prompts))
+            return [None] * choices
+        work = asyncio.gather(*(self._echo(call, prompt) for prompt in call.prompts))
+        per_prompt = await until_disconnected(request, work)
         return [echo for echo in per_prompt for _ in range(call.n)]
 
     async def _echo(self, call: p.Call, prompt: str | list[int] | Chat) -> p.Echo:
@@ -299,7 +300,7 @@ class Gateway:
         reads: Reads = {}
         try:
             reads = await until_disconnected(request, opened(streams))
-            echoes = await until_disconnected(request, self._echoes(call))  # the prompts were accepted
+            echoes = await self._echoes(request, call, len(streams))  # the prompts were accepted
         except BaseException:
             for fut in reads:
                 fut.cancel()
@@ -329,7 +330,7 @@ class Gateway:
             async with contextlib.aclosing(interleave(streams, reads)) as deltas:
                 async for i, delta in deltas:
                     first_echo = echoes[i] if i not in ends else None  # leads a choice's first delta
-                    lp = await self._logprobs(call, [delta], offsets[i], first_echo)
+                    lp = await self._logprobs(call, delta, offsets[i], first_echo)
                     text = p.choice_text(call, delta.text, first_echo)
                     offsets[i] += len(text)
                     out = p.choice(call, text, delta.finish_reason, lp, True, i not in ends, index=i)
@@ -346,19 +347,17 @@ class Gateway:
                 s.cancel()  # the HTTP client went away (or the streams ended): no-op once done
 
     async def _logprobs(
-        self, call: p.Call, parts: Iterable[Completion | Delta], offset: int = 0, echo: p.Echo | None = None
+        self, call: p.Call, part: Completion | Delta, offset: int = 0, echo: p.Echo | None = None
     ) -> dict | None:
-        """The choice's logprobs over `parts`, after the prompt's with `echo` (its first delta's)."""
+        """The choice's logprobs in `part` (a completion or a delta), after the prompt's with `echo`
+        (a choice's first)."""
         if call.logprobs is None:
             return None
-        entries = []
-        for part in parts:
-            if echo is not None:
-                entries += part.input_logprobs
-            if call.echo:  # every generated token, a stop token too: lm-eval reads them by position
-                entries += [] if call.prompt_only else part.logprobs
-            else:
-                entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
+        entries = list(part.input_logprobs) if echo is not None else []
+        if call.echo:  # every generated token, a stop token too: lm-eval reads them by position
+            entries += [] if call.prompt_only else part.logprobs
+        else:
+            entries += p.content_logprobs(part.logprobs, part.finish_reason, part.matched_stop)
         first = echo.first_token if echo is not None else None
         wanted = p.missing_texts(entries) | ({first} if first is not None else set())
         missing = sorted(wanted - self._texts.keys())

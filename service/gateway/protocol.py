@@ -322,7 +322,7 @@ def parse_chat(
         raise invalid("add_generation_prompt", "must be a boolean")
     if cont and add:
         raise invalid("continue_final_message", "not with add_generation_prompt: true")
-    if cont and body["messages"][-1].get("role") != "assistant":
+    if cont and chat[-1][0] != "assistant":
         raise invalid("continue_final_message", "the last message must be the assistant's")
     return Call(
         "chat",

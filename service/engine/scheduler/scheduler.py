@@ -141,9 +141,6 @@ class Scheduler:
         return self.cache.reserved_tokens
 
     # ---- thread-safe entry points -------------------------------------------------
-    def add_request(self, req: Req) -> None:
-        self.add_requests([req])
-
     def add_requests(self, reqs: list[Req]) -> None:
         """Several requests in one command: admitted in the same scheduler step."""
         with self._inbox_lock:
