@@ -163,17 +163,13 @@ class KvEventPublisher:
             return
         self.sequence += 1
         batch = common_pb2.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), events=events)
-        load = self._load(full=False)
+        # with the telemetry when it is some stream's first record (one read for all of them)
+        load = self._load(full=any(stream.told is None for stream in self._subscribers))
         if load is not None:
             batch.load.CopyFrom(load)
         self.history.append(batch)
-        first = None  # the batch as a stream's first record goes: with the telemetry
         for stream in list(self._subscribers):
-            if stream.told is None and load is not None:
-                first = first or self._with_load(batch, full=True)
-                self._put(stream, first)
-            else:
-                self._put(stream, batch)
+            self._put(stream, batch)
 
     def _put(self, stream: _Stream, batch: common_pb2.KvEventBatch) -> None:
         if stream.queue.qsize() >= MAX_BEHIND:

@@ -312,7 +312,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self.engine.submit_all(reqs)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
             # n samples prefill their shared prompt once (the prefix cache): counted once then
-            shared = not self.engine.args.disable_prefix_cache
+            shared = self.engine.shares_prefixes
             for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue, prefill=req if i == 0 or not shared else None)
         except RequestError as e:

@@ -397,6 +397,11 @@ class Engine:
         """Evict every cached prefix no running request uses (everything when idle); the rows freed."""
         return self.scheduler.flush_prefix_cache().result(timeout)
 
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether cached prompt prefixes are reused (the prefix cache is on), however it was turned off."""
+        return self.scheduler.prefix_cache.enabled
+
     def observe_prefix_cache(self, observer: CacheObserver) -> bool:
         """Tell `observer` every change of what the prefix cache holds (on the scheduler thread, from
         now on); False when the cache is off. Register before serving: the tree is not read here."""

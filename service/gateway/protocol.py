@@ -47,7 +47,7 @@ class Call:
 
     kind: str  # "chat" or "completion"
     model: str
-    prompt: str | list[int] | Chat
+    prompts: tuple[str | list[int] | Chat, ...]  # choice k * n + i is prompt k's sample i (OpenAI's order)
     sampling: Sampling
     logprobs: Logprobs | None
     constraint: Constraint | None
@@ -56,12 +56,11 @@ class Call:
     n: int = 1  # samples: choices 0..n-1
     echo: bool = False  # completions: the prompt before the text (and its logprobs before the output's)
     prompt_only: bool = False  # echo with max_tokens 0: one token is generated and left out
-    batch: tuple[str | list[int], ...] = ()  # completions' prompts when several (`prompt` is the first)
 
     @property
-    def prompts(self) -> list[str | list[int] | Chat]:
-        """The prompts; choice k * n + i is prompt k's sample i (OpenAI's order)."""
-        return list(self.batch) if self.batch else [self.prompt]
+    def prompt(self) -> str | list[int] | Chat:
+        """The first prompt (a chat's only one)."""
+        return self.prompts[0]
 
 
 @dataclass(frozen=True)
@@ -294,7 +293,7 @@ def with_images(call: Call, fetched: Mapping[str, bytes]) -> Call:
         )
         for r, c in call.prompt.messages
     ]
-    return dataclasses.replace(call, prompt=Chat(msgs))
+    return dataclasses.replace(call, prompts=(Chat(msgs),))
 
 
 def parse_chat(
@@ -327,7 +326,7 @@ def parse_chat(
     return Call(
         "chat",
         model,
-        Chat(chat, add_generation_prompt=add, continue_final_message=cont),
+        (Chat(chat, add_generation_prompt=add, continue_final_message=cont),),
         _sampling(body, max_tokens),
         Logprobs(top=top or 0) if want else None,
         _response_format(body),
@@ -353,7 +352,7 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
     return Call(
         "completion",
         model,
-        batch[0],
+        tuple(batch),
         _sampling(body, 1 if max_tokens == 0 else max_tokens),
         None if top is None else Logprobs(top=top, input_from=0 if echo else None),
         _response_format(body),
@@ -362,7 +361,6 @@ def parse_completion(body: Any, default_max_tokens: int | None = COMPLETIONS_DEF
         n,
         echo=echo,
         prompt_only=max_tokens == 0,
-        batch=tuple(batch) if len(batch) > 1 else (),
     )
 
 

@@ -330,15 +330,34 @@ def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
     )
 
 
+@pytest.fixture(scope="module")
+def uncached_stubs(tiny_llama_dir):
+    """A second server with the prefix cache off by `--disable-feature` (not `--disable-prefix-cache`)."""
+    srv = BackgroundServer(
+        ServerArgs(
+            model=str(tiny_llama_dir),
+            port=0,
+            dtype="float32",
+            kv_cache_tokens=4096,
+            max_running_requests=8,
+            disabled_features=["prefix_cache"],
+        )
+    )
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            yield vllm_engine_pb2_grpc.VllmEngineStub(ch), pb2_grpc.GenerationStub(ch)
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("cache", ["prefix-cache", "no-prefix-cache"])
-def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeypatch, cache):
+def test_loads_report_queued_prompt_tokens_and_throughput(request, cache):
     """What SMG's least_load / power_of_two score by: the prompt tokens of the requests sent that
     have not started (8 long requests fill the 8 running slots; a second call's 3 samples wait and
     count their shared prompt once, as the prefix cache prefills it once; without the cache, each
     sample's) and the tokens generated per second between polls; both back to 0 / the rate's decay
     once the requests end."""
-    if cache == "no-prefix-cache":  # how the worker counts (the scheduler's cache stays on here)
-        monkeypatch.setattr(server.engine.args, "disable_prefix_cache", True)
+    vllm, zg = request.getfixturevalue("stubs" if cache == "prefix-cache" else "uncached_stubs")
     other = [1, 3681, 338, 263, 1243, 1058]
 
     def call(rid: str, ids: list[int], n: int) -> threading.Thread:
@@ -366,7 +385,6 @@ def test_loads_report_queued_prompt_tokens_and_throughput(server, stubs, monkeyp
         t.start()
         return t
 
-    vllm, zg = stubs
     threads = [call("busy", PROMPT, 8)]
     try:
         assert wait_until(lambda: load().num_running_reqs == 8, 10)
