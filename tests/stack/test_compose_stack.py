@@ -13,7 +13,10 @@ and talks to it from the host:
 * `down` leaves no container, network or volume of the project;
 * deploy/compose.tls.yml on top: TLS to the LB, mutual TLS between the LB and
   the replicas (a replica refuses a client without a certificate), the gateway
-  over TLS.
+  over TLS;
+* deploy/compose.smg.yml on top (its smg image built too, with v2): SMG in
+  front of worker-a and worker-b, the OpenAI SDK through it, new conversations
+  reaching both workers and later turns finding their history cached.
 
 Compose v2 where no Docker repository supplies it: .ci/compose-v2.sh (Debian
 trixie's package, unpacked beside v1). Base images that no registry supplies are
@@ -36,6 +39,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -161,10 +165,11 @@ class Stack:
     def compose(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         return _run([*self.cmd, *args], timeout, env=self.env, check=check)
 
-    def up(self) -> float:
+    def up(self, *services: str) -> float:
+        """`up -d` of every service, or of `services` and what they depend on."""
         t0 = time.monotonic()
         self.up_done = True
-        self.compose("up", "-d", "--no-build", timeout=UP_TIMEOUT_S)
+        self.compose("up", "-d", "--no-build", *services, timeout=UP_TIMEOUT_S)
         return time.monotonic() - t0
 
     def down(self) -> None:
@@ -462,3 +467,143 @@ def test_tls_stack_gateway_and_down(tls_stack) -> None:
         assert r.choices[0].message.content
     tls_stack.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=180)
     assert tls_stack.leftovers() == []
+
+
+# --------------------------------------------------------------------------
+# deploy/compose.smg.yml: SMG in front of two workers, routing by their prefix caches
+
+SMG_SYSTEM = "You are a terse assistant. Answer in one short sentence and never apologise for anything."
+
+
+def _smg_workers(port: int) -> list[dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/workers", timeout=4) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError):
+        return []
+    return body.get("workers", body) if isinstance(body, dict) else body
+
+
+def _smg_client(port: int):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _smg_answers(port: int) -> bool:
+    """Both workers registered healthy, and a chat answered (the tokenizer comes from a worker)."""
+    if sum(1 for w in _smg_workers(port) if w.get("is_healthy", True)) < 2:
+        return False
+    try:
+        with _smg_client(port) as oai:
+            oai.chat.completions.create(model=oai.models.list().data[0].id, messages=HI, max_tokens=1)
+        return True
+    except Exception:  # noqa: BLE001 - 503 until the tokenizer is loaded
+        return False
+
+
+@pytest.fixture(scope="module")
+def smg_stack(compose_cmd, image, timings):
+    """The override's smg service (its image built here) with worker-a and worker-b it depends on."""
+    port = free_port()
+    s = Stack(
+        compose_cmd,
+        f"zgsmg{os.getpid()}",
+        ["docker-compose.yml", "deploy/compose.smg.yml"],
+        {"ZEROGAP_SMG_PORT": f"127.0.0.1:{port}"},
+    )
+    s.smg_port = port
+    t0 = time.monotonic()
+    s.compose("build", "smg", timeout=BUILD_TIMEOUT_S)
+    _timings["smg image build"] = time.monotonic() - t0
+    try:
+        try:
+            _timings["SMG stack `up -d`"] = s.up("smg")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{s.tail_logs()}") from None
+        ready = wait_until(lambda: _smg_answers(port), 300, 1.0)
+        _timings["SMG stack up to both workers and a chat"] = time.monotonic() - t0
+        assert ready, f"smg did not serve:\n{s.compose('ps').stdout}\n{s.tail_logs()}"
+        yield s
+    finally:
+        s.down()
+
+
+def _prompt_tokens(ip: str) -> int:
+    """What a worker has admitted (the prompt tokens its prefix cache has seen), over gRPC."""
+    with grpc.insecure_channel(f"{ip}:50051") as ch:
+        info = pb2_grpc.GenerationStub(ch).GetServerInfo(pb2.GetServerInfoRequest(), timeout=10)
+    return info.prefix_cache_prompt_tokens
+
+
+def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker(smg_stack) -> None:
+    import jsonschema
+
+    s = smg_stack
+    workers = _smg_workers(s.smg_port)
+    assert {(w["runtime_type"], w["connection_mode"]) for w in workers} == {("vllm", "grpc")}, workers
+    ips = [s.ip(c) for service in ("worker-a", "worker-b") for c in s.containers(service)]
+    assert len(ips) == 2
+    with _smg_client(s.smg_port) as oai:
+        model = oai.models.list().data[0].id
+        r = oai.chat.completions.create(model=model, messages=HI, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content and r.usage.completion_tokens > 0
+        chunks = list(oai.chat.completions.create(model=model, messages=HI, max_tokens=8, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        r = oai.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            max_tokens=48,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON_SCHEMA},
+            },
+        )
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+
+        # Four conversations behind a shared system prompt: the first turns in flight together
+        # (spread over both workers by their loads), then two more turns each, one at a time.
+        history = {
+            c: [
+                {"role": "system", "content": SMG_SYSTEM},
+                {"role": "user", "content": f"Conversation {c}: what should I read next?"},
+            ]
+            for c in range(4)
+        }
+        before = [_prompt_tokens(ip) for ip in ips]
+
+        def first_turn(messages: list[dict]):
+            return oai.chat.completions.create(
+                model=model, messages=messages, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+            )
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(first_turn, history.values()))
+        reached = [_prompt_tokens(ip) > b for ip, b in zip(ips, before)]
+        assert all(reached), f"the first turns went to one worker only: {reached}"
+        last = {c: reply.usage.prompt_tokens for c, reply in zip(history, replies)}
+        for c, reply in zip(history, replies):
+            history[c].append({"role": "assistant", "content": reply.choices[0].message.content})
+        whole, turns = 0, 0
+        for turn in (1, 2):
+            for c, messages in history.items():
+                messages.append(
+                    {"role": "user", "content": f"Conversation {c}, question {turn}: tell me more."}
+                )
+                reply = oai.chat.completions.create(
+                    model=model, messages=messages, max_tokens=6, temperature=0
+                )
+                turns += 1
+                whole += reply.usage.prompt_tokens_details.cached_tokens >= last[c]  # its worker has it all
+                last[c] = reply.usage.prompt_tokens
+                messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        assert whole >= turns - 1, f"{whole} of {turns} later turns found their previous prompt cached"
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.smg_port}/get_loads", timeout=10) as r:
+        loads = json.loads(r.read())["loads"]
+    assert len(loads) == 2, loads  # each worker's load (pushed on its KV event stream)
+
+
+def test_smg_stack_down_leaves_nothing(smg_stack) -> None:
+    smg_stack.compose("down", "-v", "--remove-orphans", "--timeout", "10", timeout=180)
+    assert smg_stack.leftovers() == []
