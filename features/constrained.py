@@ -50,6 +50,9 @@ MASK_WAIT_S = 120.0  # a forward never waits forever for a mask
 MODES = ("strict", "lenient")
 MAX_PREPARED = 256  # prepared constraints kept (LRU)
 MAX_LISTED_ISSUES = 5  # in a strict-mode refusal
+# Whitespace characters allowed at each place JSON inside a structural tag may have some (xgrammar's
+# default is any number: a model can then run to max_tokens in blanks). One keeps `": "` and `", "`.
+TAG_JSON_MAX_WHITESPACE = 1
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,10 @@ def _prepare_structural_tag(text: str, mode: str) -> Prepared:
                 raise RequestError(e.code, e.message.replace("enforce /", f"enforce {where}/", 1)) from None
             rewrites.extend(SchemaIssue(where + i.pointer, i.keyword, i.message) for i in rw)
             relaxed.extend(SchemaIssue(where + i.pointer, i.keyword, i.message) for i in rel)
-            return {**node, "json_schema": backend_schema}
+            out = {**node, "json_schema": backend_schema}
+            if out.get("style", "json") == "json":  # bounded whitespace, unless the tag sets its own
+                out.setdefault("max_whitespace_cnt", TAG_JSON_MAX_WHITESPACE)
+            return out
         out = {k: visit(v, js.ptr(at, k)) for k, v in node.items()}
         content = node.get("content")
         if (

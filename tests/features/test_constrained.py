@@ -493,6 +493,27 @@ def test_structural_tag_tool_call_parts_validate(client, hf_tokenizer):
         jsonschema.validate(json.loads(calls[0]), TOOL_CALL)
 
 
+def test_json_in_a_structural_tag_has_bounded_whitespace():
+    """xgrammar lets JSON in a tag have any run of blanks (a model may fill max_tokens with them,
+    as a random one did behind SMG's mistral tool tag): one character per place, unless the tag
+    sets its own bound; the client's schema is untouched for the output check."""
+    import xgrammar as xgr
+
+    from features.constrained import ConstraintSpec, prepare
+
+    def accepts(tag: dict, text: str) -> bool:
+        backend = prepare(ConstraintSpec("structural_tag", json.dumps(tag)), "strict").backend_text
+        return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_structural_tag(backend), text)
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    assert accepts(TOOL_TAG, call)
+    assert accepts(TOOL_TAG, call.replace(" ", ""))
+    assert not accepts(TOOL_TAG, call.replace('": ', '":   '))
+    own = json.loads(json.dumps(TOOL_TAG))
+    own["format"]["tags"][0]["content"]["max_whitespace_cnt"] = 4
+    assert accepts(own, call.replace('": ', '":   '))
+
+
 def test_grpc_constraint_result_and_modes(stub):
     schema = json.dumps(
         {

@@ -85,9 +85,11 @@ class Replica:
 
 
 class Gateway:
-    def __init__(self, replicas: list[Replica], model_dir: Path, tmp: Path, policy: str = "cache_aware"):
+    def __init__(
+        self, replicas: list[Replica], model_dir: Path, tmp: Path, policy: str = "cache_aware", *extra: str
+    ):
         self.port, self.metrics_port = free_port(), free_port()
-        self.log_path = tmp / f"smg-{policy}.log"
+        self.log_path = tmp / f"smg-{policy}{''.join(extra)}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
@@ -96,7 +98,7 @@ class Gateway:
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
              "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
-             "--balance-abs-threshold", "1", "--log-level", "warn"],
+             "--balance-abs-threshold", "1", "--log-level", "warn", *extra],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         log.close()
@@ -216,6 +218,66 @@ def test_openai_sdk_through_smg(stack):
         for choice in c.choices:
             streamed[choice.index] += choice.delta.content or ""
     assert streamed == texts
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", ["none", "mistral"])
+def test_tool_calls_through_smg(stack, tmp_path, parser):
+    """SMG turns tool_choice required / a named function into a constraint on the worker: a JSON
+    schema (the array of calls, or the named function's parameters), or with a tool-call parser
+    that has one (mistral here) a structural tag; it parses the calls out of the constrained
+    output, plain and streamed."""
+    import jsonschema
+
+    gateway, replicas, model = stack
+    if parser != "none":
+        gateway = Gateway(
+            replicas, Path(replicas[0].model_dir), tmp_path, "cache_aware", "--tool-call-parser", parser
+        )
+    try:
+        if parser != "none":
+            gateway.wait_ready(2)
+        client = gateway.client()
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice in ("required", named):
+            reply = chat(client, model, messages, tools=TOOLS, tool_choice=choice, max_tokens=120)
+            calls = [
+                (c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls or []
+            ]
+            # after a tag, free text may follow (a random model does not stop): then "length"
+            ends = ("tool_calls",) if parser == "none" else ("tool_calls", "length")
+            assert calls and reply.choices[0].finish_reason in ends, reply.choices[0]
+            for name, arguments in calls:
+                jsonschema.validate(json.loads(arguments), schemas[name])
+            if choice is named:
+                assert {name for name, _ in calls} == {"get_weather"}
+            streamed: dict[int, list[str]] = {}
+            for chunk in chat(
+                client, model, messages, tools=TOOLS, tool_choice=choice, max_tokens=120, stream=True
+            ):
+                for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    part = streamed.setdefault(call.index, ["", ""])
+                    part[0] += (call.function and call.function.name) or ""
+                    part[1] += (call.function and call.function.arguments) or ""
+            assert [tuple(v) for _, v in sorted(streamed.items())] == calls
+    finally:
+        if parser != "none":
+            gateway.stop()
 
 
 def conversations(gateway: Gateway, replicas: list[Replica], model: str, n: int = 8, turns: int = 4):
