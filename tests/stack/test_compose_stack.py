@@ -320,8 +320,24 @@ def test_generate_and_stream_reach_both_replicas(stack) -> None:
     )
 
 
-def test_openai_sdk_through_the_gateway(stack) -> None:
+def _person_as_json(oai, model: str) -> None:
+    """A response_format json_schema answer through an OpenAI endpoint, valid against its schema."""
     import jsonschema
+
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=48,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+        },
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+
+
+def test_openai_sdk_through_the_gateway(stack) -> None:
     import openai
 
     with openai.OpenAI(
@@ -341,17 +357,7 @@ def test_openai_sdk_through_the_gateway(stack) -> None:
         )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert len(chunks) > 2 and text == r.choices[0].message.content
-        r = oai.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Describe a person as JSON."}],
-            max_tokens=48,
-            temperature=0,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
-            },
-        )
-        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+        _person_as_json(oai, model)
 
 
 def test_stopping_one_replica_keeps_calls_succeeding(stack) -> None:
@@ -537,8 +543,6 @@ def _prompt_tokens(ip: str) -> int:
 
 
 def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker(smg_stack) -> None:
-    import jsonschema
-
     s = smg_stack
     workers = _smg_workers(s.smg_port)
     assert {(w["runtime_type"], w["connection_mode"]) for w in workers} == {("vllm", "grpc")}, workers
@@ -550,17 +554,7 @@ def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
         chunks = list(oai.chat.completions.create(model=model, messages=HI, max_tokens=8, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        r = oai.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Describe a person as JSON."}],
-            max_tokens=48,
-            temperature=0,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "person", "schema": PERSON_SCHEMA},
-            },
-        )
-        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+        _person_as_json(oai, model)
 
         # Four conversations behind a shared system prompt: the first turns in flight together
         # (spread over both workers by their loads), then two more turns each, one at a time.
