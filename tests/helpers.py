@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import time
@@ -24,6 +25,26 @@ PERSON_SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+
+
+def person_as_json(oai, model: str) -> dict:
+    """A response_format json_schema answer through an OpenAI endpoint (an `openai.OpenAI`), checked
+    against PERSON_SCHEMA; the parsed object."""
+    import jsonschema
+
+    r = oai.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=48,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+        },
+    )
+    person = json.loads(r.choices[0].message.content)
+    jsonschema.validate(person, PERSON_SCHEMA)
+    return person
 
 
 NEEDS = "needs "  # how a missing tool's skip reason starts: conftest's summary lists one line per tool group

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import jsonschema
 import openai
 import pydantic
 import pytest
@@ -26,7 +25,7 @@ from service.gateway import protocol
 from service.gateway.app import Gateway, GatewayConfig
 from service.gateway.errors import APIError
 from service.server import BackgroundServer
-from tests.helpers import PERSON_SCHEMA, kv_idle, need_tools, wait_until
+from tests.helpers import kv_idle, need_tools, person_as_json, wait_until
 from zerogap.client import GREEDY, Chat, Client, Delta, Logprobs, ZerogapError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -330,17 +329,7 @@ def test_logit_bias(oai, model, zg):
 
 
 def test_json_schema_and_json_object_response_formats(oai, model):
-    r = oai.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Describe a person as JSON."}],
-        max_tokens=48,
-        temperature=0,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
-        },
-    )
-    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
+    person_as_json(oai, model)
 
     class Person(pydantic.BaseModel):
         name: str = pydantic.Field(max_length=12)

@@ -47,7 +47,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service import healthcheck
-from tests.helpers import PERSON_SCHEMA, free_port, wait_until
+from tests.helpers import free_port, person_as_json, wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
@@ -320,23 +320,6 @@ def test_generate_and_stream_reach_both_replicas(stack) -> None:
     )
 
 
-def _person_as_json(oai, model: str) -> None:
-    """A response_format json_schema answer through an OpenAI endpoint, valid against its schema."""
-    import jsonschema
-
-    r = oai.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Describe a person as JSON."}],
-        max_tokens=48,
-        temperature=0,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
-        },
-    )
-    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
-
-
 def test_openai_sdk_through_the_gateway(stack) -> None:
     import openai
 
@@ -357,7 +340,7 @@ def test_openai_sdk_through_the_gateway(stack) -> None:
         )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert len(chunks) > 2 and text == r.choices[0].message.content
-        _person_as_json(oai, model)
+        person_as_json(oai, model)
 
 
 def test_stopping_one_replica_keeps_calls_succeeding(stack) -> None:
@@ -554,7 +537,7 @@ def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
         chunks = list(oai.chat.completions.create(model=model, messages=HI, max_tokens=8, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        _person_as_json(oai, model)
+        person_as_json(oai, model)
 
         # Four conversations behind a shared system prompt: the first turns in flight together
         # (spread over both workers by their loads), then two more turns each, one at a time.
