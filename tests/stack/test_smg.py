@@ -76,12 +76,15 @@ class Replica:
     def prompt_tokens(self) -> int:
         return self.info().prefix_cache_prompt_tokens
 
-    def kill(self) -> None:
+    def kill(self, sig: int = signal.SIGKILL, timeout: float = 10) -> int | None:
+        """Send `sig` and wait for the exit (its code; None when it had already exited)."""
+        code = None
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+            self.proc.send_signal(sig)
+            code = self.proc.wait(timeout)
         if self.channel is not None:
             self.channel.close()
+        return code
 
 
 class Gateway:
@@ -375,29 +378,30 @@ def test_the_gateway_routes_by_the_loads_the_replicas_push(stack):
     assert wait_until(lambda: polls("skipped_fresh_push") > 0, 15, 0.5), "the gateway still polls"
 
 
+def streaming_load(client, model: str, results: list, stop: threading.Event, i: int) -> None:
+    """Streamed chats one after another until `stop`: (start time, "ok" | the error's class)."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            stream = chat(client, model, [{"role": "user", "content": f"load {i} {t0}"}], max_tokens=48,
+                          stream=True)  # fmt: skip
+            for _ in stream:
+                pass
+            results.append((t0, "ok"))
+        except Exception as e:  # noqa: BLE001 - the kind of failure is what is checked
+            results.append((t0, type(e).__name__))
+            time.sleep(0.2)
+
+
 def test_a_killed_replica_is_routed_around_and_used_again_once_restarted(stack):
     gateway, replicas, model = stack
     client = gateway.client()
     victim, survivor = replicas
     results: list[tuple[float, str]] = []  # (start time, "ok" | error class)
     stop = threading.Event()
-
-    def load(i: int) -> None:
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                stream = chat(client, model, [{"role": "user", "content": f"load {i} {t0}"}], max_tokens=48,
-                              stream=True)  # fmt: skip
-                for _ in stream:
-                    pass
-                results.append((t0, "ok"))
-            except Exception as e:  # noqa: BLE001 - the kind of failure is what is checked
-                results.append((t0, type(e).__name__))
-                time.sleep(0.2)
-
     with ThreadPoolExecutor(4) as pool:
         for i in range(4):
-            pool.submit(load, i)
+            pool.submit(streaming_load, client, model, results, stop, i)
         assert wait_until(lambda: len(results) >= 4, 60, 0.05)
         killed_at = time.monotonic()
         victim.kill()
@@ -422,3 +426,30 @@ def test_a_killed_replica_is_routed_around_and_used_again_once_restarted(stack):
 
     assert wait_until(reached, 60, 0.1), "the restarted replica gets no requests"
     assert survivor.prompt_tokens() > 0
+
+
+def test_a_replica_drained_under_load_fails_no_request(stack):
+    """A rolling restart: SIGTERM drains a replica (in-flight requests finish, new ones get
+    UNAVAILABLE, which SMG retries on the other replica): no request fails, and the replica exits 0."""
+    gateway, replicas, model = stack
+    client = gateway.client()
+    victim = replicas[0]
+    results: list[tuple[float, str]] = []
+    stop = threading.Event()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for i in range(4):
+                pool.submit(streaming_load, client, model, results, stop, i)
+            assert wait_until(lambda: len(results) >= 4, 60, 0.05)
+            drained_at = time.monotonic()
+            assert victim.kill(signal.SIGTERM, timeout=60) == 0, victim.log_path.read_text()[-3000:]
+            assert wait_until(lambda: sum(1 for t, _ in results if t > drained_at) >= 8, 60, 0.05)
+            stop.set()
+        failed = [r for _, r in results if r != "ok"]
+        print(f"{len(results)} requests under load, {len(failed)} failed across the drain")
+        assert failed == [], failed
+        assert "shutting down" in victim.log_path.read_text()
+    finally:
+        stop.set()
+        victim.start()
+        victim.wait_ready()
