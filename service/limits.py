@@ -7,6 +7,7 @@ features/grammar_backend.py, prompt length against the context in the tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,27 +31,33 @@ class InputLimits:
         )
 
     def check(self, request: Any) -> None:
-        """Raise RequestError(INVALID_ARGUMENT) for the first field beyond its limit."""
-        rid = len(request.request_id.encode("utf-8", "surrogatepass"))
+        """zerogap.v1: raise RequestError(INVALID_ARGUMENT) for the first field beyond its limit."""
+        sp = request.sampling
+        self.check_fields(request.request_id, sp.stop, sp.stop_token_ids, "sampling")
+
+    def check_fields(
+        self, request_id: str, stop: Sequence[str], stop_token_ids: Sequence[int], sampling: str
+    ) -> None:
+        """The same bounds for any contract; `sampling` names its sampling message in the error."""
+        rid = len(request_id.encode("utf-8", "surrogatepass"))
         if rid > self.max_request_id_bytes:
             raise _over("request_id", f"{rid} bytes", self.max_request_id_bytes, "--max-request-id-bytes")
-        sp = request.sampling
-        if len(sp.stop) > self.max_stop_strings:
+        if len(stop) > self.max_stop_strings:
             raise _over(
-                "sampling.stop", f"{len(sp.stop)} strings", self.max_stop_strings, "--max-stop-strings"
+                f"{sampling}.stop", f"{len(stop)} strings", self.max_stop_strings, "--max-stop-strings"
             )
-        longest = max((len(s.encode("utf-8", "surrogatepass")) for s in sp.stop), default=0)
+        longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stop), default=0)
         if longest > self.max_stop_string_bytes:
             raise _over(
-                "sampling.stop",
+                f"{sampling}.stop",
                 f"a string of {longest} bytes",
                 self.max_stop_string_bytes,
                 "--max-stop-string-bytes",
             )
-        if len(sp.stop_token_ids) > self.max_stop_token_ids:
+        if len(stop_token_ids) > self.max_stop_token_ids:
             raise _over(
-                "sampling.stop_token_ids",
-                f"{len(sp.stop_token_ids)} ids",
+                f"{sampling}.stop_token_ids",
+                f"{len(stop_token_ids)} ids",
                 self.max_stop_token_ids,
                 "--max-stop-token-ids",
             )

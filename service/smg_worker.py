@@ -52,6 +52,7 @@ from service.core.request import (
 )
 from service.engine.engine import Engine
 from service.kv_events import BLOCK_SIZE, KvEventPublisher, Unavailable
+from service.limits import InputLimits
 from service.tokenizer import InputTooLong
 
 log = logging.getLogger("zerogap.smg_worker")
@@ -232,6 +233,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.model_path = model_path
         self.draining = draining
         self.kv_events = kv_events
+        self.limits = InputLimits.from_args(engine.args)  # the bounds zerogap.v1 keeps, same flags
         self.started = time.time()
         self.last_receive = 0.0
         self._tokenizer_zip: tuple[bytes, str] | None = None
@@ -244,6 +246,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def _build(self, request: Any) -> tuple[str, list[Req], OutputLog]:
         """Worker thread: the request's id, its validated Reqs (one per sample of `n`: "id/i" when
         n > 1) and their logprob shape."""
+        sp = request.sampling_params
+        self.limits.check_fields(request.request_id, sp.stop, sp.stop_token_ids, "sampling_params")
         check_supported(request)
         which = request.WhichOneof("input")
         if which == "tokenized":
@@ -255,7 +259,6 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise RequestError("OUT_OF_RANGE", f"text: does not fit the context length: {e}") from None
         else:
             raise RequestError("INVALID_ARGUMENT", "input: set tokenized or text")
-        sp = request.sampling_params
         if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens > 0:
             ids = ids[-sp.truncate_prompt_tokens :]
         features: dict[str, Any] = {}

@@ -164,6 +164,10 @@ def test_logprobs_output_and_prompt(stubs):
         ({"sampling_params": sampling(max_tokens=600)}, grpc.StatusCode.OUT_OF_RANGE),
         ({"tokenized": vpb.TokenizedInput(input_ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"sampling_params": sampling(regex="(")}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"sampling_params": sampling(stop=[f"s{i}" for i in range(17)])}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"sampling_params": sampling(stop=["x" * 257])}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"sampling_params": sampling(stop_token_ids=list(range(65)))}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"request_id": "r" * 257}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
     ids=[
         "n_over_cap",
@@ -175,6 +179,10 @@ def test_logprobs_output_and_prompt(stubs):
         "too_long",
         "bad_token",
         "bad_regex",
+        "stop_strings_over_limit",
+        "stop_string_over_limit",
+        "stop_ids_over_limit",
+        "request_id_over_limit",
     ],
 )
 def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
