@@ -190,10 +190,8 @@ def _prepare_structural_tag(text: str, mode: str) -> Prepared:
                 raise RequestError(e.code, e.message.replace("enforce /", f"enforce {where}/", 1)) from None
             rewrites.extend(SchemaIssue(where + i.pointer, i.keyword, i.message) for i in rw)
             relaxed.extend(SchemaIssue(where + i.pointer, i.keyword, i.message) for i in rel)
-            out = {**node, "json_schema": backend_schema}
-            if out.get("style", "json") == "json":  # bounded whitespace, unless the tag sets its own
-                out.setdefault("max_whitespace_cnt", TAG_JSON_MAX_WHITESPACE)
-            return out
+            # bounded whitespace (every style: json, qwen_xml, ...), unless the tag sets its own
+            return {"max_whitespace_cnt": TAG_JSON_MAX_WHITESPACE, **node, "json_schema": backend_schema}
         out = {k: visit(v, js.ptr(at, k)) for k, v in node.items()}
         content = node.get("content")
         if (

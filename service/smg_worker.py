@@ -314,8 +314,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise RequestError("CANCELLED", f"request {rid!r} was aborted before it started")
             self.engine.submit_all(reqs)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            # n samples prefill their shared prompt once (the prefix cache): counted once then
-            shared = self.engine.shares_prefixes
+            # n samples prefill their shared prompt once (the prefix cache): counted once then, unless
+            # a feature keeps them from taking it from the cache (prompt logprobs)
+            shared = self.engine.shares_prefixes and self.engine.features.max_cached_prefix(reqs[0]) is None
             for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue, prefill=req if i == 0 or not shared else None)
         except RequestError as e:

@@ -494,9 +494,9 @@ def test_structural_tag_tool_call_parts_validate(client, hf_tokenizer):
 
 
 def test_json_in_a_structural_tag_has_bounded_whitespace():
-    """xgrammar lets JSON in a tag have any run of blanks (a model may fill max_tokens with them,
-    as a random one did behind SMG's mistral tool tag): one character per place, unless the tag
-    sets its own bound; the client's schema is untouched for the output check."""
+    """xgrammar lets JSON (or qwen_xml) in a tag have any run of blanks (a model may fill max_tokens
+    with them, as a random one did behind SMG's mistral tool tag): one character per place, unless
+    the tag sets its own bound."""
     import xgrammar as xgr
 
     from features.constrained import ConstraintSpec, prepare
@@ -512,6 +512,22 @@ def test_json_in_a_structural_tag_has_bounded_whitespace():
     own = json.loads(json.dumps(TOOL_TAG))
     own["format"]["tags"][0]["content"]["max_whitespace_cnt"] = 4
     assert accepts(own, call.replace('": ', '":   '))
+    xml = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "content": {
+                "type": "json_schema",
+                "style": "qwen_xml",
+                "json_schema": TOOL_CALL["properties"]["arguments"],
+            },
+            "end": "</call>",
+        },
+    }
+    params = "<parameter=city>\nParis\n</parameter><parameter=unit>\ncelsius\n</parameter>"
+    assert accepts(xml, f"<call>{params}</call>")
+    assert not accepts(xml, f"<call>   {params}</call>")
 
 
 def test_grpc_constraint_result_and_modes(stub):

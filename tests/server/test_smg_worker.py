@@ -164,10 +164,6 @@ def test_logprobs_output_and_prompt(stubs):
         ({"sampling_params": sampling(max_tokens=600)}, grpc.StatusCode.OUT_OF_RANGE),
         ({"tokenized": vpb.TokenizedInput(input_ids=[10**6])}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"sampling_params": sampling(regex="(")}, grpc.StatusCode.INVALID_ARGUMENT),
-        ({"sampling_params": sampling(stop=[f"s{i}" for i in range(17)])}, grpc.StatusCode.INVALID_ARGUMENT),
-        ({"sampling_params": sampling(stop=["x" * 257])}, grpc.StatusCode.INVALID_ARGUMENT),
-        ({"sampling_params": sampling(stop_token_ids=list(range(65)))}, grpc.StatusCode.INVALID_ARGUMENT),
-        ({"request_id": "r" * 257}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
     ids=[
         "n_over_cap",
@@ -179,10 +175,6 @@ def test_logprobs_output_and_prompt(stubs):
         "too_long",
         "bad_token",
         "bad_regex",
-        "stop_strings_over_limit",
-        "stop_string_over_limit",
-        "stop_ids_over_limit",
-        "request_id_over_limit",
     ],
 )
 def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
@@ -192,6 +184,34 @@ def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
     with pytest.raises(grpc.RpcError) as e:
         list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=30))
     assert e.value.code() == code, e.value.details()
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        (
+            {"sampling_params": sampling(stop=[f"s{i}" for i in range(17)])},
+            "sampling_params.stop: 17 strings",
+        ),
+        ({"sampling_params": sampling(stop=["x" * 257])}, "sampling_params.stop: a string of 257 bytes"),
+        (
+            {"sampling_params": sampling(stop_token_ids=list(range(65)))},
+            "sampling_params.stop_token_ids: 65 ids",
+        ),
+        ({"request_id": "r" * 257}, "request_id: 257 bytes"),
+    ],
+    ids=["stop_strings", "stop_string_bytes", "stop_token_ids", "request_id"],
+)
+def test_zerogap_v1_input_bounds_hold_here_too(stubs, fields, named):
+    """A client could send thousands of long stop strings here, checked against every token."""
+    vllm, _ = stubs
+    fields.setdefault("tokenized", vpb.TokenizedInput(input_ids=PROMPT))
+    fields.setdefault("sampling_params", sampling())
+    with pytest.raises(grpc.RpcError) as e:
+        list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.value.details(), (
+        e.value.details()
+    )
 
 
 def test_n_samples_each_with_its_index(server, stubs):
@@ -338,7 +358,7 @@ def test_loads_flush_and_tokenizer(server, stubs, tiny_llama_dir):
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def uncached_stubs(tiny_llama_dir):
     """A second server with the prefix cache off by `--disable-feature` (not `--disable-prefix-cache`)."""
     srv = BackgroundServer(
@@ -358,21 +378,22 @@ def uncached_stubs(tiny_llama_dir):
         srv.stop()
 
 
-@pytest.mark.parametrize("cache", ["prefix-cache", "no-prefix-cache"])
+@pytest.mark.parametrize("cache", ["prefix-cache", "no-prefix-cache", "prompt-logprobs"])
 def test_loads_report_queued_prompt_tokens_and_throughput(request, cache):
     """What SMG's least_load / power_of_two score by: the prompt tokens of the requests sent that
     have not started (8 long requests fill the 8 running slots; a second call's 3 samples wait and
-    count their shared prompt once, as the prefix cache prefills it once; without the cache, each
-    sample's) and the tokens generated per second between polls; both back to 0 / the rate's decay
-    once the requests end."""
-    vllm, zg = request.getfixturevalue("stubs" if cache == "prefix-cache" else "uncached_stubs")
+    count their shared prompt once, as the prefix cache prefills it once; without the cache, or
+    with prompt logprobs, which take nothing from it, each sample's) and the tokens generated per
+    second between polls; both back to 0 / the rate's decay once the requests end."""
+    vllm, zg = request.getfixturevalue("uncached_stubs" if cache == "no-prefix-cache" else "stubs")
     other = [1, 3681, 338, 263, 1243, 1058]
+    each = 1 if cache == "prefix-cache" else 3  # the samples whose prompt counts
 
-    def call(rid: str, ids: list[int], n: int) -> threading.Thread:
+    def call(rid: str, ids: list[int], n: int, **kw) -> threading.Thread:
         req = vpb.GenerateRequest(
             request_id=rid,
             tokenized=vpb.TokenizedInput(input_ids=ids),
-            sampling_params=sampling(max_tokens=200, ignore_eos=True, n=n),
+            sampling_params=sampling(max_tokens=200, ignore_eos=True, n=n, **kw),
             stream=True,
         )
         t = threading.Thread(target=lambda: list(vllm.Generate(req, timeout=60)))
@@ -396,12 +417,14 @@ def test_loads_report_queued_prompt_tokens_and_throughput(request, cache):
     threads = [call("busy", PROMPT, 8)]
     try:
         assert wait_until(lambda: load().num_running_reqs == 8, 10)
-        threads.append(call("queued", other, 3))
+        threads.append(
+            call("queued", other, 3, **({"prompt_logprobs": 1} if cache == "prompt-logprobs" else {}))
+        )
         assert wait_until(lambda: load().num_waiting_reqs == 3, 10)
-        assert load().num_waiting_uncached_tokens == len(other) * (1 if cache == "prefix-cache" else 3)
+        assert load().num_waiting_uncached_tokens == len(other) * each
         threads.append(zerogap_call())
         assert wait_until(lambda: load().num_waiting_reqs == 4, 10)
-        assert load().num_waiting_uncached_tokens == len(other) * (1 if cache == "prefix-cache" else 3) + 4
+        assert load().num_waiting_uncached_tokens == len(other) * each + 4
         time.sleep(0.6)
         assert load().gen_throughput > 0
     finally:

@@ -14,7 +14,7 @@ and talks to it from the host:
 * deploy/compose.tls.yml on top: TLS to the LB, mutual TLS between the LB and
   the replicas (a replica refuses a client without a certificate), the gateway
   over TLS;
-* deploy/compose.smg.yml on top (its smg image built too, with v2): SMG in
+* deploy/compose.smg.yml on top (its smg image built too; v2 where there is one): SMG in
   front of worker-a and worker-b, the OpenAI SDK through it, new conversations
   reaching both workers and later turns finding their history cached.
 
@@ -539,14 +539,14 @@ def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         person_as_json(oai, model)
 
-        # Four conversations behind a shared system prompt: the first turns in flight together
+        # Eight conversations behind a shared system prompt: the first turns in flight together
         # (spread over both workers by their loads), then two more turns each, one at a time.
         history = {
             c: [
                 {"role": "system", "content": SMG_SYSTEM},
                 {"role": "user", "content": f"Conversation {c}: what should I read next?"},
             ]
-            for c in range(4)
+            for c in range(8)
         }
         before = [_prompt_tokens(ip) for ip in ips]
 
@@ -555,7 +555,7 @@ def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker
                 model=model, messages=messages, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
             )
 
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(first_turn, history.values()))
         reached = [_prompt_tokens(ip) > b for ip, b in zip(ips, before)]
         assert all(reached), f"the first turns went to one worker only: {reached}"
@@ -563,7 +563,7 @@ def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker
         for c, reply in zip(history, replies):
             history[c].append({"role": "assistant", "content": reply.choices[0].message.content})
         whole, turns = 0, 0
-        for turn in (1, 2):
+        for turn in (1, 2):  # sixteen later turns
             for c, messages in history.items():
                 messages.append(
                     {"role": "user", "content": f"Conversation {c}, question {turn}: tell me more."}
@@ -578,7 +578,7 @@ def test_smg_stack_serves_the_openai_api_and_keeps_conversations_on_their_worker
         assert whole >= turns - 1, f"{whole} of {turns} later turns found their previous prompt cached"
     with urllib.request.urlopen(f"http://127.0.0.1:{s.smg_port}/get_loads", timeout=10) as r:
         loads = json.loads(r.read())["loads"]
-    assert len(loads) == 2, loads  # each worker's load (pushed on its KV event stream)
+    assert len(loads) == 2, loads  # each worker's load
 
 
 def test_smg_stack_down_leaves_nothing(smg_stack) -> None:

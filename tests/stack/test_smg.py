@@ -4,6 +4,7 @@ with the official OpenAI SDK: the API's fields, cache-aware routing of multi-tur
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,11 +79,17 @@ class Replica:
         return self.info().prefix_cache_prompt_tokens
 
     def kill(self, sig: int = signal.SIGKILL, timeout: float = 10) -> int | None:
-        """Send `sig` and wait for the exit (its code; None when it had already exited)."""
+        """Send `sig` and wait for the exit (its code; None when it had already exited). One that
+        outlives `timeout` is killed (its port freed for a restart) and the test fails."""
         code = None
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
-            code = self.proc.wait(timeout)
+            try:
+                code = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                raise AssertionError(f"{self.name} did not exit within {timeout} s of signal {sig}") from None
         if self.channel is not None:
             self.channel.close()
         return code
@@ -378,6 +386,23 @@ def test_the_gateway_routes_by_the_loads_the_replicas_push(stack):
     assert wait_until(lambda: polls("skipped_fresh_push") > 0, 15, 0.5), "the gateway still polls"
 
 
+@contextlib.contextmanager
+def under_streaming_load(client, model: str, threads: int = 4) -> Iterator[list[tuple[float, str]]]:
+    """`threads` clients streaming chats one after another; yields their results, (start time,
+    "ok" | the error's class), as they come. They stop (each after its request) however the block
+    ends, so a failing assertion inside does not leave the pool waiting for ever."""
+    results: list[tuple[float, str]] = []
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(threads)
+    try:
+        for i in range(threads):
+            pool.submit(streaming_load, client, model, results, stop, i)
+        yield results
+    finally:
+        stop.set()
+        pool.shutdown(wait=True)
+
+
 def streaming_load(client, model: str, results: list, stop: threading.Event, i: int) -> None:
     """Streamed chats one after another until `stop`: (start time, "ok" | the error's class)."""
     while not stop.is_set():
@@ -397,16 +422,11 @@ def test_a_killed_replica_is_routed_around_and_used_again_once_restarted(stack):
     gateway, replicas, model = stack
     client = gateway.client()
     victim, survivor = replicas
-    results: list[tuple[float, str]] = []  # (start time, "ok" | error class)
-    stop = threading.Event()
-    with ThreadPoolExecutor(4) as pool:
-        for i in range(4):
-            pool.submit(streaming_load, client, model, results, stop, i)
+    with under_streaming_load(client, model) as results:
         assert wait_until(lambda: len(results) >= 4, 60, 0.05)
         killed_at = time.monotonic()
         victim.kill()
         assert wait_until(lambda: sum(1 for t, _ in results if t > killed_at + 3) >= 8, 60, 0.05)
-        stop.set()
     after = [r for t, r in results if t > killed_at + 3]
     print(f"{len(results)} requests under load, failed: {[r for _, r in results if r != 'ok']}")
     failed = [r for _, r in results if r != "ok"]
@@ -434,22 +454,17 @@ def test_a_replica_drained_under_load_fails_no_request(stack):
     gateway, replicas, model = stack
     client = gateway.client()
     victim = replicas[0]
-    results: list[tuple[float, str]] = []
-    stop = threading.Event()
     try:
-        with ThreadPoolExecutor(4) as pool:
-            for i in range(4):
-                pool.submit(streaming_load, client, model, results, stop, i)
+        with under_streaming_load(client, model) as results:
             assert wait_until(lambda: len(results) >= 4, 60, 0.05)
             drained_at = time.monotonic()
             assert victim.kill(signal.SIGTERM, timeout=60) == 0, victim.log_path.read_text()[-3000:]
             assert wait_until(lambda: sum(1 for t, _ in results if t > drained_at) >= 8, 60, 0.05)
-            stop.set()
         failed = [r for _, r in results if r != "ok"]
         print(f"{len(results)} requests under load, {len(failed)} failed across the drain")
         assert failed == [], failed
         assert "shutting down" in victim.log_path.read_text()
     finally:
-        stop.set()
+        victim.kill()  # a no-op once it exited
         victim.start()
         victim.wait_ready()
