@@ -214,6 +214,70 @@ def test_zerogap_v1_input_bounds_hold_here_too(stubs, fields, named):
     )
 
 
+ODD_SAMPLING = {  # values a careless or hostile client sends: each gets OK or a clean status
+    "temperature_nan": {"temperature": float("nan")},
+    "temperature_inf": {"temperature": float("inf")},
+    "temperature_huge": {"temperature": 1e30},
+    "top_p_nan": {"top_p": float("nan"), "temperature": 1.0},
+    "top_p_over": {"top_p": 2.0, "temperature": 1.0},
+    "top_k_max": {"top_k": 2**32 - 1, "temperature": 1.0},
+    "min_p_over": {"min_p": 2.0, "temperature": 1.0},
+    "repetition_negative": {"repetition_penalty": -1.0},
+    "presence_nan": {"presence_penalty": float("nan")},
+    "frequency_inf": {"frequency_penalty": float("inf")},
+    "max_tokens_zero": {"max_tokens": 0},
+    "max_tokens_max": {"max_tokens": 2**32 - 1},
+    "min_over_max": {"min_tokens": 10, "max_tokens": 4},
+    "stop_empty": {"stop": [""]},
+    "stop_id_max": {"stop_token_ids": [2**32 - 1]},
+    "prompt_logprobs_over": {"prompt_logprobs": 1000},
+    "seed_negative": {"seed": -7, "temperature": 1.0},
+    "logit_bias_nan": {"logit_bias": {5: float("nan")}},
+    "truncate_negative": {"truncate_prompt_tokens": -1},
+    "json_not_json": {"json_schema": "{not json"},
+    "json_too_deep": {"json_schema": '{"type":"array","items":' * 200 + "{}" + "}" * 200},
+    "json_remote_ref": {"json_schema": '{"$ref":"http://example.com/x.json"}'},
+    "regex_nested": {"regex": "(a+)+" * 50},
+    "grammar_no_root": {"grammar": 'a ::= "x"'},
+    "tag_empty": {"structural_tag": "{}"},
+    "choice_empty_string": {"choice": vpb.ChoiceConstraint(choices=[""])},
+}
+CLEAN = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def test_odd_values_get_an_answer_or_a_clean_status(stubs):
+    """No field value makes the contract answer UNKNOWN / INTERNAL, hang or take the server down."""
+    vllm, _ = stubs
+    bodies = {f"sampling.{k}": {"sampling_params": sampling(**v)} for k, v in ODD_SAMPLING.items()}
+    bodies |= {
+        "text_only": {"text": "Hello there"},
+        "empty_text": {"text": ""},
+        "no_input": {},
+        "id_out_of_vocab": {"tokenized": vpb.TokenizedInput(input_ids=[2**32 - 1])},
+        "kv_params_not_json": {"kv_transfer_params_json": "not json"},
+        "dp_rank_negative": {"data_parallel_rank": -1},
+        "request_id_control_chars": {"request_id": "\x00\n\u2603"},
+    }
+    unclean = {}
+    for name, fields in bodies.items():
+        if name != "no_input" and "text" not in fields:
+            fields.setdefault("tokenized", vpb.TokenizedInput(input_ids=PROMPT))
+        fields.setdefault("sampling_params", sampling())
+        try:
+            list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=60))
+        except grpc.RpcError as e:
+            if e.code() not in CLEAN:
+                unclean[name] = f"{e.code().name}: {e.details()}"
+    assert unclean == {}
+    assert vllm.HealthCheck(vpb.HealthCheckRequest()).healthy
+    assert generate(vllm)[-1].complete.output_ids  # and it still serves
+
+
 def test_n_samples_each_with_its_index(server, stubs):
     """n > 1: n samples, each a complete with its index (and its chunks, streamed); a seed gives n
     different samples, the same again for the same seed, sample 0 the one n = 1 gives."""
