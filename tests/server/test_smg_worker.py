@@ -178,12 +178,17 @@ def test_logprobs_output_and_prompt(stubs):
     ],
 )
 def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
-    vllm, _ = stubs
+    error = refused(stubs[0], fields)
+    assert error.code() == code, error.details()
+
+
+def refused(vllm, fields: dict) -> grpc.RpcError:
+    """The error a Generate with `fields` (PROMPT and greedy sampling unless given) fails with."""
     fields.setdefault("tokenized", vpb.TokenizedInput(input_ids=PROMPT))
     fields.setdefault("sampling_params", sampling())
     with pytest.raises(grpc.RpcError) as e:
         list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=30))
-    assert e.value.code() == code, e.value.details()
+    return e.value
 
 
 @pytest.mark.parametrize(
@@ -204,14 +209,8 @@ def test_what_it_cannot_honour_gets_a_clear_status(stubs, fields, code):
 )
 def test_zerogap_v1_input_bounds_hold_here_too(stubs, fields, named):
     """A client could send thousands of long stop strings here, checked against every token."""
-    vllm, _ = stubs
-    fields.setdefault("tokenized", vpb.TokenizedInput(input_ids=PROMPT))
-    fields.setdefault("sampling_params", sampling())
-    with pytest.raises(grpc.RpcError) as e:
-        list(vllm.Generate(vpb.GenerateRequest(**fields), timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.value.details(), (
-        e.value.details()
-    )
+    error = refused(stubs[0], fields)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and named in error.details(), error.details()
 
 
 ODD_SAMPLING = {  # values a careless or hostile client sends: each gets OK or a clean status
