@@ -195,17 +195,6 @@ class KvEventPublisher:
         load.sample = self._load_sample
         return load
 
-    def _with_load(self, batch: common_pb2.KvEventBatch, full: bool) -> common_pb2.KvEventBatch:
-        """A copy of `batch` carrying a new load record (the original, maybe in the history, is kept)."""
-        copy = common_pb2.KvEventBatch()
-        copy.CopyFrom(batch)
-        load = self._load(full)
-        if load is None:
-            copy.ClearField("load")
-        else:
-            copy.load.CopyFrom(load)
-        return copy
-
     async def _tick(self) -> None:
         """While anyone listens: a load-only batch to each stream whose load changed, or went untold
         for a heartbeat, unless batches still wait on it (the next check sends the newest load);
@@ -289,10 +278,10 @@ class KvEventPublisher:
         ):
             raise Unavailable("OUT_OF_RANGE", f"sequence {start_sequence} is older than the history kept")
         else:
-            first = [_without_load(b) for b in self.history if b.sequence_number > start_sequence]
+            first = [_carrying(b, None) for b in self.history if b.sequence_number > start_sequence]
             stream.sequence = start_sequence
         if first and self._read_load is not None:  # the stream's first record: all of it
-            first[-1] = self._with_load(first[-1], full=True)
+            first[-1] = _carrying(first[-1], self._load(full=True))
         for batch in first:
             stream.put(batch)
         self._subscribers.add(stream)  # no await since the first batches were taken: no gap
@@ -308,11 +297,15 @@ class KvEventPublisher:
             self._subscribers.discard(stream)
 
 
-def _without_load(batch: common_pb2.KvEventBatch) -> common_pb2.KvEventBatch:
-    """A batch from the history, replayed: its load is old, so it goes without."""
-    if not batch.HasField("load"):
+def _carrying(batch: common_pb2.KvEventBatch, load: common_pb2.EngineLoad | None) -> common_pb2.KvEventBatch:
+    """`batch` with `load` in place of its own (None: without one, as a replayed batch goes, its
+    load being old); a copy when that changes it: the original may be in the history."""
+    if load is None and not batch.HasField("load"):
         return batch
     copy = common_pb2.KvEventBatch()
     copy.CopyFrom(batch)
-    copy.ClearField("load")
+    if load is None:
+        copy.ClearField("load")
+    else:
+        copy.load.CopyFrom(load)
     return copy

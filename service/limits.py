@@ -7,7 +7,6 @@ features/grammar_backend.py, prompt length against the context in the tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,33 +29,26 @@ class InputLimits:
             args.max_stop_token_ids,
         )
 
-    def check(self, request: Any) -> None:
-        """zerogap.v1: raise RequestError(INVALID_ARGUMENT) for the first field beyond its limit."""
-        sp = request.sampling
-        self.check_fields(request.request_id, sp.stop, sp.stop_token_ids, "sampling")
-
-    def check_fields(
-        self, request_id: str, stop: Sequence[str], stop_token_ids: Sequence[int], sampling: str
-    ) -> None:
-        """The same bounds for any contract; `sampling` names its sampling message in the error."""
+    def check(self, request_id: str, sampling: Any, field: str = "sampling") -> None:
+        """Raise RequestError(INVALID_ARGUMENT) for the first field beyond its limit. `sampling`: the
+        request's sampling message (its `stop` and `stop_token_ids`), named `field` in the contract."""
+        stop, stop_token_ids = sampling.stop, sampling.stop_token_ids
         rid = len(request_id.encode("utf-8", "surrogatepass"))
         if rid > self.max_request_id_bytes:
             raise _over("request_id", f"{rid} bytes", self.max_request_id_bytes, "--max-request-id-bytes")
         if len(stop) > self.max_stop_strings:
-            raise _over(
-                f"{sampling}.stop", f"{len(stop)} strings", self.max_stop_strings, "--max-stop-strings"
-            )
+            raise _over(f"{field}.stop", f"{len(stop)} strings", self.max_stop_strings, "--max-stop-strings")
         longest = max((len(s.encode("utf-8", "surrogatepass")) for s in stop), default=0)
         if longest > self.max_stop_string_bytes:
             raise _over(
-                f"{sampling}.stop",
+                f"{field}.stop",
                 f"a string of {longest} bytes",
                 self.max_stop_string_bytes,
                 "--max-stop-string-bytes",
             )
         if len(stop_token_ids) > self.max_stop_token_ids:
             raise _over(
-                f"{sampling}.stop_token_ids",
+                f"{field}.stop_token_ids",
                 f"{len(stop_token_ids)} ids",
                 self.max_stop_token_ids,
                 "--max-stop-token-ids",

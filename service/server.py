@@ -232,7 +232,9 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         try:
-            self.limits.check(request)  # cheap bounds first, before any work is done for it
+            self.limits.check(
+                request.request_id, request.sampling
+            )  # cheap bounds first, before any work is done for it
             features = {}
             for name, feature in self.engine.features.features.items():
                 payload = feature.from_proto(request)

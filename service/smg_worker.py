@@ -247,7 +247,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Worker thread: the request's id, its validated Reqs (one per sample of `n`: "id/i" when
         n > 1) and their logprob shape."""
         sp = request.sampling_params
-        self.limits.check_fields(request.request_id, sp.stop, sp.stop_token_ids, "sampling_params")
+        self.limits.check(request.request_id, sp, "sampling_params")
         check_supported(request)
         which = request.WhichOneof("input")
         if which == "tokenized":
@@ -314,9 +314,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise RequestError("CANCELLED", f"request {rid!r} was aborted before it started")
             self.engine.submit_all(reqs)
             queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-            # n samples prefill their shared prompt once (the prefix cache): counted once then, unless
-            # a feature keeps them from taking it from the cache (prompt logprobs)
-            shared = self.engine.shares_prefixes and self.engine.features.max_cached_prefix(reqs[0]) is None
+            shared = self.engine.shares_prompt(reqs[0])  # n samples' prompt: counted once then
             for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue, prefill=req if i == 0 or not shared else None)
         except RequestError as e:

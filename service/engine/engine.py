@@ -397,10 +397,11 @@ class Engine:
         """Evict every cached prefix no running request uses (everything when idle); the rows freed."""
         return self.scheduler.flush_prefix_cache().result(timeout)
 
-    @property
-    def shares_prefixes(self) -> bool:
-        """Whether cached prompt prefixes are reused (the prefix cache is on), however it was turned off."""
-        return self.scheduler.prefix_cache.enabled
+    def shares_prompt(self, req: Req) -> bool:
+        """Whether requests with `req`'s prompt prefill it once between them: the prefix cache is on
+        (however it was turned off) and no feature keeps `req` from taking it from there (prompt
+        logprobs)."""
+        return self.scheduler.prefix_cache.enabled and self.features.max_cached_prefix(req) is None
 
     def observe_prefix_cache(self, observer: CacheObserver) -> bool:
         """Tell `observer` every change of what the prefix cache holds (on the scheduler thread, from

@@ -235,7 +235,7 @@ class Gateway:
                 request,
                 all_or_none(self.grpc.generate(pr, s, request_id=i, **kw) for i, (pr, s) in zip(ids, work)),
             )
-            echoes = await self._echoes(request, call, len(work))  # the prompts were accepted
+            echoes = await self._echoes(request, call)  # the prompts were accepted
         except ClientGone:
             return Response(status_code=STATUS_CLIENT_CLOSED)
         except ZerogapError as e:
@@ -264,11 +264,11 @@ class Gateway:
         tokens = 0 if call.prompt_only else sum(d.completion_tokens for d in ends)
         return p.usage(sum(d.prompt_tokens for d in firsts), tokens, sum(d.cached_tokens for d in firsts))
 
-    async def _echoes(self, request: Request, call: p.Call, choices: int) -> list[p.Echo | None]:
+    async def _echoes(self, request: Request, call: p.Call) -> list[p.Echo | None]:
         """Each choice's `echo` (None without it), worked out once per prompt; called once the
         service has accepted the prompts (so an over-long one is refused before any work here)."""
         if not call.echo:
-            return [None] * choices
+            return [None] * (len(call.prompts) * call.n)
         work = asyncio.gather(*(self._echo(call, prompt) for prompt in call.prompts))
         per_prompt = await until_disconnected(request, work)
         return [echo for echo in per_prompt for _ in range(call.n)]
@@ -300,7 +300,7 @@ class Gateway:
         reads: Reads = {}
         try:
             reads = await until_disconnected(request, opened(streams))
-            echoes = await self._echoes(request, call, len(streams))  # the prompts were accepted
+            echoes = await self._echoes(request, call)  # the prompts were accepted
         except BaseException:
             for fut in reads:
                 fut.cancel()
