@@ -32,7 +32,7 @@ from service.interceptors import AuthConfig, DecodeErrors, TokenAuth, load_token
 from service.limits import InputLimits
 from service.metrics import start_metrics_server
 from service.model_prep import resolve_model_path
-from service.models.families import UnsupportedArchitecture
+from service.models.layers import UnsupportedModel
 from service.smg_worker import SERVICE_NAME as SMG_WORKER_SERVICE
 from service.smg_worker import SmgWorkerServicer, add_smg_worker
 from service.tokenizer import InputTooLong
@@ -524,7 +524,7 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     router = OutputRouter(loop)
     try:
         engine = await loop.run_in_executor(None, lambda: Engine(args, model_dir, router.sink, features))
-    except UnsupportedArchitecture as e:
+    except UnsupportedModel as e:
         raise StartupError(str(e)) from None
     router.engine = engine
     server = grpc.aio.server(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.models import gemma, llama, mixtral, phi3, qwen3, qwen3_moe
-from service.models.layers import CausalLM, Checkpoint, ModelShape, architecture
+from service.models import gemma, granite, llama, mixtral, phi3, qwen2_moe, qwen3, qwen3_moe, smollm3
+from service.models.layers import CausalLM, Checkpoint, ModelShape, UnsupportedModel, architecture
 
 
 @dataclass(frozen=True)
@@ -17,12 +17,12 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     arch: Family(module.shape, module.load)
-    for module in (llama, qwen3, gemma, phi3, mixtral, qwen3_moe)
+    for module in (llama, smollm3, granite, qwen3, gemma, phi3, mixtral, qwen2_moe, qwen3_moe)
     for arch in module.ARCHITECTURES
 }
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(UnsupportedModel):
     """config.json names an architecture no model file serves."""
 
     def __init__(self, arch: str):

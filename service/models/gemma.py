@@ -1,15 +1,19 @@
-"""Gemma-2 and Gemma-3 (text): Llama's blocks with Gemma's differences.
+"""Gemma, Gemma-2 and Gemma-3 (text): Llama's blocks with Gemma's differences.
 
 - embeddings scaled by sqrt(hidden); RMSNorms of the form x * (1 + w) (stored as 1 + w at load);
-- a norm on each block's output before its residual add, and a pre-MLP norm (`sandwich_norms`);
-- GeGLU (GELU, tanh approximation) MLP; attention scale query_pre_attn_scalar ** -0.5;
-- sliding-window and global layers as `layer_types` alternate them;
+- GeGLU (the config's GELU: the tanh approximation in the published ones) MLP;
+- Gemma (the first): no more than that (attention scale head_dim ** -0.5, every layer global);
+- Gemma-2/3: a norm on each block's output before its residual add, and a pre-MLP norm
+  (`sandwich_norms`); attention scale query_pre_attn_scalar ** -0.5; sliding-window and global
+  layers as `layer_types` alternate them;
 - Gemma-2: attention-score and final-logit soft-capping;
 - Gemma-3: q/k per-head norms, a rope base per layer type (local 10k, global 1M and its scaling).
 Embeddings are tied unless the config says otherwise.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from service.models.layers import (
     CausalLM,
@@ -23,26 +27,24 @@ from service.models.layers import (
 from service.models.qwen3 import load_qk_norms
 from service.models.rope import DEFAULT_LAYER
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def shape(config) -> ModelShape:
-    s = base_shape(config)
+    bias = bool(getattr(config, "attention_bias", False))  # on q, k, v and o
+    s = base_shape(config, qkv_bias=bias, o_bias=bias, embed_scale=config.hidden_size**0.5)
+    if s.architecture == "GemmaForCausalLM":
+        return s
     cap = getattr(config, "attn_logit_softcapping", None)
-    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if act != "gelu_pytorch_tanh":
-        raise ValueError(f"{s.architecture}: hidden activation {act!r} is not served (gelu_pytorch_tanh is)")
     params = getattr(config, "rope_parameters", None) or {}
     types = getattr(config, "layer_types", None) or ("full_attention",) * s.num_layers
     per_type = all(isinstance(params.get(t), dict) for t in set(types))
-    return base_shape(
-        config,
+    return dataclasses.replace(
+        s,
         layer_attention=tuple(LayerAttention(la.window, cap) for la in s.layer_attention),
         layer_rope=tuple(types) if per_type else (DEFAULT_LAYER,) * s.num_layers,
         qk_norm=s.architecture == "Gemma3ForCausalLM",
-        activation="gelu_tanh",
         attn_scale=config.query_pre_attn_scalar**-0.5,
-        embed_scale=config.hidden_size**0.5,
         final_softcap=getattr(config, "final_logit_softcapping", None),
         sandwich_norms=True,
     )
@@ -55,6 +57,8 @@ def load(model: CausalLM, take: Checkpoint) -> None:
         load_split_projections(layer, take, p)
         layer.input_norm.copy_(take(p + "input_layernorm.weight") + 1.0)
         layer.post_norm.copy_(take(p + "post_attention_layernorm.weight") + 1.0)
+        if not model.shape.sandwich_norms:  # Gemma (the first)
+            continue
         layer.pre_mlp_norm.copy_(take(p + "pre_feedforward_layernorm.weight") + 1.0)
         layer.post_mlp_norm.copy_(take(p + "post_feedforward_layernorm.weight") + 1.0)
     if model.shape.qk_norm:

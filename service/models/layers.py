@@ -2,14 +2,15 @@
 
 Hidden states are packed [T, hidden] across the batch's requests; attention reads and writes the
 paged KV pool through an attention backend (`backends.py`). A family file (`llama.py`, `qwen3.py`,
-`gemma.py`, `phi3.py`) says how its config maps to a `ModelShape` and its checkpoint to these
+`gemma.py`, `phi3.py`, ...) says how its config maps to a `ModelShape` and its checkpoint to these
 modules; `families.py` picks the family from config.json's `architectures`.
 
 - norms: RMSNorm weights; Gemma's (1 + w) form is stored as 1 + w at load time, so one kernel
   serves both (`ops.add_rms_norm`);
 - `SelfAttention`: the fused qkv projection, optional per-head q/k RMSNorm, rotary (full or
   partial, per-layer tables), the backend call (sliding window, soft-capping, scale per layer);
-- `GatedMLP`: fused gate+up, SiLU or GELU-tanh, down;
+- `GatedMLP`: fused gate+up (biases where `mlp_bias`), the config's activation (SiLU, GELU, GELU-tanh,
+  ReLU), down;
   a mixture-of-experts family's sparse layers take `moe.MoEBlock` instead (`ModelShape.moe`);
 - `CausalLM`: embedding (optionally scaled), the layers, final norm, LM head (tied or not),
   final-logit soft-capping.
@@ -26,10 +27,33 @@ from torch import nn
 from service.core.forward_batch import ForwardBatch
 from service.models.linear import fast_twin, pack_linear
 from service.models.moe import MoEBlock, MoEShape
-from service.models.ops import add_rms_norm, gelu_tanh_mul, norm_qk_heads, silu_mul, soft_cap, split_qkv_rope
+from service.models.ops import (
+    add_rms_norm,
+    gelu_mul,
+    gelu_tanh_mul,
+    norm_qk_heads,
+    relu_mul,
+    silu_mul,
+    soft_cap,
+    split_qkv_rope,
+)
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table
 
-ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+ACTIVATIONS = {"silu": silu_mul, "gelu": gelu_mul, "gelu_tanh": gelu_tanh_mul, "relu": relu_mul}
+# transformers' names for them (config `hidden_act`; Gemma-2/3's `hidden_activation`)
+ACTIVATION_OF_CONFIG = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",  # erf
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",  # the same tanh approximation, spelt out
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+class UnsupportedModel(ValueError):
+    """config.json asks for something no model file serves; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -64,9 +88,18 @@ class ModelShape:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
+    residual_scale: float | None = None  # each block's output times this before its residual add (Granite)
+    logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
+    mlp_bias: bool = False  # biases on gate, up and down (Llama's `mlp_bias`)
     moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
+
+    def __post_init__(self) -> None:
+        if self.moe is not None and self.activation != "silu":
+            raise UnsupportedModel(
+                f"{self.architecture}: routed experts run SiLU only, the config asks for {self.activation!r}"
+            )
 
     @property
     def scale(self) -> float:
@@ -79,9 +112,12 @@ ARCHITECTURE_OF_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 
 
@@ -90,6 +126,17 @@ def architecture(config) -> str:
     if names:
         return names[0]
     return ARCHITECTURE_OF_TYPE.get(getattr(config, "model_type", ""), "LlamaForCausalLM")
+
+
+def activation(config) -> str:
+    """The MLP's activation (an ACTIVATIONS key) from the config; one not served is refused."""
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+    if name not in ACTIVATION_OF_CONFIG:
+        raise UnsupportedModel(
+            f"{architecture(config)}: hidden activation {name!r} is not served; "
+            f"served: {', '.join(ACTIVATION_OF_CONFIG)}"
+        )
+    return ACTIVATION_OF_CONFIG[name]
 
 
 def base_shape(config, **overrides) -> ModelShape:
@@ -118,6 +165,8 @@ def base_shape(config, **overrides) -> ModelShape:
         max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
         layer_attention=tuple(LayerAttention(w) for w in windows),
         layer_rope=(DEFAULT_LAYER,) * n,
+        activation=activation(config),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
     )
     fields.update(overrides)
     return ModelShape(**fields)
@@ -151,8 +200,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, s: ModelShape):
         super().__init__()
-        self.gate_up = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=False)
-        self.down = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.gate_up = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
         self.act = ACTIVATIONS[s.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,8 +231,10 @@ class DecoderLayer(nn.Module):
         h, x = add_rms_norm(h, delta, self.input_norm, eps)
         a = self.attn(x, positions, cos, sin, k_cache, v_cache, meta, attn)
         if not self.s.sandwich_norms:
-            h, x = add_rms_norm(h, a, self.post_norm, eps)
-            return h, self.mlp(x)
+            scale = self.s.residual_scale
+            h, x = add_rms_norm(h, a if scale is None else a * scale, self.post_norm, eps)
+            m = self.mlp(x)
+            return h, m if scale is None else m * scale
         _, a = add_rms_norm(a, None, self.post_norm, eps)
         h, x = add_rms_norm(h, a, self.pre_mlp_norm, eps)
         return h, add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
@@ -264,6 +315,8 @@ class CausalLM(nn.Module):
             logits = self.packed_head(h)
         else:
             logits = F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        if s.logits_divisor is not None:
+            logits = logits / s.logits_divisor
         return soft_cap(logits, s.final_softcap)
 
     def _mrope_positions(self, fb: ForwardBatch) -> torch.Tensor | None:
@@ -308,8 +361,12 @@ def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> 
 def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> None:
     """q/k/v and gate/up published as separate projections (Llama's layout), fused here."""
     load_split_attention(layer, take, p)
-    layer.mlp.gate_up.weight.copy_(take.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-    layer.mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+    mlp = layer.mlp
+    mlp.gate_up.weight.copy_(take.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+    mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
+    if mlp.gate_up.bias is not None:
+        mlp.gate_up.bias.copy_(take.cat(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"))
+        mlp.down.bias.copy_(take(p + "mlp.down_proj.bias"))
 
 
 def load_split_attention(layer: DecoderLayer, take: Checkpoint, p: str) -> None:

@@ -87,6 +87,17 @@ def norm_qk_heads(
     return torch.cat([q, k, v], dim=-1)
 
 
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (the exact, erf form) for rows [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+def relu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.relu(gate) * up
+
+
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU: gelu(gate, tanh approximation) * up for rows [gate | up] (Gemma)."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -11,19 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from service.models import qwen3
-from service.models.layers import (
-    CausalLM,
-    Checkpoint,
-    ModelShape,
-    load_common,
-    load_split_attention,
-    load_split_projections,
-)
-from service.models.moe import MoEShape, load_moe_block, sparse_layers
+from service.models import qwen2_moe, qwen3
+from service.models.layers import CausalLM, Checkpoint, ModelShape
+from service.models.moe import MoEShape, sparse_layers
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def shape(config) -> ModelShape:
@@ -40,14 +32,5 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    load_common(model, take)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        if model.shape.moe_layers[i]:
-            load_split_attention(layer, take, p)
-            load_moe_block(layer.mlp, take, p + "mlp.", EXPERT_NAMES)
-        else:
-            load_split_projections(layer, take, p)
-        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+    qwen2_moe.load(model, take)
     qwen3.load_qk_norms(model, take)

@@ -3,7 +3,7 @@
 A table is (cos, sin) [max_positions, rotary_dim] in float32, indexed by position. `rotary_dim`
 is below head_dim where the config asks for partial rotary (Phi-4-mini); the rest of each head
 passes through unrotated. Families with per-layer rope bases (Gemma-3: local and global layers)
-get one table per layer type.
+get one table per layer type; a layer without rotary (SmolLM3's NoPE layers) gets the identity.
 
 LongRoPE (Phi-3 `longrope`, also spelt `su`): transformers switches between the short and the
 long factors by the sequence's length, for all of its positions at once. A served token keeps the
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 DEFAULT_LAYER = "default"  # the table key of families with one rope for every layer
+NO_ROPE = "no_rope"  # the table key of a layer without rotary (SmolLM3's NoPE layers): the identity
 
 
 def rope_params(config, layer_type: str | None = None) -> dict:
@@ -74,6 +75,8 @@ def rope_table(
     config, head_dim: int, max_positions: int, layer_type: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_positions, rotary_dim] for one layer type (None: the model's one rope)."""
+    if layer_type == NO_ROPE:  # cos 1, sin 0: q and k pass unrotated, through the same kernels
+        return torch.ones(max_positions, head_dim), torch.zeros(max_positions, head_dim)
     params = rope_params(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     dim = rotary_dim(config, head_dim, layer_type)

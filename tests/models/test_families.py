@@ -1,4 +1,5 @@
-"""The dense families (Qwen3, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, Qwen2's sliding layers) against
+"""The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, Qwen2's
+sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -107,6 +108,45 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, head_dim=24, sliding_window=5, query_pre_attn_scalar=24,
              layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False),
+    ),
+    "gemma-first-mqa": (
+        "GemmaConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=16),
+    ),
+    "gemma-first-biases-untied": (
+        "GemmaConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=24, attention_bias=True, tie_word_embeddings=False),
+    ),
+    # The defect: `mlp_bias` and a `hidden_act` other than SiLU were ignored (tokens diverged).
+    "llama-mlp-bias-gelu": (
+        "LlamaConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, mlp_bias=True, attention_bias=True, hidden_act="gelu"),
+    ),
+    "smollm3-nope": (
+        "SmolLM3Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, no_rope_layer_interval=2),
+    ),
+    "smollm3-window-biases": (
+        "SmolLM3Config",
+        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=32, use_sliding_window=True, sliding_window=8,
+             attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    ),
+    "granite": (
+        "GraniteConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+             residual_multiplier=0.22, logits_scaling=8.0),
+    ),
+    "granite-relu-tied": (
+        "GraniteConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             num_key_value_heads=1, embedding_multiplier=6.0, attention_multiplier=0.05,
+             residual_multiplier=0.5, logits_scaling=2.5, hidden_act="relu", tie_word_embeddings=True),
     ),
     "phi3-window": (
         "Phi3Config",
@@ -298,10 +338,17 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
 
 
 # One config per family, each variant the device kernels have: sliding windows, soft-capping,
-# local/global layers with their rope bases, partial LongRoPE.
+# local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling.
 @pytest.mark.parametrize(
     "family",
-    ["qwen3-window-wide-heads", "gemma2-capped", "gemma3-local-global", "phi4mini-partial-longrope"],
+    [
+        "qwen3-window-wide-heads",
+        "gemma2-capped",
+        "gemma3-local-global",
+        "phi4mini-partial-longrope",
+        "smollm3-nope",
+        "granite",
+    ],
     indirect=True,
 )
 def test_device_path_gives_the_whole_prompt_tokens(family):
@@ -338,12 +385,32 @@ def device_path_tokens(model_dir: Path, prompt_ids: list[list[int]], n_new: int)
     return got
 
 
-def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path):
+REFUSED = {  # what config.json asks for (beside a served config): what the one line names
+    "architecture": (
+        "qwen3-gqa-tied",
+        dict(architectures=["Qwen9ForCausalLM"]),
+        ["Qwen9ForCausalLM", "unsupported architecture", "LlamaForCausalLM", "Qwen3ForCausalLM",
+         "Gemma2ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM"],
+    ),
+    "activation": ("qwen3-gqa-tied", dict(hidden_act="quick_gelu"), ["'quick_gelu' is not served", "silu"]),
+    "experts-activation": (
+        "qwen2-window-above-max-layers",
+        dict(architectures=["MixtralForCausalLM"], hidden_act="gelu", num_local_experts=4, num_experts_per_tok=2),
+        ["routed experts run SiLU only"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("refused", list(REFUSED))
+def test_unsupported_model_ends_the_server_with_one_line(tmp_path, refused):
     """Refused from config.json alone, before the tokenizer or any weight is read."""
     import transformers
 
-    cls_name, kwargs = CONFIGS["qwen3-gqa-tied"]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs}, architectures=["Qwen9ForCausalLM"])
+    base, changes, words = REFUSED[refused]
+    cls_name, kwargs = CONFIGS[base]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs})
+    for key, value in changes.items():
+        setattr(cfg, key, value)
     model_dir = tmp_path / "m"
     cfg.save_pretrained(model_dir)
     out = subprocess.run(
@@ -354,8 +421,6 @@ def test_unsupported_architecture_ends_the_server_with_one_line(tmp_path):
         timeout=120,
     )
     assert out.returncode != 0
-    lines = [line for line in out.stderr.splitlines() if "Qwen9ForCausalLM" in line]
+    lines = [line for line in out.stderr.splitlines() if words[0] in line]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "unsupported architecture" in lines[0]
-    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"):
-        assert arch in lines[0]
+    assert all(w in lines[0] for w in words), lines[0]

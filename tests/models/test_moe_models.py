@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE and Qwen2-MoE (a shared expert) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -81,18 +81,48 @@ CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # 6 experts, top-2, not renormalised, a shared expert (48) behind its gate, layer 1 dense
+    "qwen2_moe": (
+        "qwen2_moe",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=6,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+        ),
+    ),
+    # 8 experts, top-3, renormalised, MQA, Qwen2-MoE's sliding layers (odd ones below max_window_layers), tied
+    "qwen2_moe-window": (
+        "qwen2_moe",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            num_key_value_heads=1,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=2,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig"}
 
 
 def make_tiny_moe(smol: Path, out: Path, name: str) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    import transformers
 
     family, extra = CONFIGS[name]
     torch.manual_seed(0)
-    if family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**COMMON, **extra))
-    else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, **extra))
+    config = getattr(transformers, CONFIG_CLASSES[family])(**{**COMMON, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # routers sharp enough that the choice of experts matters
         for n, p in model.named_parameters():
             if n.endswith(".gate.weight"):
@@ -202,13 +232,13 @@ def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
         assert max(abs(x - y) for x, y in zip(_logprobs(a)[1], _logprobs(b)[1])) < TOL
 
 
-@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe"], indirect=True)
+@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe", "qwen2_moe"], indirect=True)
 def test_device_path_gives_transformers_tokens(moe_case):
     model_dir, refs, _ = moe_case
     assert device_path_tokens(model_dir, PROMPTS, DEVICE_NEW) == [r[:DEVICE_NEW] for r in refs]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_fused_expert_layout_loads_the_same_weights(name, smol_dir, tmp_path):
     """A checkpoint with transformers' in-memory layout (experts fused as 3-D tensors under
     `mlp.experts`) loads the same model as the per-expert layout `save_pretrained` writes."""
@@ -232,7 +262,9 @@ def test_fused_expert_layout_loads_the_same_weights(name, smol_dir, tmp_path):
     moe = next(
         m for m in load_model(fused, torch.float32, 64, pack=False).modules() if hasattr(m, "w_gate_up")
     )
-    assert moe.w_gate_up.shape[0] == 8  # the experts are stacked
+    assert (
+        moe.w_gate_up.shape[0] == CONFIGS[name][1]["num_experts" if "qwen" in name else "num_local_experts"]
+    )
 
 
 @pytest.mark.parametrize("moe_case", ["qwen3_moe-sparse-step"], indirect=True)
