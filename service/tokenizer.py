@@ -80,7 +80,17 @@ class Tokenizer:
         )
         if any(isinstance(m["content"], list) for m in messages):
             return self._render_chat_parts(messages, flags)
-        return self.hf.apply_chat_template(messages, tokenize=False, **flags)
+        return self._apply_template(messages, flags)
+
+    def _apply_template(self, messages: list[dict], flags: dict[str, bool]) -> str:
+        """The template's own refusals (`raise_exception`: "System role not supported", "roles must
+        alternate") and its failures on these messages are the request's fault: ValueError."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, **flags)
+        except (TemplateError, TypeError) as e:
+            raise ValueError(f"chat: the model's chat template refused the messages: {e}") from None
 
     def _render_chat_parts(self, messages: list[dict], flags: dict[str, bool]) -> str:
         """Messages whose content is a list of parts ({"type": "text", "text": ...} / {"type": "image"}).
@@ -95,10 +105,10 @@ class Tokenizer:
             if p["type"] == "image"
         )
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, **flags)
+            text = self._apply_template(messages, flags)
             if text.count(self.image_token) == n:
                 return text
-        except Exception:  # noqa: BLE001 (a template that expects string content may fail on lists)
+        except ValueError:  # a template that expects string content may fail on lists
             pass
         flat = [
             {
@@ -111,7 +121,7 @@ class Tokenizer:
             else m
             for m in messages
         ]
-        return self.hf.apply_chat_template(flat, tokenize=False, **flags)
+        return self._apply_template(flat, flags)
 
     def encode_chat(
         self,

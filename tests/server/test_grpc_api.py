@@ -114,6 +114,49 @@ def test_chat_continues_the_final_assistant_message(stub, hf_tokenizer):
         )
 
 
+STRICT_TEMPLATE = (  # as Gemma's and Mistral's templates refuse what they cannot render
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_template_that_refuses_the_messages_is_an_invalid_argument(smol_dir, tmp_path):
+    """The defect: a chat template's own refusal (jinja's raise_exception) ended the RPC as UNKNOWN;
+    it is the request's fault, said with the template's words, and the server goes on serving."""
+    model = tmp_path / "strict-template"
+    model.mkdir()
+    for f in smol_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    srv = BackgroundServer(ServerArgs(dtype="float32", model=str(model), port=0, kv_cache_tokens=1024))
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        stub = pb2_grpc.GenerationStub(channel)
+        refused = pb2.ChatInput(
+            messages=[
+                pb2.ChatMessage(role="system", content="Be brief."),
+                pb2.ChatMessage(role="user", content="Hi"),
+            ]
+        )
+        calls = (
+            lambda: stub.Generate(pb2.GenerateRequest(chat=refused, sampling=greedy(2))),
+            lambda: list(stub.GenerateStream(pb2.GenerateRequest(chat=refused, sampling=greedy(2)))),
+            lambda: stub.Tokenize(pb2.TokenizeRequest(chat=refused)),
+        )
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert "System role not supported" in e.value.details()
+        ok = pb2.ChatInput(messages=refused.messages[1:])
+        assert stub.Tokenize(pb2.TokenizeRequest(chat=ok)).text == "<user>Hi<assistant>"
+        assert stub.Generate(pb2.GenerateRequest(chat=ok, sampling=greedy(2))).usage.completion_tokens == 2
+    finally:
+        channel.close()
+        srv.stop()
+
+
 def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
     t = stub.Tokenize(pb2.TokenizeRequest(text="Hello world"))
     assert list(t.token_ids) == hf_tokenizer.encode("Hello world")
