@@ -21,11 +21,11 @@ from service.models.layers import (
     LayerAttention,
     ModelShape,
     base_shape,
+    layer_rope_keys,
     load_common,
     load_split_projections,
 )
 from service.models.qwen3 import load_qk_norms
-from service.models.rope import DEFAULT_LAYER
 
 ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -36,13 +36,10 @@ def shape(config) -> ModelShape:
     if s.architecture == "GemmaForCausalLM":
         return s
     cap = getattr(config, "attn_logit_softcapping", None)
-    params = getattr(config, "rope_parameters", None) or {}
-    types = getattr(config, "layer_types", None) or ("full_attention",) * s.num_layers
-    per_type = all(isinstance(params.get(t), dict) for t in set(types))
     return dataclasses.replace(
         s,
         layer_attention=tuple(LayerAttention(la.window, cap) for la in s.layer_attention),
-        layer_rope=tuple(types) if per_type else (DEFAULT_LAYER,) * s.num_layers,
+        layer_rope=layer_rope_keys(config, s.num_layers),
         qk_norm=s.architecture == "Gemma3ForCausalLM",
         attn_scale=config.query_pre_attn_scalar**-0.5,
         final_softcap=getattr(config, "final_logit_softcapping", None),

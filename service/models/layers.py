@@ -84,6 +84,7 @@ class ModelShape:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma-3)
+    qk_norm_whole: bool = False  # ... over all of q and all of k instead of per head (OLMo-2)
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
@@ -91,6 +92,7 @@ class ModelShape:
     residual_scale: float | None = None  # each block's output times this before its residual add (Granite)
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
+    post_norms: bool = False  # norms only after attention and the MLP, none before (OLMo-2)
     mlp_bias: bool = False  # biases on gate, up and down (Llama's `mlp_bias`)
     moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
@@ -118,7 +120,19 @@ ARCHITECTURE_OF_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }
+
+
+def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
+    """Per layer, its rope table's key: its layer type where the config gives a rope per type
+    (Gemma-3's local and global bases, OLMo-3's), else the model's one rope."""
+    params = getattr(config, "rope_parameters", None) or {}
+    types = getattr(config, "layer_types", None) or ("full_attention",) * num_layers
+    if all(isinstance(params.get(t), dict) for t in set(types)):
+        return tuple(types)
+    return (DEFAULT_LAYER,) * num_layers
 
 
 def architecture(config) -> str:
@@ -182,8 +196,8 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(s.hidden_size, q + 2 * kv, bias=s.qkv_bias)
         self.o = nn.Linear(q, s.hidden_size, bias=s.o_bias)
         if s.qk_norm:
-            self.q_norm = nn.Parameter(torch.ones(s.head_dim))
-            self.k_norm = nn.Parameter(torch.ones(s.head_dim))
+            self.q_norm = nn.Parameter(torch.ones(q if s.qk_norm_whole else s.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(kv if s.qk_norm_whole else s.head_dim))
 
     def forward(self, x, positions, cos, sin, k_cache, v_cache, meta, attn) -> torch.Tensor:
         s = self.s
@@ -210,7 +224,8 @@ class GatedMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks (Llama, Qwen, Phi-3); with `sandwich_norms` also a norm
-    on each block's output before its residual add and a separate pre-MLP norm (Gemma-2/3).
+    on each block's output before its residual add and a separate pre-MLP norm (Gemma-2/3); with
+    `post_norms` only the norms on the blocks' outputs, the blocks reading the residual (OLMo-2).
 
     (h, delta) -> the next layer's (h, delta): each residual add is deferred into the next norm
     (h + delta, then RMSNorm, in one pass)."""
@@ -220,14 +235,25 @@ class DecoderLayer(nn.Module):
         self.s = s
         self.attn = SelfAttention(s)
         self.mlp: nn.Module = MoEBlock(s.moe) if s.moe is not None and s.moe_layers[index] else GatedMLP(s)
-        self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
-        self.post_norm = nn.Parameter(torch.ones(s.hidden_size))  # after attention (pre-MLP without sandwich)
+        if not s.post_norms:
+            self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
+        self.post_norm = nn.Parameter(
+            torch.ones(s.hidden_size)
+        )  # after attention (pre-MLP when pre-norm only)
         if s.sandwich_norms:
             self.pre_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
+        if s.sandwich_norms or s.post_norms:
             self.post_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
 
     def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
         eps = self.s.rms_norm_eps
+        if self.s.post_norms:
+            h = h if delta is None else h + delta
+            _, a = add_rms_norm(
+                self.attn(h, positions, cos, sin, k_cache, v_cache, meta, attn), None, self.post_norm, eps
+            )
+            h = h + a
+            return h, add_rms_norm(self.mlp(h), None, self.post_mlp_norm, eps)[1]
         h, x = add_rms_norm(h, delta, self.input_norm, eps)
         a = self.attn(x, positions, cos, sin, k_cache, v_cache, meta, attn)
         if not self.s.sandwich_norms:

@@ -79,11 +79,12 @@ def split_qkv_rope(
 def norm_qk_heads(
     qkv: torch.Tensor, hq: int, hkv: int, d: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """The fused projection with each q and k head RMS-normalised over its d dims (Qwen3, Gemma-3)."""
+    """The fused projection with q and k RMS-normalised: each head over its d dims where the
+    weights are d long (Qwen3, Gemma-3), else all of q and all of k at once (OLMo-2)."""
     t = qkv.shape[0]
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    q = add_rms_norm(q.reshape(t * hq, d), None, q_weight, eps)[1].view(t, hq * d)  # a head per row
-    k = add_rms_norm(k.reshape(t * hkv, d), None, k_weight, eps)[1].view(t, hkv * d)
+    q = add_rms_norm(q.reshape(-1, q_weight.shape[0]), None, q_weight, eps)[1].view(t, hq * d)
+    k = add_rms_norm(k.reshape(-1, k_weight.shape[0]), None, k_weight, eps)[1].view(t, hkv * d)
     return torch.cat([q, k, v], dim=-1)
 
 

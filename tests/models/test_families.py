@@ -1,5 +1,5 @@
-"""The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, Qwen2's
-sliding layers, Llama's MLP biases and activations) against
+"""The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
+Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -147,6 +147,20 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
              num_key_value_heads=1, embedding_multiplier=6.0, attention_multiplier=0.05,
              residual_multiplier=0.5, logits_scaling=2.5, hidden_act="relu", tie_word_embeddings=True),
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2),
+    ),
+    "olmo3-window-rope-per-type-biases": (
+        "Olmo3Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=3,
+             num_key_value_heads=1, sliding_window=8, attention_bias=True, tie_word_embeddings=True,
+             rope_parameters={
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                 "full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
+             }),
     ),
     "phi3-window": (
         "Phi3Config",
@@ -338,7 +352,8 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
 
 
 # One config per family, each variant the device kernels have: sliding windows, soft-capping,
-# local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling.
+# local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling,
+# norms after the blocks only.
 @pytest.mark.parametrize(
     "family",
     [
@@ -348,6 +363,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
         "phi4mini-partial-longrope",
         "smollm3-nope",
         "granite",
+        "olmo3-window-rope-per-type-biases",
     ],
     indirect=True,
 )
