@@ -5,7 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.models import gemma, granite, llama, mixtral, olmo2, phi3, qwen2_moe, qwen3, qwen3_moe, smollm3
+from service.models import (
+    ernie4_5,
+    gemma,
+    glm,
+    granite,
+    helium,
+    llama,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from service.models.layers import CausalLM, Checkpoint, ModelShape, UnsupportedModel, architecture
 
 
@@ -17,7 +31,21 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     arch: Family(module.shape, module.load)
-    for module in (llama, smollm3, granite, qwen3, gemma, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe)
+    for module in (
+        llama,
+        smollm3,
+        granite,
+        helium,
+        qwen3,
+        gemma,
+        phi3,
+        olmo2,
+        glm,
+        ernie4_5,
+        mixtral,
+        qwen2_moe,
+        qwen3_moe,
+    )
     for arch in module.ARCHITECTURES
 }
 

@@ -37,7 +37,7 @@ from service.models.ops import (
     soft_cap,
     split_qkv_rope,
 )
-from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table
+from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table, rotary_dim
 
 ACTIVATIONS = {"silu": silu_mul, "gelu": gelu_mul, "gelu_tanh": gelu_tanh_mul, "relu": relu_mul}
 # transformers' names for them (config `hidden_act`; Gemma-2/3's `hidden_activation`)
@@ -393,6 +393,27 @@ def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> Non
     if mlp.gate_up.bias is not None:
         mlp.gate_up.bias.copy_(take.cat(p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias"))
         mlp.down.bias.copy_(take(p + "mlp.down_proj.bias"))
+
+
+@torch.no_grad()
+def rotate_pairs_as_halves(model: CausalLM) -> None:
+    """Interleaved rotary (GPT-J's, GLM's, ERNIE's: dims 2i and 2i+1 turn together) served by the
+    rotate-half kernels: each q and k head's rows of the fused projection (and biases) are
+    reordered, the rotary dims' evens, then their odds, then the dims that do not turn. Scores are
+    unchanged (q and k reordered alike); v and o are not touched. Call after loading."""
+    s = model.shape
+    d = s.head_dim
+    r = rotary_dim(model.config, d)
+    order = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)])
+    rows = (torch.arange(s.num_q_heads + s.num_kv_heads).unsqueeze(1) * d + order).flatten()
+    for layer in model.layers:
+        attn = layer.attn
+        for p in (attn.qkv.weight, attn.qkv.bias):
+            if p is not None:
+                p[: rows.numel()] = p[rows]
+        if s.qk_norm and not s.qk_norm_whole:
+            attn.q_norm.copy_(attn.q_norm[order])
+            attn.k_norm.copy_(attn.k_norm[order])
 
 
 def load_split_attention(layer: DecoderLayer, take: Checkpoint, p: str) -> None:

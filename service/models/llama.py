@@ -1,8 +1,10 @@
-"""The Llama family: Llama, SmolLM, Mistral, Qwen2 (the layers are `layers.py`'s).
+"""The Llama family: Llama, SmolLM, Mistral, Ministral, Qwen2, Seed-OSS (the layers are
+`layers.py`'s).
 
-Qwen2 has q/k/v biases; Llama's `attention_bias` puts biases on all four projections. Sliding
-windows: Mistral's on every layer; Qwen2's (`use_sliding_window`) only on the layers at or above
-`max_window_layers`, as transformers' `layer_types` say.
+Biases: Llama's `attention_bias` puts them on all four projections (and `mlp_bias` on the MLP's);
+Qwen2 always has q/k/v biases and none on o; Seed-OSS biases o by its own `attention_out_bias`. Sliding windows: Mistral's on every layer; Qwen2's
+(`use_sliding_window`) only on the layers at or above `max_window_layers`, and Ministral's on the
+layers its `layer_types` name, as transformers' `layer_types` say.
 """
 
 from __future__ import annotations
@@ -17,13 +19,22 @@ from service.models.layers import (
     load_split_projections,
 )
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MinistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "SeedOssForCausalLM",
+)
 
 
 def shape(config) -> ModelShape:
     bias = bool(getattr(config, "attention_bias", False))
-    is_qwen2 = architecture(config) == "Qwen2ForCausalLM"
-    return base_shape(config, qkv_bias=is_qwen2 or bias, o_bias=bias and not is_qwen2)
+    qkv_bias, o_bias = {  # where a family departs from Llama's rule
+        "Qwen2ForCausalLM": (True, False),
+        "SeedOssForCausalLM": (bias, bool(getattr(config, "attention_out_bias", False))),
+    }.get(architecture(config), (bias, bias))
+    return base_shape(config, qkv_bias=qkv_bias, o_bias=o_bias)
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:

@@ -1,5 +1,6 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-Qwen2's sliding layers, Llama's MLP biases and activations) against
+GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, Qwen2's sliding layers, Llama's MLP biases and
+activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -161,6 +162,42 @@ CONFIGS = {  # name: (transformers config class, its arguments)
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
              }),
+    ),
+    "ernie4_5-mqa": (
+        "Ernie4_5Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=16),
+    ),
+    "ernie4_5-biases-untied": (
+        "Ernie4_5Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=24, use_bias=True, tie_word_embeddings=False),
+    ),
+    "glm-partial-interleaved": (
+        "GlmConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, attention_bias=True),
+    ),
+    "glm4-sandwich": (
+        "Glm4Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=32, attention_bias=True, tie_word_embeddings=True),
+    ),
+    "helium-biases": (
+        "HeliumConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, attention_bias=True, mlp_bias=True),
+    ),
+    "ministral-layer-windows": (
+        "MinistralConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),
+    "seed_oss-out-bias": (
+        "SeedOssConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, attention_bias=True, attention_out_bias=True),
     ),
     "phi3-window": (
         "Phi3Config",
@@ -353,7 +390,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
 
 # One config per family, each variant the device kernels have: sliding windows, soft-capping,
 # local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling,
-# norms after the blocks only.
+# norms after the blocks only, interleaved partial rotary.
 @pytest.mark.parametrize(
     "family",
     [
@@ -364,6 +401,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
         "smollm3-nope",
         "granite",
         "olmo3-window-rope-per-type-biases",
+        "glm4-sandwich",
     ],
     indirect=True,
 )
