@@ -519,7 +519,10 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
         creds, intercept = server_credentials(args), interceptors(args)
     except (ValueError, OSError) as e:
         raise StartupError(str(e)) from None
-    model_dir = resolve_model_path(args.model)
+    try:
+        model_dir = resolve_model_path(args.model)
+    except ValueError as e:  # not a directory, no config.json
+        raise StartupError(str(e)) from None
     loop = asyncio.get_running_loop()
     router = OutputRouter(loop)
     try:

@@ -48,6 +48,7 @@ from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.cpu_features import cpu_features
 from service.models.families import model_shape
+from service.models.layers import UnsupportedModel
 from service.models.loader import load_config, load_model
 from service.models.vision import text_config
 from service.tokenizer import Tokenizer
@@ -111,13 +112,18 @@ class Engine:
             self.model_dir
         )  # the whole model's (a LLaVA's: vision tower, image token)
         self.config = text_config(self.hf_config)  # the language model's
-        model_shape(self.config)  # an unsupported architecture is refused before anything loads
+        shape = model_shape(self.config)  # an unsupported architecture is refused before anything loads
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)
         self.cpu_threads = None if self.device.is_cuda else self._size_cpu_threads(args.num_threads)
         self.overlap = self.features.resolve_overlap(args.use_overlap(self.device.device.type))
         self.context_length = args.context_length or getattr(self.config, "max_position_embeddings", 2048)
+        if shape.learned_positions is not None and self.context_length > shape.max_position_embeddings:
+            raise UnsupportedModel(
+                f"--context-length {self.context_length}: this model learned "
+                f"{shape.max_position_embeddings} positions, no more"
+            )
         t0 = time.perf_counter()
         # CPU: the one-time parallel work on a thread that exits, so the forward's thread keeps the only
         # OpenMP team (service/core/omp.py); CUDA: here (graph capture and the current device stay on this thread).

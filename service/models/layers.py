@@ -19,6 +19,7 @@ modules; `families.py` picks the family from config.json's `architectures`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,14 @@ from service.models.ops import (
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table, rotary_dim
 
 ACTIVATIONS = {"silu": silu_mul, "gelu": gelu_mul, "gelu_tanh": gelu_tanh_mul, "relu": relu_mul}
-# transformers' names for them (config `hidden_act`; Gemma-2/3's `hidden_activation`)
+PLAIN_ACTIVATIONS = {  # the same, without a gate (PlainMLP)
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+# transformers' names for them (config `hidden_act`; Gemma-2/3's `hidden_activation`; GPT-2's and
+# OPT's `activation_function`)
 ACTIVATION_OF_CONFIG = {
     "silu": "silu",
     "swish": "silu",
@@ -76,7 +84,7 @@ class ModelShape:
     head_dim: int
     intermediate_size: int
     vocab_size: int
-    rms_norm_eps: float
+    norm_eps: float  # the norms' epsilon (RMSNorm's, or LayerNorm's where `norm` is "layer")
     tie_word_embeddings: bool
     max_position_embeddings: int
     layer_attention: tuple[LayerAttention, ...]  # per layer
@@ -93,7 +101,17 @@ class ModelShape:
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
     post_norms: bool = False  # norms only after attention and the MLP, none before (OLMo-2)
-    mlp_bias: bool = False  # biases on gate, up and down (Llama's `mlp_bias`)
+    mlp_bias: bool = False  # biases on gate, up and down (Llama's `mlp_bias`), or fc and proj
+    # The GPT lineage (GPT-2, GPT-NeoX, OPT, Phi-2, StarCoder2): LayerNorms with biases, plain MLPs,
+    # blocks side by side, learned absolute positions.
+    norm: str = "rms"  # "rms", or "layer": LayerNorm (with a bias) before each block and at the end
+    mlp_gated: bool = True  # False: proj(act(fc(x))), no gate
+    parallel_blocks: bool = False  # attention and MLP both read the layer's input (GPT-NeoX, Phi-2)
+    shared_block_norm: bool = False  # ... through one norm (Phi-2); else a norm each
+    lm_head_bias: bool = False  # the LM head has a bias (Phi-2)
+    learned_positions: int | None = (
+        None  # absolute position embeddings at this offset (GPT-2 0, OPT 2); None: rotary
+    )
     moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
 
@@ -108,23 +126,6 @@ class ModelShape:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
 
-# A config without `architectures` (a LLaVA's text config): the causal LM of its model type.
-ARCHITECTURE_OF_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma": "GemmaForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "olmo3": "Olmo3ForCausalLM",
-}
-
-
 def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
     """Per layer, its rope table's key: its layer type where the config gives a rope per type
     (Gemma-3's local and global bases, OLMo-3's), else the model's one rope."""
@@ -136,15 +137,29 @@ def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
 
 
 def architecture(config) -> str:
+    """config.json's `architectures[0]`; a config without one (a LLaVA's text config) names its
+    model type, whose causal LM transformers knows."""
     names = getattr(config, "architectures", None)
     if names:
         return names[0]
-    return ARCHITECTURE_OF_TYPE.get(getattr(config, "model_type", ""), "LlamaForCausalLM")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(
+            f"config.json names no architecture, and model type {model_type!r} has no causal LM"
+        )
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def activation(config) -> str:
     """The MLP's activation (an ACTIVATIONS key) from the config; one not served is refused."""
-    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+    name = (
+        getattr(config, "hidden_activation", None)
+        or getattr(config, "hidden_act", None)
+        or getattr(config, "activation_function", None)
+        or "silu"
+    )
     if name not in ACTIVATION_OF_CONFIG:
         raise UnsupportedModel(
             f"{architecture(config)}: hidden activation {name!r} is not served; "
@@ -172,9 +187,9 @@ def base_shape(config, **overrides) -> ModelShape:
         num_q_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=getattr(config, "intermediate_size", None),
         vocab_size=config.vocab_size,
-        rms_norm_eps=config.rms_norm_eps,
+        norm_eps=getattr(config, "rms_norm_eps", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=getattr(config, "max_position_embeddings", 2048),
         layer_attention=tuple(LayerAttention(w) for w in windows),
@@ -204,7 +219,7 @@ class SelfAttention(nn.Module):
         hq, hkv, d = s.num_q_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv(x)
         if s.qk_norm:
-            qkv = norm_qk_heads(qkv, hq, hkv, d, self.q_norm, self.k_norm, s.rms_norm_eps)
+            qkv = norm_qk_heads(qkv, hq, hkv, d, self.q_norm, self.k_norm, s.norm_eps)
         q, k, v = split_qkv_rope(qkv, hq, hkv, d, positions, cos, sin)
         return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
 
@@ -246,7 +261,7 @@ class DecoderLayer(nn.Module):
             self.post_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
 
     def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
-        eps = self.s.rms_norm_eps
+        eps = self.s.norm_eps
         if self.s.post_norms:
             h = h if delta is None else h + delta
             _, a = add_rms_norm(
@@ -266,6 +281,43 @@ class DecoderLayer(nn.Module):
         return h, add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
 
 
+class PlainMLP(nn.Module):
+    """proj(act(fc(x))), biases where `mlp_bias` (the GPT lineage)."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.fc = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.act = PLAIN_ACTIVATIONS[s.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)))
+
+
+class LayerNormDecoderLayer(nn.Module):
+    """The GPT lineage's block (`norm` "layer"): LayerNorms with biases before attention and the
+    MLP, one block after the other (GPT-2, OPT, StarCoder2) or side by side on the layer's input
+    (`parallel_blocks`: GPT-NeoX with a norm each, Phi-2 with one norm for both).
+    (h, delta) -> the next layer's (h, delta), as DecoderLayer's."""
+
+    def __init__(self, s: ModelShape, index: int = 0):
+        super().__init__()
+        self.s = s
+        self.attn = SelfAttention(s)
+        self.mlp: nn.Module = GatedMLP(s) if s.mlp_gated else PlainMLP(s)
+        self.input_norm = nn.LayerNorm(s.hidden_size, eps=s.norm_eps)
+        self.post_norm = None if s.shared_block_norm else nn.LayerNorm(s.hidden_size, eps=s.norm_eps)
+
+    def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
+        h = h if delta is None else h + delta
+        x = self.input_norm(h)
+        a = self.attn(x, positions, cos, sin, k_cache, v_cache, meta, attn)
+        if self.s.parallel_blocks:
+            return h, a + self.mlp(x if self.post_norm is None else self.post_norm(h))
+        h = h + a
+        return h, self.mlp(self.post_norm(h))
+
+
 def pack_linears(module: nn.Module) -> None:
     """Replace each nn.Linear below `module` by its packed twin where there is one (service/models/linear.py)."""
     for name, child in module.named_children():
@@ -282,9 +334,21 @@ class CausalLM(nn.Module):
         super().__init__()
         self.shape = s = shape
         self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
-        self.norm = nn.Parameter(torch.ones(s.hidden_size))
-        self.lm_head = None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        self.pos_embed = (
+            None
+            if s.learned_positions is None
+            else nn.Embedding(s.max_position_embeddings + s.learned_positions, s.hidden_size)
+        )
+        layer = DecoderLayer if s.norm == "rms" else LayerNormDecoderLayer
+        self.layers = nn.ModuleList(layer(s, i) for i in range(s.num_layers))
+        self.norm: nn.Module | nn.Parameter = (
+            nn.Parameter(torch.ones(s.hidden_size))
+            if s.norm == "rms"
+            else nn.LayerNorm(s.hidden_size, eps=s.norm_eps)
+        )
+        self.lm_head = (
+            None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=s.lm_head_bias)
+        )
         self.config = config
         self.max_positions = max_positions
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # init_rope(): per table key
@@ -302,7 +366,8 @@ class CausalLM(nn.Module):
         """Lay the linear weights out once for the fastest kernels this CPU has (service/models/linear.py)."""
         pack_linears(self.layers)
         # A packed copy of the head (tied: the embedding keeps its own table for lookups).
-        self.packed_head = fast_twin(self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        head = self.lm_head
+        self.packed_head = fast_twin(self.embed.weight) if head is None else fast_twin(head.weight, head.bias)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, input_ids: torch.Tensor, kv_pool, attn) -> torch.Tensor:
@@ -312,6 +377,8 @@ class CausalLM(nn.Module):
         h = self.embed(input_ids)
         if s.embed_scale is not None:
             h = h * torch.tensor(s.embed_scale, dtype=h.dtype)
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(fb.positions + s.learned_positions)
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
         metas = {
@@ -336,11 +403,16 @@ class CausalLM(nn.Module):
             if fb.extra_logit_rows is None
             else torch.cat([fb.logits_index, fb.extra_logit_rows])
         )
-        _, h = add_rms_norm(h[rows], delta[rows], self.norm, s.rms_norm_eps)
+        if s.norm == "rms":
+            _, h = add_rms_norm(h[rows], delta[rows], self.norm, s.norm_eps)
+        else:
+            h = self.norm(h[rows] + delta[rows])
         if self.packed_head is not None:
             logits = self.packed_head(h)
+        elif self.lm_head is not None:
+            logits = self.lm_head(h)
         else:
-            logits = F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+            logits = F.linear(h, self.embed.weight)
         if s.logits_divisor is not None:
             logits = logits / s.logits_divisor
         return soft_cap(logits, s.final_softcap)
@@ -373,6 +445,19 @@ class Checkpoint:
 
     def cat(self, *names: str) -> torch.Tensor:
         return torch.cat([self(n) for n in names])
+
+
+def load_layer_norm(norm: nn.LayerNorm, take: Checkpoint, name: str) -> None:
+    """A LayerNorm's weight and bias, `{name}.weight` and `{name}.bias`."""
+    norm.weight.copy_(take(name + ".weight"))
+    norm.bias.copy_(take(name + ".bias"))
+
+
+def load_linear(linear: nn.Module, take: Checkpoint, name: str) -> None:
+    """A linear's weight (and bias, where it has one), `{name}.weight` and `{name}.bias`."""
+    linear.weight.copy_(take(name + ".weight"))
+    if linear.bias is not None:
+        linear.bias.copy_(take(name + ".bias"))
 
 
 def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> None:

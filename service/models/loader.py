@@ -9,15 +9,21 @@ from safetensors.torch import load_file
 
 from service.models.checkpoint import checkpoint_files
 from service.models.families import family_of, model_shape
-from service.models.layers import CausalLM, Checkpoint
+from service.models.layers import CausalLM, Checkpoint, UnsupportedModel
 from service.models.llava import language_tensors
 from service.models.vision import language_config_for, text_config
 
 
 def load_config(model_dir: str | Path):
+    """The directory's config.json through transformers; one it cannot read (not JSON, a model
+    type it does not know) is refused as UnsupportedModel with transformers' first line."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: {first}") from None
 
 
 def load_model(

@@ -1,6 +1,6 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, Qwen2's sliding layers, Llama's MLP biases and
-activations) against
+GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPT-NeoX, OPT, Phi-2,
+StarCoder2; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -199,6 +199,49 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, attention_bias=True, attention_out_bias=True),
     ),
+    "gpt_neox-parallel": (
+        "GPTNeoXConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+    ),
+    "gpt_neox-sequential-full-rotary-tied": (
+        "GPTNeoXConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+             use_parallel_residual=False, rotary_pct=1.0, hidden_act="gelu_new"),
+    ),
+    "phi-partial": (
+        "PhiConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             partial_rotary_factor=0.4),
+    ),
+    "phi-gqa-tied": (
+        "PhiConfig",
+        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, tie_word_embeddings=True),
+    ),
+    "starcoder2-window": (
+        "Starcoder2Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, sliding_window=8),
+    ),
+    "starcoder2-no-bias-untied": (
+        "Starcoder2Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, use_bias=False, tie_word_embeddings=False),
+    ),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4)),
+    "gpt2-inner-unscaled": (
+        "GPT2Config",
+        dict(n_embd=48, n_layer=3, n_head=2, n_inner=80, scale_attn_weights=False, activation_function="relu"),
+    ),
+    "opt": (
+        "OPTConfig",
+        dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64),
+    ),
+    "opt-no-bias-gelu": (
+        "OPTConfig",
+        dict(hidden_size=48, ffn_dim=64, num_hidden_layers=3, num_attention_heads=2, word_embed_proj_dim=48,
+             enable_bias=False, activation_function="gelu"),
+    ),
     "phi3-window": (
         "Phi3Config",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -390,7 +433,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
 
 # One config per family, each variant the device kernels have: sliding windows, soft-capping,
 # local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling,
-# norms after the blocks only, interleaved partial rotary.
+# norms after the blocks only, interleaved partial rotary, LayerNorm blocks side by side, learned positions.
 @pytest.mark.parametrize(
     "family",
     [
@@ -402,6 +445,8 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
         "granite",
         "olmo3-window-rope-per-type-biases",
         "glm4-sandwich",
+        "gpt_neox-parallel",
+        "gpt2",
     ],
     indirect=True,
 )
@@ -447,6 +492,11 @@ REFUSED = {  # what config.json asks for (beside a served config): what the one 
          "Gemma2ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM"],
     ),
     "activation": ("qwen3-gqa-tied", dict(hidden_act="quick_gelu"), ["'quick_gelu' is not served", "silu"]),
+    "post-norm-opt": (
+        "opt",
+        dict(do_layer_norm_before=False),
+        ["do_layer_norm_before false (post-norm) is not served"],
+    ),
     "experts-activation": (
         "qwen2-window-above-max-layers",
         dict(architectures=["MixtralForCausalLM"], hidden_act="gelu", num_local_experts=4, num_experts_per_tok=2),
@@ -467,8 +517,13 @@ def test_unsupported_model_ends_the_server_with_one_line(tmp_path, refused):
         setattr(cfg, key, value)
     model_dir = tmp_path / "m"
     cfg.save_pretrained(model_dir)
+    assert_one_line_refusal(model_dir, words)
+
+
+def assert_one_line_refusal(model_dir: Path, words: list[str], *args: str) -> None:
+    """`serve` exits non-zero with one stderr line holding every word, and no traceback."""
     out = subprocess.run(
-        [sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", "0"],
+        [sys.executable, "-m", "service", "serve", "--model", str(model_dir), "--port", "0", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -478,3 +533,30 @@ def test_unsupported_model_ends_the_server_with_one_line(tmp_path, refused):
     lines = [line for line in out.stderr.splitlines() if words[0] in line]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert all(w in lines[0] for w in words), lines[0]
+
+
+NOT_MODELS = {  # config.json's text (None: none): what the one line names
+    "no-config": (None, [], ["no config.json in it"]),
+    "not-json": ("{model_type", [], ["config.json", "not a valid JSON file"]),
+    "unknown-model-type": ('{"model_type": "qwen9"}', [], ["config.json", "model type `qwen9`"]),
+    "no-architectures-unserved-type": (
+        '{"model_type": "bert"}',
+        [],
+        ["unsupported architecture 'BertLMHeadModel'"],
+    ),
+    "beyond-learned-positions": (
+        '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_positions": 64}',
+        ["--context-length", "128"],
+        ["--context-length 128", "learned 64 positions"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_MODELS))
+def test_a_directory_that_is_no_model_ends_the_server_with_one_line(tmp_path, case):
+    """The defects: these ended in a Python traceback (and a config.json without `architectures`
+    whose model type is not served was taken for Llama's)."""
+    text, args, words = NOT_MODELS[case]
+    if text is not None:
+        (tmp_path / "config.json").write_text(text)
+    assert_one_line_refusal(tmp_path, words, *args)

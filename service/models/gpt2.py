@@ -1,0 +1,56 @@
+"""GPT-2: the GPT lineage's block (`layers.py` `LayerNormDecoderLayer`) one after the other, learned
+absolute positions (`wpe`) instead of rotary, biases everywhere, a GELU (tanh) MLP without a gate
+of `n_inner` (4 x hidden by default), tied embeddings. Its projections are published as `Conv1D`
+([in, out]) and transposed at load. `scale_attn_by_inverse_layer_idx` is not served."""
+
+from __future__ import annotations
+
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    UnsupportedModel,
+    base_shape,
+    load_layer_norm,
+)
+from service.models.rope import NO_ROPE
+
+ARCHITECTURES = ("GPT2LMHeadModel",)
+
+
+def shape(config) -> ModelShape:
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        raise UnsupportedModel("GPT2LMHeadModel: scale_attn_by_inverse_layer_idx is not served")
+    return base_shape(
+        config,
+        norm="layer",
+        norm_eps=config.layer_norm_epsilon,
+        intermediate_size=config.n_inner or 4 * config.hidden_size,
+        mlp_gated=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        learned_positions=0,
+        layer_rope=(NO_ROPE,) * config.num_hidden_layers,
+        attn_scale=None if getattr(config, "scale_attn_weights", True) else 1.0,
+    )
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    def conv1d(linear, name: str) -> None:  # Conv1D keeps its weight as [in, out]
+        linear.weight.copy_(take(name + ".weight").t())
+        linear.bias.copy_(take(name + ".bias"))
+
+    model.embed.weight.copy_(take("transformer.wte.weight"))
+    model.pos_embed.weight.copy_(take("transformer.wpe.weight"))
+    load_layer_norm(model.norm, take, "transformer.ln_f")
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+    for i, layer in enumerate(model.layers):
+        p = f"transformer.h.{i}."
+        load_layer_norm(layer.input_norm, take, p + "ln_1")
+        load_layer_norm(layer.post_norm, take, p + "ln_2")
+        conv1d(layer.attn.qkv, p + "attn.c_attn")
+        conv1d(layer.attn.o, p + "attn.c_proj")
+        conv1d(layer.mlp.fc, p + "mlp.c_fc")
+        conv1d(layer.mlp.proj, p + "mlp.c_proj")

@@ -1,0 +1,68 @@
+"""OPT: the GPT lineage's block (`layers.py` `LayerNormDecoderLayer`) one after the other, learned
+absolute positions at offset 2, biases where `enable_bias` (on by default), a ReLU MLP without a
+gate of `ffn_dim`, tied embeddings. Served as the models from 125m up publish it: LayerNorm
+before each block (`do_layer_norm_before`), no projection around the embeddings; OPT-350m's
+post-norm layout is refused."""
+
+from __future__ import annotations
+
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    UnsupportedModel,
+    base_shape,
+    load_layer_norm,
+    load_linear,
+)
+from service.models.rope import NO_ROPE
+
+ARCHITECTURES = ("OPTForCausalLM",)
+POSITION_OFFSET = 2  # OPT's learned positions start at row 2
+
+
+def shape(config) -> ModelShape:
+    hidden = config.hidden_size
+    unsupported = [
+        ("do_layer_norm_before false (post-norm)", not config.do_layer_norm_before),
+        ("word_embed_proj_dim != hidden_size", (config.word_embed_proj_dim or hidden) != hidden),
+        ("_remove_final_layer_norm", bool(getattr(config, "_remove_final_layer_norm", False))),
+        ("layer_norm_elementwise_affine false", not getattr(config, "layer_norm_elementwise_affine", True)),
+    ]
+    asked = [what for what, set_ in unsupported if set_]
+    if asked:
+        raise UnsupportedModel(f"OPTForCausalLM: {', '.join(asked)} is not served")
+    bias = bool(getattr(config, "enable_bias", True))
+    return base_shape(
+        config,
+        norm="layer",
+        norm_eps=1e-5,
+        intermediate_size=config.ffn_dim,
+        mlp_gated=False,
+        mlp_bias=bias,
+        qkv_bias=bias,
+        o_bias=bias,
+        learned_positions=POSITION_OFFSET,
+        layer_rope=(NO_ROPE,) * config.num_hidden_layers,
+    )
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    d = "model.decoder."
+    model.embed.weight.copy_(take(d + "embed_tokens.weight"))
+    model.pos_embed.weight.copy_(take(d + "embed_positions.weight"))
+    load_layer_norm(model.norm, take, d + "final_layer_norm")
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+    for i, layer in enumerate(model.layers):
+        p = f"{d}layers.{i}."
+        a = p + "self_attn."
+        load_layer_norm(layer.input_norm, take, p + "self_attn_layer_norm")
+        load_layer_norm(layer.post_norm, take, p + "final_layer_norm")
+        qkv = layer.attn.qkv
+        qkv.weight.copy_(take.cat(*(a + f"{n}_proj.weight" for n in "qkv")))
+        if qkv.bias is not None:
+            qkv.bias.copy_(take.cat(*(a + f"{n}_proj.bias" for n in "qkv")))
+        load_linear(layer.attn.o, take, a + "out_proj")
+        load_linear(layer.mlp.fc, take, p + "fc1")
+        load_linear(layer.mlp.proj, take, p + "fc2")

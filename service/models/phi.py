@@ -1,0 +1,53 @@
+"""Phi-1.5 and Phi-2: the GPT lineage's block (`layers.py` `LayerNormDecoderLayer`) with
+attention and MLP side by side on one LayerNorm of the layer's input, rotary on the first
+`partial_rotary_factor` of each head, biases on every projection and on the LM head, a GELU
+(tanh) MLP without a gate. Per-head q/k LayerNorms (`qk_layernorm`) are not served."""
+
+from __future__ import annotations
+
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    UnsupportedModel,
+    base_shape,
+    load_layer_norm,
+    load_linear,
+)
+
+ARCHITECTURES = ("PhiForCausalLM",)
+
+
+def shape(config) -> ModelShape:
+    if getattr(config, "qk_layernorm", False):
+        raise UnsupportedModel("PhiForCausalLM: qk_layernorm is not served")
+    return base_shape(
+        config,
+        norm="layer",
+        norm_eps=config.layer_norm_eps,
+        mlp_gated=False,
+        mlp_bias=True,
+        qkv_bias=True,
+        o_bias=True,
+        parallel_blocks=True,
+        shared_block_norm=True,
+        lm_head_bias=True,
+        tie_word_embeddings=False,  # a tied head still has its own bias: the embeddings are copied
+    )
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    model.embed.weight.copy_(take("model.embed_tokens.weight"))
+    load_layer_norm(model.norm, take, "model.final_layernorm")
+    head = "lm_head.weight" if take.has("lm_head.weight") else "model.embed_tokens.weight"
+    model.lm_head.weight.copy_(take(head))
+    model.lm_head.bias.copy_(take("lm_head.bias"))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        load_layer_norm(layer.input_norm, take, p + "input_layernorm")
+        a = p + "self_attn."
+        layer.attn.qkv.weight.copy_(take.cat(*(a + f"{n}_proj.weight" for n in "qkv")))
+        layer.attn.qkv.bias.copy_(take.cat(*(a + f"{n}_proj.bias" for n in "qkv")))
+        load_linear(layer.attn.o, take, a + "dense")
+        load_linear(layer.mlp.fc, take, p + "mlp.fc1")
+        load_linear(layer.mlp.proj, take, p + "mlp.fc2")

@@ -1,0 +1,45 @@
+"""StarCoder2: the GPT lineage's block (`layers.py` `LayerNormDecoderLayer`) one after the other,
+LayerNorms with biases, biases on every projection where `use_bias`, a GELU (tanh) MLP without a
+gate (`c_fc`, `c_proj`), full rotary, a sliding window on every layer where set, tied
+embeddings."""
+
+from __future__ import annotations
+
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    base_shape,
+    load_layer_norm,
+    load_linear,
+    load_split_attention,
+)
+
+ARCHITECTURES = ("Starcoder2ForCausalLM",)
+
+
+def shape(config) -> ModelShape:
+    bias = bool(getattr(config, "use_bias", True))
+    return base_shape(
+        config,
+        norm="layer",
+        norm_eps=config.norm_epsilon,
+        mlp_gated=False,
+        mlp_bias=bias,
+        qkv_bias=bias,
+        o_bias=bias,
+    )
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    model.embed.weight.copy_(take("model.embed_tokens.weight"))
+    load_layer_norm(model.norm, take, "model.norm")
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        load_layer_norm(layer.input_norm, take, p + "input_layernorm")
+        load_layer_norm(layer.post_norm, take, p + "post_attention_layernorm")
+        load_split_attention(layer, take, p)
+        load_linear(layer.mlp.fc, take, p + "mlp.c_fc")
+        load_linear(layer.mlp.proj, take, p + "mlp.c_proj")
