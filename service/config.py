@@ -49,6 +49,9 @@ class ServerArgs:
     log_level: str = "info"  # debug | info | warning | error
     metrics_port: int | None = None  # Prometheus endpoint; None = off
     grace_period_s: float = 30.0  # SIGTERM: time for in-flight requests
+    sampling_defaults: str = (
+        "model"  # model: generation_config.json's sampling values for unset fields | none
+    )
     future_map_size: int | None = None  # None: 3 x max_running_requests + 1
     max_skip_ahead: int = 32  # requests admitted past one waiting for KV, at most (then it gets the room)
     disable_prefix_cache: bool = (
@@ -344,6 +347,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.max_constraint_properties,
         help="most properties in one JSON-schema object (INVALID_ARGUMENT beyond)",
+    )
+    p.add_argument(
+        "--sampling-defaults",
+        choices=["model", "none"],
+        default=d.sampling_defaults,
+        help="model: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and "
+        "max_new_tokens take the model's generation_config.json values (as vLLM and SGLang do); "
+        "none: the built-in defaults (temperature 1, no truncation, 128 tokens)",
     )
     p.add_argument(
         "--constraint-mode",

@@ -8,6 +8,7 @@ thread. The scheduler's outputs reach request handlers through OutputRouter.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -112,9 +113,10 @@ def _code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name)
 
 
-def sampling_from_proto(sp) -> SamplingParams:
-    """Proto SamplingParams -> ours; unset optional fields keep our defaults."""
-    p = SamplingParams()
+def sampling_from_proto(sp, defaults: SamplingParams | None = None) -> SamplingParams:
+    """Proto SamplingParams -> ours; unset optional fields (and top_k, min_p 0) take `defaults`
+    (the engine's: the model's generation_config.json values, `--sampling-defaults`)."""
+    p = dataclasses.replace(defaults) if defaults is not None else SamplingParams()
     for name in (
         "max_new_tokens",
         "temperature",
@@ -126,8 +128,10 @@ def sampling_from_proto(sp) -> SamplingParams:
         if sp.HasField(name):
             setattr(p, name, getattr(sp, name))
     p.min_new_tokens = sp.min_new_tokens
-    p.top_k = sp.top_k
-    p.min_p = sp.min_p
+    if sp.top_k:
+        p.top_k = sp.top_k
+    if sp.min_p:
+        p.min_p = sp.min_p
     p.frequency_penalty = sp.frequency_penalty
     p.presence_penalty = sp.presence_penalty
     p.stop = list(sp.stop)
@@ -242,7 +246,10 @@ class GenerationServicer(pb2_grpc.GenerationServicer):
                     features[name] = payload
             req = await self._off_loop(
                 lambda: self.engine.build_request(
-                    rid, self._prompt_ids(request), sampling_from_proto(request.sampling), features
+                    rid,
+                    self._prompt_ids(request),
+                    sampling_from_proto(request.sampling, self.engine.sampling_defaults),
+                    features,
                 )
             )
             for fut in self.engine.features.pending(req):  # e.g. its grammar: errors found before admission

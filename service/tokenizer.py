@@ -139,9 +139,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def eos_token_ids(self, config) -> list[int]:
+    def eos_token_ids(self, config, generation: dict | None = None) -> list[int]:
+        """The model's end-of-sequence ids: config.json's, the tokenizer's and generation_config.json's
+        (where instruct models list their end-of-turn tokens: Llama 3's <|eot_id|>, Gemma's <end_of_turn>)."""
         ids: set[int] = set()
-        for src in (getattr(config, "eos_token_id", None), self.hf.eos_token_id):
+        sources = (
+            getattr(config, "eos_token_id", None),
+            self.hf.eos_token_id,
+            (generation or {}).get("eos_token_id"),
+        )
+        for src in sources:
             if isinstance(src, int):
                 ids.add(src)
             elif isinstance(src, (list, tuple)):

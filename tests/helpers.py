@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 import pytest
@@ -101,6 +102,17 @@ def serve_process(model_dir, port: int, *flags: str, timeout: float = 120.0):
         proc.stdout.close()
         raise AssertionError(f"the server did not start: {line}")
     return proc
+
+
+def model_variant(model_dir: Path, out: Path, **files: str) -> Path:
+    """`out`: `model_dir`'s files as symlinks, but for `files` (name -> text) written in their place."""
+    out.mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        if f.name not in files:
+            (out / f.name).symlink_to(f)
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return out
 
 
 def free_port() -> int:

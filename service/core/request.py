@@ -48,6 +48,18 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return z ^ (z >> 31)
 
 
+# generation_config.json keys that set a request's defaults (SamplingParams.model_defaults): the
+# values taken (others are left out)
+GENERATION_DEFAULTS: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v >= 0,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v == int(v) and v >= 1,
+    "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: v > 0,
+    "max_new_tokens": lambda v: v == int(v) and v >= 1,
+}
+
+
 @dataclass
 class SamplingParams:
     """Sampling settings of one request (see proto SamplingParams)."""
@@ -67,6 +79,18 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+
+    @classmethod
+    def model_defaults(cls, generation: dict) -> SamplingParams:
+        """The defaults a model's generation_config.json sets (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens), the built-in ones elsewhere; values of the wrong
+        kind or range are left out."""
+        p = cls()
+        for name, takes in GENERATION_DEFAULTS.items():
+            v = generation.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and takes(v):
+                setattr(p, name, int(v) if name in ("top_k", "max_new_tokens") else float(v))
+        return p
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError(INVALID_ARGUMENT) naming the first bad field."""

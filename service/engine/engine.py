@@ -49,7 +49,7 @@ from service.models.backends import get_attention_backend, resolve_attention_bac
 from service.models.cpu_features import cpu_features
 from service.models.families import model_shape
 from service.models.layers import UnsupportedModel
-from service.models.loader import load_config, load_model
+from service.models.loader import load_config, load_generation_config, load_model
 from service.models.vision import text_config
 from service.tokenizer import Tokenizer
 
@@ -114,6 +114,15 @@ class Engine:
         self.config = text_config(self.hf_config)  # the language model's
         shape = model_shape(self.config)  # an unsupported architecture is refused before anything loads
         self.tokenizer = Tokenizer(self.model_dir)
+        self.generation_config = load_generation_config(self.model_dir)  # EOS ids, sampling defaults
+        self.sampling_defaults = (  # what a request's unset sampling fields take
+            SamplingParams.model_defaults(self.generation_config)
+            if args.sampling_defaults == "model"
+            else SamplingParams()
+        )
+        changed = {k: v for k, v in vars(self.sampling_defaults).items() if v != getattr(SamplingParams(), k)}
+        if changed:
+            log.info("sampling defaults from generation_config.json: %s", changed)
         self.device = Device.of(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device.device.type)
         self.cpu_threads = None if self.device.is_cuda else self._size_cpu_threads(args.num_threads)
@@ -198,7 +207,7 @@ class Engine:
         )
         shape = self.model.shape
         self.vocab_size = shape.vocab_size
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config))
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids(self.config, self.generation_config))
         self.feature_context = FeatureContext(
             args=args,
             tokenizer=self.tokenizer,

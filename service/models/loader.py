@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import torch
@@ -12,6 +14,8 @@ from service.models.families import family_of, model_shape
 from service.models.layers import CausalLM, Checkpoint, UnsupportedModel
 from service.models.llava import language_tensors
 from service.models.vision import language_config_for, text_config
+
+log = logging.getLogger(__name__)
 
 
 def load_config(model_dir: str | Path):
@@ -24,6 +28,18 @@ def load_config(model_dir: str | Path):
     except (ValueError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: {first}") from None
+
+
+def load_generation_config(model_dir: str | Path) -> dict:
+    """generation_config.json's keys as the model publishes them ({} where there is none, or it
+    cannot be read): its end-of-sequence ids and its sampling defaults."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        log.warning("%s: not read (%s); no generation defaults", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def load_model(

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.config import ServerArgs
 from service.server import BackgroundServer, GenerationServicer
-from tests.helpers import before_each_forward, kv_idle, on_each_result, wait_until
+from tests.helpers import before_each_forward, grpc_stub, kv_idle, model_variant, on_each_result, wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
@@ -123,12 +123,7 @@ STRICT_TEMPLATE = (  # as Gemma's and Mistral's templates refuse what they canno
 def test_a_template_that_refuses_the_messages_is_an_invalid_argument(smol_dir, tmp_path):
     """The defect: a chat template's own refusal (jinja's raise_exception) ended the RPC as UNKNOWN;
     it is the request's fault, said with the template's words, and the server goes on serving."""
-    model = tmp_path / "strict-template"
-    model.mkdir()
-    for f in smol_dir.iterdir():
-        if f.name != "chat_template.jinja":
-            (model / f.name).symlink_to(f)
-    (model / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    model = model_variant(smol_dir, tmp_path / "strict-template", **{"chat_template.jinja": STRICT_TEMPLATE})
     srv = BackgroundServer(ServerArgs(dtype="float32", model=str(model), port=0, kv_cache_tokens=1024))
     channel = grpc.insecure_channel(srv.address)
     try:
@@ -155,6 +150,41 @@ def test_a_template_that_refuses_the_messages_is_an_invalid_argument(smol_dir, t
     finally:
         channel.close()
         srv.stop()
+
+
+def test_generation_config_sets_end_of_turn_ids_and_sampling_defaults(smol_dir, tmp_path, stub):
+    """The defects: generation_config.json was not read, so an instruct model whose end-of-turn token
+    is listed only there (Llama 3's <|eot_id|>, Gemma's <end_of_turn>) ran past it to max tokens,
+    and its sampling values (Qwen's temperature 0.7, top_k 20, ...) were not the defaults, as they
+    are in vLLM and SGLang. A field the request sets still wins; --sampling-defaults none ignores them."""
+    import json
+
+    prompt = "1, 2, 3, 4,"
+    base = stub.Generate(pb2.GenerateRequest(text=prompt, sampling=greedy(12)))
+    end_of_turn = base.token_ids[4]  # as if the model's end-of-turn token came fifth
+    generation = {"eos_token_id": [2, end_of_turn], "top_k": 1, "max_new_tokens": 9}
+    model = model_variant(smol_dir, tmp_path / "m", **{"generation_config.json": json.dumps(generation)})
+    with grpc_stub(model, kv_cache_tokens=1024) as s:
+        assert end_of_turn in s.GetModelInfo(pb2.GetModelInfoRequest()).eos_token_ids
+        r = s.Generate(pb2.GenerateRequest(text=prompt, sampling=greedy(12)))
+        assert list(r.token_ids) == list(base.token_ids[:5]) and r.finish_reason == pb2.FINISH_REASON_STOP
+        r = s.Generate(pb2.GenerateRequest(text=prompt, sampling=pb2.SamplingParams(seed=7, ignore_eos=True)))
+        assert list(r.token_ids) == list(base.token_ids[:9])  # top_k 1: greedy; 9 tokens
+        open_ended = [
+            pb2.GenerateRequest(
+                text="My favourite", sampling=pb2.SamplingParams(seed=k, top_k=top_k, ignore_eos=True)
+            )
+            for k in range(4)
+            for top_k in (0, -1)  # unset: the model's 1; -1: all (the request's wins)
+        ]
+        got = [tuple(s.Generate(r).token_ids) for r in open_ended]
+        assert len(set(got[0::2])) == 1 and len(set(got[1::2])) > 1
+    with grpc_stub(model, kv_cache_tokens=1024, sampling_defaults="none") as s:
+        unset = [
+            pb2.GenerateRequest(text="My favourite", sampling=pb2.SamplingParams(seed=k, max_new_tokens=6))
+            for k in range(4)
+        ]
+        assert len({tuple(s.Generate(r).token_ids) for r in unset}) > 1  # no top_k 1: sampled
 
 
 def test_tokenize_detokenize_and_infos(stub, hf_tokenizer):
