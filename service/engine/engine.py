@@ -113,7 +113,13 @@ class Engine:
         )  # the whole model's (a LLaVA's: vision tower, image token)
         self.config = text_config(self.hf_config)  # the language model's
         shape = model_shape(self.config)  # an unsupported architecture is refused before anything loads
-        self.tokenizer = Tokenizer(self.model_dir)
+        try:
+            self.tokenizer = Tokenizer(self.model_dir)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UnsupportedModel(
+                f"{self.model_dir}: no tokenizer transformers can load ({first})"
+            ) from None
         self.generation_config = load_generation_config(self.model_dir)  # EOS ids, sampling defaults
         self.sampling_defaults = (  # what a request's unset sampling fields take
             SamplingParams.model_defaults(self.generation_config)

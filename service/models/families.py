@@ -75,5 +75,15 @@ def family_of(arch: str) -> Family:
 
 
 def model_shape(config) -> ModelShape:
-    """The shape of a (text) config's model; UnsupportedArchitecture names the ones served."""
-    return family_of(architecture(config)).shape(config)
+    """The shape of a (text) config's model; UnsupportedArchitecture names the ones served, and a
+    quantized checkpoint is refused naming its method."""
+    arch = architecture(config)
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = (
+            quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        )
+        raise UnsupportedModel(
+            f"{arch}: quantized weights ({method}) are not served; use the unquantized checkpoint"
+        )
+    return family_of(arch).shape(config)

@@ -61,7 +61,8 @@ ACTIVATION_OF_CONFIG = {
 
 
 class UnsupportedModel(ValueError):
-    """config.json asks for something no model file serves; the message names it."""
+    """A model directory this server cannot serve: config.json asks for something no model file
+    serves, or the weights are missing or not what its family needs; the message names it."""
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,8 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from service.models.checkpoint import checkpoint_files
+from service.models.checkpoint import NoWeights, checkpoint_files, read_weights
 from service.models.families import family_of, model_shape
 from service.models.layers import CausalLM, Checkpoint, UnsupportedModel
 from service.models.llava import language_tensors
@@ -51,14 +50,18 @@ def load_model(
     load_format: str = "auto",
     pack: bool = True,
 ) -> CausalLM:
-    """Build the model on the meta device, then fill it from safetensors (or with
+    """Build the model on the meta device, then fill it from its weights (or with
     seeded random weights: load_format="dummy") and move it to `device`; on CPU, lay the linears out for oneDNN (`pack`)."""
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     if load_format == "auto":  # a LLaVA checkpoint: its language model's tensors, under Llama names
-        for f in checkpoint_files(model_dir):
-            tensors.update(load_file(str(f)))
+        try:
+            files = checkpoint_files(model_dir)
+        except NoWeights as e:
+            raise UnsupportedModel(str(e)) from None
+        for f in files:
+            tensors.update(read_weights(f))
         tensors = language_tensors(tensors)
         config = language_config_for(config, tensors)
     else:
@@ -73,7 +76,12 @@ def load_model(
     elif load_format == "auto":
         model = model.to_empty(device="cpu")
         with torch.no_grad():
-            family_of(shape.architecture).load(model, Checkpoint(tensors))
+            try:
+                family_of(shape.architecture).load(model, Checkpoint(tensors))
+            except KeyError as e:  # a tensor its family needs is not there
+                raise UnsupportedModel(
+                    f"{model_dir}: {e.args[0]} (is it a {shape.architecture} checkpoint?)"
+                ) from None
         model = model.to(dtype).to(device)
     else:
         raise ValueError(f"unknown load format {load_format!r} (auto or dummy)")

@@ -535,28 +535,81 @@ def assert_one_line_refusal(model_dir: Path, words: list[str], *args: str) -> No
     assert all(w in lines[0] for w in words), lines[0]
 
 
-NOT_MODELS = {  # config.json's text (None: none): what the one line names
-    "no-config": (None, [], ["no config.json in it"]),
-    "not-json": ("{model_type", [], ["config.json", "not a valid JSON file"]),
-    "unknown-model-type": ('{"model_type": "qwen9"}', [], ["config.json", "model type `qwen9`"]),
+LLAMA_CONFIG = (
+    '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, '
+    '"intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 49152%s}'
+)
+NOT_MODELS = {  # config.json's text (None: none), files of the default model beside it, flags: what the line names
+    "no-config": (None, (), [], ["no config.json in it"]),
+    "not-json": ("{model_type", (), [], ["config.json", "not a valid JSON file"]),
+    "unknown-model-type": ('{"model_type": "qwen9"}', (), [], ["config.json", "model type `qwen9`"]),
     "no-architectures-unserved-type": (
         '{"model_type": "bert"}',
+        (),
         [],
         ["unsupported architecture 'BertLMHeadModel'"],
     ),
     "beyond-learned-positions": (
         '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_positions": 64}',
+        (),
         ["--context-length", "128"],
         ["--context-length 128", "learned 64 positions"],
+    ),
+    "quantized": (
+        LLAMA_CONFIG % ', "quantization_config": {"quant_method": "awq", "bits": 4}',
+        (),
+        [],
+        ["quantized weights (awq) are not served"],
+    ),
+    "no-tokenizer": (LLAMA_CONFIG % "", (), [], ["no tokenizer transformers can load"]),
+    "no-weights": (LLAMA_CONFIG % "", TOKENIZER_FILES, [], ["no weights in"]),
+    "another-family's-weights": (
+        '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 576, "n_layer": 2, '
+        '"n_head": 9, "vocab_size": 49152}',
+        (*TOKENIZER_FILES, "model.safetensors"),
+        [],
+        ["checkpoint lacks transformer.wte.weight", "is it a GPT2LMHeadModel checkpoint?"],
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(NOT_MODELS))
-def test_a_directory_that_is_no_model_ends_the_server_with_one_line(tmp_path, case):
+def test_a_directory_that_is_no_model_ends_the_server_with_one_line(tmp_path, smol_dir, case):
     """The defects: these ended in a Python traceback (and a config.json without `architectures`
     whose model type is not served was taken for Llama's)."""
-    text, args, words = NOT_MODELS[case]
+    text, files, args, words = NOT_MODELS[case]
     if text is not None:
         (tmp_path / "config.json").write_text(text)
+    for name in files:
+        (tmp_path / name).symlink_to(smol_dir / name)
     assert_one_line_refusal(tmp_path, words, *args)
+
+
+@pytest.mark.parametrize("family", ["opt"], indirect=True)
+def test_pytorch_bin_weights_load_as_safetensors_do(family, tmp_path):
+    """Older checkpoints (GPT-2's, OPT's, Pythia's) publish `pytorch_model.bin`, sharded with an
+    index or not: read with torch.load(weights_only), they give the safetensors run's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, whole = family
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    names = sorted(state)
+    for shards in (1, 2):
+        out = tmp_path / f"{shards}-shards"
+        out.mkdir()
+        hf.config.save_pretrained(out)
+        for f in TOKENIZER_FILES:
+            if (model_dir / f).exists():
+                shutil.copy(model_dir / f, out / f)
+        if shards == 1:
+            torch.save(state, out / "pytorch_model.bin")
+        else:  # as transformers wrote them: pytorch_model-0000k-of-00002.bin and an index
+            halves = (names[: len(names) // 2], names[len(names) // 2 :])
+            files = [f"pytorch_model-0000{k + 1}-of-00002.bin" for k in range(2)]
+            for part, file in zip(halves, files):
+                torch.save({n: state[n] for n in part}, out / file)
+            weight_map = {n: file for part, file in zip(halves, files) for n in part}
+            (out / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (got,), _ = serve(out, [LOGPROBS], loop="normal", chunked_prefill_size=0, disable_prefix_cache=True)
+        assert [ids for ids, _ in got] == [ids for ids, _ in whole]
