@@ -10,7 +10,7 @@ from service.models.layers import (
     Checkpoint,
     ModelShape,
     UnsupportedModel,
-    base_shape,
+    layer_norm_shape,
     load_layer_norm,
 )
 from service.models.rope import NO_ROPE
@@ -21,15 +21,11 @@ ARCHITECTURES = ("GPT2LMHeadModel",)
 def shape(config) -> ModelShape:
     if getattr(config, "scale_attn_by_inverse_layer_idx", False):
         raise UnsupportedModel("GPT2LMHeadModel: scale_attn_by_inverse_layer_idx is not served")
-    return base_shape(
+    return layer_norm_shape(
         config,
-        norm="layer",
-        norm_eps=config.layer_norm_epsilon,
+        config.layer_norm_epsilon,
+        bias=True,
         intermediate_size=config.n_inner or 4 * config.hidden_size,
-        mlp_gated=False,
-        mlp_bias=True,
-        qkv_bias=True,
-        o_bias=True,
         learned_positions=0,
         layer_rope=(NO_ROPE,) * config.num_hidden_layers,
         attn_scale=None if getattr(config, "scale_attn_weights", True) else 1.0,

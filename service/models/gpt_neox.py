@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape, load_layer_norm, load_linear
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    layer_norm_shape,
+    load_layer_norm,
+    load_linear,
+)
 
 ARCHITECTURES = ("GPTNeoXForCausalLM",)
 
 
 def shape(config) -> ModelShape:
     bias = bool(getattr(config, "attention_bias", True))
-    return base_shape(
+    return layer_norm_shape(
         config,
-        norm="layer",
-        norm_eps=config.layer_norm_eps,
-        mlp_gated=False,
-        mlp_bias=True,
+        config.layer_norm_eps,
+        bias=True,
         qkv_bias=bias,
         o_bias=bias,
         parallel_blocks=bool(config.use_parallel_residual),

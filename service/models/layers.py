@@ -202,6 +202,13 @@ def base_shape(config, **overrides) -> ModelShape:
     return ModelShape(**fields)
 
 
+def layer_norm_shape(config, norm_eps: float, bias: bool, **overrides) -> ModelShape:
+    """base_shape for the GPT lineage: LayerNorm blocks, MLPs without a gate, `bias` on every
+    projection (attention's and the MLP's); then the family's own fields."""
+    fields = dict(norm="layer", norm_eps=norm_eps, mlp_gated=False, mlp_bias=bias, qkv_bias=bias, o_bias=bias)
+    return base_shape(config, **{**fields, **overrides})
+
+
 class SelfAttention(nn.Module):
     """qkv -> (q/k norm) -> rotary -> paged attention -> o."""
 

@@ -11,7 +11,7 @@ from service.models.layers import (
     Checkpoint,
     ModelShape,
     UnsupportedModel,
-    base_shape,
+    layer_norm_shape,
     load_layer_norm,
     load_linear,
 )
@@ -32,16 +32,11 @@ def shape(config) -> ModelShape:
     asked = [what for what, set_ in unsupported if set_]
     if asked:
         raise UnsupportedModel(f"OPTForCausalLM: {', '.join(asked)} is not served")
-    bias = bool(getattr(config, "enable_bias", True))
-    return base_shape(
+    return layer_norm_shape(
         config,
-        norm="layer",
-        norm_eps=1e-5,
+        1e-5,
+        bias=bool(getattr(config, "enable_bias", True)),
         intermediate_size=config.ffn_dim,
-        mlp_gated=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
         learned_positions=POSITION_OFFSET,
         layer_rope=(NO_ROPE,) * config.num_hidden_layers,
     )

@@ -10,7 +10,7 @@ from service.models.layers import (
     Checkpoint,
     ModelShape,
     UnsupportedModel,
-    base_shape,
+    layer_norm_shape,
     load_layer_norm,
     load_linear,
 )
@@ -21,14 +21,10 @@ ARCHITECTURES = ("PhiForCausalLM",)
 def shape(config) -> ModelShape:
     if getattr(config, "qk_layernorm", False):
         raise UnsupportedModel("PhiForCausalLM: qk_layernorm is not served")
-    return base_shape(
+    return layer_norm_shape(
         config,
-        norm="layer",
-        norm_eps=config.layer_norm_eps,
-        mlp_gated=False,
-        mlp_bias=True,
-        qkv_bias=True,
-        o_bias=True,
+        config.layer_norm_eps,
+        bias=True,
         parallel_blocks=True,
         shared_block_norm=True,
         lm_head_bias=True,

@@ -25,8 +25,9 @@ ARCHITECTURES = ("Qwen2MoeForCausalLM",)
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-def shape(config) -> ModelShape:
-    moe = MoEShape(
+def moe_shape(config) -> MoEShape:
+    """The experts of a Qwen MoE config (Qwen3-MoE's too: no shared expert there)."""
+    return MoEShape(
         hidden_size=config.hidden_size,
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
@@ -34,6 +35,10 @@ def shape(config) -> ModelShape:
         renormalize=bool(config.norm_topk_prob),
         shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
     )
+
+
+def shape(config) -> ModelShape:
+    moe = moe_shape(config)
     return base_shape(
         config,
         qkv_bias=bool(getattr(config, "qkv_bias", True)),

@@ -13,19 +13,13 @@ import dataclasses
 
 from service.models import qwen2_moe, qwen3
 from service.models.layers import CausalLM, Checkpoint, ModelShape
-from service.models.moe import MoEShape, sparse_layers
+from service.models.moe import sparse_layers
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 
 def shape(config) -> ModelShape:
-    moe = MoEShape(
-        hidden_size=config.hidden_size,
-        num_experts=config.num_experts,
-        top_k=config.num_experts_per_tok,
-        intermediate_size=config.moe_intermediate_size,
-        renormalize=bool(config.norm_topk_prob),
-    )
+    moe = qwen2_moe.moe_shape(config)
     return dataclasses.replace(
         qwen3.shape(config), moe=moe, moe_layers=sparse_layers(config, moe.num_experts)
     )

@@ -9,7 +9,7 @@ from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
-    base_shape,
+    layer_norm_shape,
     load_layer_norm,
     load_linear,
     load_split_attention,
@@ -19,16 +19,7 @@ ARCHITECTURES = ("Starcoder2ForCausalLM",)
 
 
 def shape(config) -> ModelShape:
-    bias = bool(getattr(config, "use_bias", True))
-    return base_shape(
-        config,
-        norm="layer",
-        norm_eps=config.norm_epsilon,
-        mlp_gated=False,
-        mlp_bias=bias,
-        qkv_bias=bias,
-        o_bias=bias,
-    )
+    return layer_norm_shape(config, config.norm_epsilon, bias=bool(getattr(config, "use_bias", True)))
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
