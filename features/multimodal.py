@@ -311,10 +311,12 @@ class MultimodalFeature(Feature):
         if family(hf_config) is not None:
             return None
         arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
-        return (
-            f"{arch} is a text-only model (no vision tower); "
-            "image input needs a LLaVA or Qwen2-VL family model"
+        what = (
+            f"{arch}'s vision tower is not served here (its language model is, for text)"
+            if getattr(hf_config, "vision_config", None) is not None
+            else f"{arch} is a text-only model (no vision tower)"
         )
+        return f"{what}; image input needs a LLaVA or Qwen2-VL family model"
 
     def bind(self, ctx: FeatureContext) -> None:
         from service.models.vision import family, load_vision_encoder

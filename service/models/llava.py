@@ -13,7 +13,6 @@ projector (`linear_1 -> act -> linear_2`) is ours. Features are taken from
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,6 @@ def is_llava(config: Any) -> bool:
     return getattr(config, "model_type", "") == "llava" or any(a in LLAVA_ARCHITECTURES for a in archs)
 
 
-def text_config(config: Any) -> Any:
-    """The language model's config (the config itself for a text-only model)."""
-    return config.text_config if is_llava(config) else config
-
-
 def language_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A LLaVA checkpoint's language-model tensors under the plain Llama names
     (`model.layers...`, `lm_head.weight`); other checkpoints are returned as they are."""
@@ -59,16 +53,6 @@ def language_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             if name.startswith("lm_head."):
                 out[name] = t
     return out if found else tensors
-
-
-def language_config_for(config: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The text config our CausalLM is built from: for LLaVA, tied embeddings exactly when
-    the checkpoint has no LM head of its own (the flag sits at either level in the wild)."""
-    if not is_llava(config):
-        return config
-    cfg = copy.deepcopy(config.text_config)
-    cfg.tie_word_embeddings = "lm_head.weight" not in tensors
-    return cfg
 
 
 class Projector(nn.Module):

@@ -1,11 +1,15 @@
 """Which vision-language family a checkpoint is, and the parts each needs: one place to ask.
 
 LLaVA (`llava.py`: one fixed resolution, CLIP-style tower) and Qwen2-VL / Qwen2.5-VL
-(`qwen_vl.py`: dynamic resolution, M-RoPE). A text-only config is none of them.
+(`qwen_vl.py`: dynamic resolution, M-RoPE). A text-only config is none of them. Another
+vision-language checkpoint (Gemma-3 4B and up, Mistral-Small-3.1: a `text_config` beside a
+`vision_config`) is served for its language model alone, text in and out, when that model's
+family is served; its images are refused.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +28,24 @@ def family(config: Any) -> str | None:
 
 
 def text_config(config: Any) -> Any:
-    """The language model's config (the config itself for a text-only model)."""
+    """The language model's config: a vision-language model's `text_config` (Qwen2-VL's read as a
+    Qwen2), the config itself for a text-only model."""
     if qwen_vl.is_qwen_vl(config):
         return qwen_vl.qwen_text_config(config)
-    return llava.text_config(config)
+    return getattr(config, "text_config", None) or config
 
 
 def language_config_for(config: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The text config our language model is built from, given the checkpoint's (renamed) tensors."""
+    """The text config our language model is built from, given the checkpoint's (renamed) tensors:
+    a vision-language model's has tied embeddings exactly when the checkpoint has no LM head of its
+    own (the flag sits at either level in the wild)."""
     if qwen_vl.is_qwen_vl(config):
         return qwen_vl.qwen_text_config(config, tensors)
-    return llava.language_config_for(config, tensors)
+    if getattr(config, "text_config", None) is None:
+        return config
+    cfg = copy.deepcopy(config.text_config)
+    cfg.tie_word_embeddings = "lm_head.weight" not in tensors
+    return cfg
 
 
 def load_vision_encoder(

@@ -613,3 +613,75 @@ def test_pytorch_bin_weights_load_as_safetensors_do(family, tmp_path):
             (out / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
         (got,), _ = serve(out, [LOGPROBS], loop="normal", chunked_prefill_size=0, disable_prefix_cache=True)
         assert [ids for ids, _ in got] == [ids for ids, _ in whole]
+
+
+def vision_language_checkpoint(kind: str, smol: Path, out: Path):
+    """A random-init Gemma-3 (4B and up's layout) or Mistral-3 (Mistral-Small-3.1's) vision-language
+    checkpoint with a tiny vision tower, norms and biases perturbed; (its dir, the transformers model)."""
+    import transformers
+
+    text = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    if kind == "gemma3":
+        text_cfg = transformers.Gemma3TextConfig(sliding_window=8, query_pre_attn_scalar=16, **text)
+        vision = transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14,
+        )  # fmt: skip
+        cfg = transformers.Gemma3Config(
+            text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=1,
+            image_token_index=2000, boi_token_index=2001, eoi_token_index=2002,
+        )  # fmt: skip
+    else:
+        text_cfg = transformers.MistralConfig(sliding_window=None, **text)
+        vision = transformers.PixtralVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14, head_dim=16,
+        )  # fmt: skip
+        cfg = transformers.Mistral3Config(
+            text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), image_token_index=2000,
+            spatial_merge_size=1,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (smol / f).exists():
+            shutil.copy(smol / f, out / f)
+    return out, model
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
+    """Gemma-3 4B and up and Mistral-Small-3.1 are published as vision-language checkpoints only:
+    their language model is served for text (greedy tokens equal transformers' on text prompts),
+    and an image is refused naming why."""
+    from service.core.request import RequestError
+
+    model_dir, hf = vision_language_checkpoint(kind, smol_dir, tmp_path / kind)
+    (got,), _ = serve(model_dir, [{}], loop="normal", chunked_prefill_size=0, disable_prefix_cache=True)
+    for prompt, (ids, _) in zip(prompts(), got):
+        with torch.inference_mode():
+            want = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=N_NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        assert ids == want
+    c = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=256), model_dir)
+    try:
+        with pytest.raises(RequestError) as e:
+            c.engine.build_request("x", [5, 6], SamplingParams(), {"multimodal": object()})
+        assert e.value.code == "FAILED_PRECONDITION" and "vision tower is not served" in e.value.message
+    finally:
+        c.close()
