@@ -6,12 +6,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.models import (
+    cohere,
     ernie4_5,
+    exaone4,
     gemma,
     glm,
     gpt2,
     gpt_neox,
     granite,
+    granite_moe,
     helium,
     llama,
     mixtral,
@@ -45,16 +48,19 @@ FAMILIES: dict[str, Family] = {
         gemma,
         phi3,
         olmo2,
+        exaone4,
         glm,
         ernie4_5,
         gpt_neox,
         phi,
         starcoder2,
+        cohere,
         gpt2,
         opt,
         mixtral,
         qwen2_moe,
         qwen3_moe,
+        granite_moe,
     )
     for arch in module.ARCHITECTURES
 }

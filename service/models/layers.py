@@ -100,12 +100,14 @@ class ModelShape:
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
     residual_scale: float | None = None  # each block's output times this before its residual add (Granite)
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
+    logits_scale: float | None = None  # logits times this (Cohere's logit_scale)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
     post_norms: bool = False  # norms only after attention and the MLP, none before (OLMo-2)
     mlp_bias: bool = False  # biases on gate, up and down (Llama's `mlp_bias`), or fc and proj
     # The GPT lineage (GPT-2, GPT-NeoX, OPT, Phi-2, StarCoder2): LayerNorms with biases, plain MLPs,
     # blocks side by side, learned absolute positions.
-    norm: str = "rms"  # "rms", or "layer": LayerNorm (with a bias) before each block and at the end
+    norm: str = "rms"  # "rms", or "layer": LayerNorm before each block and at the end
+    norm_bias: bool = True  # ... with a bias (Cohere's has none)
     mlp_gated: bool = True  # False: proj(act(fc(x))), no gate
     parallel_blocks: bool = False  # attention and MLP both read the layer's input (GPT-NeoX, Phi-2)
     shared_block_norm: bool = False  # ... through one norm (Phi-2); else a norm each
@@ -313,8 +315,10 @@ class LayerNormDecoderLayer(nn.Module):
         self.s = s
         self.attn = SelfAttention(s)
         self.mlp: nn.Module = GatedMLP(s) if s.mlp_gated else PlainMLP(s)
-        self.input_norm = nn.LayerNorm(s.hidden_size, eps=s.norm_eps)
-        self.post_norm = None if s.shared_block_norm else nn.LayerNorm(s.hidden_size, eps=s.norm_eps)
+        self.input_norm = nn.LayerNorm(s.hidden_size, eps=s.norm_eps, bias=s.norm_bias)
+        self.post_norm = (
+            None if s.shared_block_norm else nn.LayerNorm(s.hidden_size, eps=s.norm_eps, bias=s.norm_bias)
+        )
 
     def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
         h = h if delta is None else h + delta
@@ -352,7 +356,7 @@ class CausalLM(nn.Module):
         self.norm: nn.Module | nn.Parameter = (
             nn.Parameter(torch.ones(s.hidden_size))
             if s.norm == "rms"
-            else nn.LayerNorm(s.hidden_size, eps=s.norm_eps)
+            else nn.LayerNorm(s.hidden_size, eps=s.norm_eps, bias=s.norm_bias)
         )
         self.lm_head = (
             None if s.tie_word_embeddings else nn.Linear(s.hidden_size, s.vocab_size, bias=s.lm_head_bias)
@@ -423,6 +427,8 @@ class CausalLM(nn.Module):
             logits = F.linear(h, self.embed.weight)
         if s.logits_divisor is not None:
             logits = logits / s.logits_divisor
+        if s.logits_scale is not None:
+            logits = logits * s.logits_scale
         return soft_cap(logits, s.final_softcap)
 
     def _mrope_positions(self, fb: ForwardBatch) -> torch.Tensor | None:
@@ -454,11 +460,19 @@ class Checkpoint:
     def cat(self, *names: str) -> torch.Tensor:
         return torch.cat([self(n) for n in names])
 
+    def first(self, *names: str) -> torch.Tensor:
+        """The first of `names` the checkpoint has (a tensor published under different names)."""
+        for n in names:
+            if n in self.tensors:
+                return self.tensors[n]
+        raise KeyError(f"checkpoint lacks {' or '.join(names)}")
+
 
 def load_layer_norm(norm: nn.LayerNorm, take: Checkpoint, name: str) -> None:
-    """A LayerNorm's weight and bias, `{name}.weight` and `{name}.bias`."""
+    """A LayerNorm's weight and bias (where it has one), `{name}.weight` and `{name}.bias`."""
     norm.weight.copy_(take(name + ".weight"))
-    norm.bias.copy_(take(name + ".bias"))
+    if norm.bias is not None:
+        norm.bias.copy_(take(name + ".bias"))
 
 
 def load_linear(linear: nn.Module, take: Checkpoint, name: str) -> None:

@@ -40,6 +40,9 @@ class MoEShape:
     intermediate_size: int  # per expert
     renormalize: bool  # the top-k weights divided by their sum
     shared_intermediate_size: int = 0  # a shared expert beside the routed ones (0: none)
+    shared_gated: bool = (
+        True  # its output times sigmoid(gate(x)) (Qwen2-MoE); False: added as it is (Granite)
+    )
 
 
 def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
@@ -132,19 +135,18 @@ class MoEBlock(nn.Module):
         if s.shared_intermediate_size:
             si = s.shared_intermediate_size
             self.shared = nn.ModuleDict(
-                dict(
-                    gate_up=nn.Linear(h, 2 * si, bias=False),
-                    down=nn.Linear(si, h, bias=False),
-                    gate=nn.Linear(h, 1, bias=False),
-                )
+                dict(gate_up=nn.Linear(h, 2 * si, bias=False), down=nn.Linear(si, h, bias=False))
             )
+            if s.shared_gated:
+                self.shared["gate"] = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router(x), self.s.top_k, self.s.renormalize)
         y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared is not None:
             sh = self.shared
-            y = y + torch.sigmoid(sh["gate"](x)) * sh["down"](silu_mul(sh["gate_up"](x)))
+            shared = sh["down"](silu_mul(sh["gate_up"](x)))
+            y = y + (torch.sigmoid(sh["gate"](x)) * shared if self.s.shared_gated else shared)
         return y
 
 

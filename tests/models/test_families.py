@@ -1,6 +1,6 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
 GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPT-NeoX, OPT, Phi-2,
-StarCoder2; Qwen2's sliding layers, Llama's MLP biases and activations) against
+StarCoder2; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -241,6 +241,27 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "OPTConfig",
         dict(hidden_size=48, ffn_dim=64, num_hidden_layers=3, num_attention_heads=2, word_embed_proj_dim=48,
              enable_bias=False, activation_function="gelu"),
+    ),
+    "cohere-logit-scale": (
+        "CohereConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, logit_scale=0.5),
+    ),
+    "cohere2-windows-rotary-on-sliding-only": (
+        "Cohere2Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, logit_scale=0.25, sliding_window=8),
+    ),
+    "exaone4-windows": (
+        "Exaone4Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8, sliding_window_pattern=2),
+    ),
+    "exaone4-global-untied": (
+        "Exaone4Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=16, sliding_window=None, layer_types=["full_attention"] * 2,
+             tie_word_embeddings=False),
     ),
     "phi3-window": (
         "Phi3Config",

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE and Qwen2-MoE (a shared expert) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert) and Granite MoE (an ungated one) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -34,6 +34,9 @@ COMMON = dict(
     initializer_range=0.2,
     eos_token_id=2,
     bos_token_id=1,
+)
+GRANITE = dict(
+    embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.3, logits_scaling=4.0
 )
 CONFIGS = {
     # 8 experts, top-2, no window, 2 layers
@@ -112,8 +115,35 @@ CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # 4 experts, top-2 (softmax over the chosen), Granite's multipliers
+    "granitemoe": (
+        "granitemoe",
+        dict(
+            num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, **GRANITE
+        ),
+    ),
+    # 6 experts, top-3, an ungated shared expert, MQA, tied
+    "granitemoeshared": (
+        "granitemoeshared",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=24,
+            shared_intermediate_size=40,
+            num_local_experts=6,
+            num_experts_per_tok=3,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            **GRANITE,
+        ),
+    ),
 }
-CONFIG_CLASSES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2_moe": "Qwen2MoeConfig"}
+CONFIG_CLASSES = {
+    "mixtral": "MixtralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "granitemoe": "GraniteMoeConfig",
+    "granitemoeshared": "GraniteMoeSharedConfig",
+}
 
 
 def make_tiny_moe(smol: Path, out: Path, name: str) -> Path:
@@ -232,7 +262,7 @@ def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
         assert max(abs(x - y) for x, y in zip(_logprobs(a)[1], _logprobs(b)[1])) < TOL
 
 
-@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe", "qwen2_moe"], indirect=True)
+@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared"], indirect=True)
 def test_device_path_gives_transformers_tokens(moe_case):
     model_dir, refs, _ = moe_case
     assert device_path_tokens(model_dir, PROMPTS, DEVICE_NEW) == [r[:DEVICE_NEW] for r in refs]

@@ -1,0 +1,60 @@
+"""Command R (`CohereForCausalLM`, Aya) and Command R7B (`Cohere2ForCausalLM`): attention and a
+gated SiLU MLP side by side on one LayerNorm of the layer's input (`layers.py`
+`LayerNormDecoderLayer`; LayerNorms without a bias), interleaved rotary (dims 2i and 2i+1 turn
+together: q's and k's rows reordered at load, `rotate_pairs_as_halves`), the logits times
+`logit_scale`, tied embeddings. Cohere2: sliding-window layers as `layer_types` names them, and
+rotary on those only (the full-attention layers have none). Per-head q/k norms (`use_qk_norm`)
+are not served."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    UnsupportedModel,
+    architecture,
+    base_shape,
+    load_layer_norm,
+    load_split_projections,
+    rotate_pairs_as_halves,
+)
+from service.models.rope import DEFAULT_LAYER, NO_ROPE
+
+ARCHITECTURES = ("CohereForCausalLM", "Cohere2ForCausalLM")
+
+
+def shape(config) -> ModelShape:
+    arch = architecture(config)
+    if getattr(config, "use_qk_norm", False):
+        raise UnsupportedModel(f"{arch}: use_qk_norm is not served")
+    bias = bool(getattr(config, "attention_bias", False))
+    s = base_shape(
+        config,
+        norm="layer",
+        norm_bias=False,
+        norm_eps=config.layer_norm_eps,
+        qkv_bias=bias,
+        o_bias=bias,
+        parallel_blocks=True,
+        shared_block_norm=True,
+        logits_scale=config.logit_scale,
+    )
+    if arch == "Cohere2ForCausalLM":  # rotary on the sliding layers only
+        rope = tuple(DEFAULT_LAYER if la.window is not None else NO_ROPE for la in s.layer_attention)
+        s = dataclasses.replace(s, layer_rope=rope)
+    return s
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    model.embed.weight.copy_(take("model.embed_tokens.weight"))
+    load_layer_norm(model.norm, take, "model.norm")
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        load_split_projections(layer, take, p)
+        load_layer_norm(layer.input_norm, take, p + "input_layernorm")
+    rotate_pairs_as_halves(model)

@@ -1,0 +1,50 @@
+"""Granite MoE (IBM Granite 3.x 1B/3B-A..., and the `Shared` variant): Granite's layer and
+multipliers (`granite.py`) with routed experts in every layer: top `num_experts_per_tok` of
+`num_local_experts`, softmax over the chosen ones (the renormalised softmax, `moe.py`), experts
+of `intermediate_size`; the Shared variant adds a shared expert of `shared_intermediate_size`
+to their sum, without a gate.
+
+Checkpoint: as published, `block_sparse_moe.router.layer`, `block_sparse_moe.input_linear`
+([E, 2I, H]: gate then up) and `output_linear` ([E, H, I]), `shared_mlp.input_linear` /
+`output_linear`; transformers' in-memory names (`router.weight`, `experts.gate_up_proj`,
+`experts.down_proj`) too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from service.models import granite
+from service.models.layers import CausalLM, Checkpoint, ModelShape, load_common, load_split_attention
+from service.models.moe import MoEShape
+
+ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+
+
+def shape(config) -> ModelShape:
+    moe = MoEShape(
+        hidden_size=config.hidden_size,
+        num_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.intermediate_size,
+        renormalize=True,
+        shared_intermediate_size=getattr(config, "shared_intermediate_size", 0) or 0,
+        shared_gated=False,
+    )
+    return dataclasses.replace(granite.shape(config), moe=moe, moe_layers=(True,) * config.num_hidden_layers)
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    load_common(model, take)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q = p + "block_sparse_moe."
+        load_split_attention(layer, take, p)
+        moe = layer.mlp
+        moe.router.weight.copy_(take.first(q + "router.layer.weight", q + "router.weight"))
+        moe.w_gate_up.copy_(take.first(q + "input_linear.weight", q + "experts.gate_up_proj"))
+        moe.w_down.copy_(take.first(q + "output_linear.weight", q + "experts.down_proj"))
+        if moe.shared is not None:
+            moe.shared["gate_up"].weight.copy_(take(p + "shared_mlp.input_linear.weight"))
+            moe.shared["down"].weight.copy_(take(p + "shared_mlp.output_linear.weight"))
+        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
