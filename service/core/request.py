@@ -56,7 +56,6 @@ GENERATION_DEFAULTS: dict[str, Callable[[float], bool]] = {
     "top_k": lambda v: v == int(v) and v >= 1,
     "min_p": lambda v: 0 <= v <= 1,
     "repetition_penalty": lambda v: v > 0,
-    "max_new_tokens": lambda v: v == int(v) and v >= 1,
 }
 
 
@@ -83,13 +82,13 @@ class SamplingParams:
     @classmethod
     def model_defaults(cls, generation: dict) -> SamplingParams:
         """The defaults a model's generation_config.json sets (temperature, top_p, top_k, min_p,
-        repetition_penalty, max_new_tokens), the built-in ones elsewhere; values of the wrong
-        kind or range are left out."""
+        repetition_penalty; its max_new_tokens is the engine's, capped by the context), the built-in
+        ones elsewhere; values of the wrong kind or range are left out."""
         p = cls()
         for name, takes in GENERATION_DEFAULTS.items():
             v = generation.get(name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and takes(v):
-                setattr(p, name, int(v) if name in ("top_k", "max_new_tokens") else float(v))
+                setattr(p, name, int(v) if name == "top_k" else float(v))
         return p
 
     def validate(self, vocab_size: int) -> None:

@@ -47,7 +47,7 @@ from service.engine.scheduler.prefill import PrefillLimits
 from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.cpu_features import cpu_features
-from service.models.families import model_shape
+from service.models.families import model_shape, refuse_quantized
 from service.models.layers import UnsupportedModel
 from service.models.loader import load_config, load_generation_config, load_model
 from service.models.vision import text_config
@@ -111,6 +111,7 @@ class Engine:
         self.hf_config = load_config(
             self.model_dir
         )  # the whole model's (a LLaVA's: vision tower, image token)
+        refuse_quantized(self.hf_config)  # a vision-language model says so at its top level
         self.config = text_config(self.hf_config)  # the language model's
         shape = model_shape(self.config)  # an unsupported architecture is refused before anything loads
         try:
@@ -126,7 +127,15 @@ class Engine:
             if args.sampling_defaults == "model"
             else SamplingParams()
         )
+        # a request without max_new_tokens: the model's default (else 128), capped by the context
+        model_max = self.generation_config.get("max_new_tokens")
+        use_model_max = (
+            args.sampling_defaults == "model" and type(model_max) is int and model_max >= 1  # not a bool
+        )
+        self.default_max_new_tokens = model_max if use_model_max else DEFAULT_MAX_NEW_TOKENS
         changed = {k: v for k, v in vars(self.sampling_defaults).items() if v != getattr(SamplingParams(), k)}
+        if use_model_max:
+            changed["max_new_tokens"] = model_max
         if changed:
             log.info("sampling defaults from generation_config.json: %s", changed)
         self.device = Device.of(args.device)
@@ -319,7 +328,7 @@ class Engine:
                 f"input: prompt of {n} tokens does not fit the context length {self.context_length}",
             )
         if params.max_new_tokens is None:
-            params.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, self.context_length - n)
+            params.max_new_tokens = min(self.default_max_new_tokens, self.context_length - n)
             if params.min_new_tokens > params.max_new_tokens:
                 raise RequestError(
                     "INVALID_ARGUMENT",

@@ -37,7 +37,10 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """One weight file's tensors (a `.bin` through torch.load with `weights_only`: no code runs)."""
     if path.suffix == ".safetensors":
         return load_file(str(path))
-    return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a legacy (pre-zip) file cannot be mapped: read it whole
+        return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
 def tensors_under(model_dir: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:

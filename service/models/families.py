@@ -80,16 +80,22 @@ def family_of(arch: str) -> Family:
     return FAMILIES[arch]
 
 
-def model_shape(config) -> ModelShape:
-    """The shape of a (text) config's model; UnsupportedArchitecture names the ones served, and a
-    quantized checkpoint is refused naming its method."""
-    arch = architecture(config)
+def refuse_quantized(config) -> None:
+    """UnsupportedModel naming the method where a config (a model's, or a vision-language model's
+    top level) says its weights are quantized."""
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = (
             quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
         )
+        arch = (getattr(config, "architectures", None) or [getattr(config, "model_type", "?")])[0]
         raise UnsupportedModel(
             f"{arch}: quantized weights ({method}) are not served; use the unquantized checkpoint"
         )
-    return family_of(arch).shape(config)
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of a (text) config's model; UnsupportedArchitecture names the ones served, and a
+    quantized checkpoint is refused naming its method."""
+    refuse_quantized(config)
+    return family_of(architecture(config)).shape(config)

@@ -1,7 +1,8 @@
 """GPT-2: the GPT lineage's block (`layers.py` `LayerNormDecoderLayer`) one after the other, learned
 absolute positions (`wpe`) instead of rotary, biases everywhere, a GELU (tanh) MLP without a gate
 of `n_inner` (4 x hidden by default), tied embeddings. Its projections are published as `Conv1D`
-([in, out]) and transposed at load. `scale_attn_by_inverse_layer_idx` is not served."""
+([in, out]) and transposed at load; the hub's files name them as `GPT2Model` does (`wte`, `h.0...`),
+`save_pretrained` under `transformer.`: both load. `scale_attn_by_inverse_layer_idx` is not served."""
 
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ def load(model: CausalLM, take: Checkpoint) -> None:
         linear.weight.copy_(take(name + ".weight").t())
         linear.bias.copy_(take(name + ".bias"))
 
-    model.embed.weight.copy_(take("transformer.wte.weight"))
-    model.pos_embed.weight.copy_(take("transformer.wpe.weight"))
-    load_layer_norm(model.norm, take, "transformer.ln_f")
+    t = "transformer." if take.has("transformer.wte.weight") else ""  # the hub's files: GPT2Model's names
+    model.embed.weight.copy_(take(t + "wte.weight"))
+    model.pos_embed.weight.copy_(take(t + "wpe.weight"))
+    load_layer_norm(model.norm, take, t + "ln_f")
     if model.lm_head is not None:
         model.lm_head.weight.copy_(take("lm_head.weight"))
     for i, layer in enumerate(model.layers):
-        p = f"transformer.h.{i}."
+        p = f"{t}h.{i}."
         load_layer_norm(layer.input_norm, take, p + "ln_1")
         load_layer_norm(layer.post_norm, take, p + "ln_2")
         conv1d(layer.attn.qkv, p + "attn.c_attn")

@@ -2,7 +2,8 @@
 absolute positions at offset 2, biases where `enable_bias` (on by default), a ReLU MLP without a
 gate of `ffn_dim`, tied embeddings. Served as the models from 125m up publish it: LayerNorm
 before each block (`do_layer_norm_before`), no projection around the embeddings; OPT-350m's
-post-norm layout is refused."""
+post-norm layout is refused. The hub's files name the tensors as `OPTModel` does (`decoder.*`),
+`save_pretrained` under `model.decoder.`: both load."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    d = "model.decoder."
+    d = (
+        "model.decoder." if take.has("model.decoder.embed_tokens.weight") else "decoder."
+    )  # the hub's: OPTModel's
     model.embed.weight.copy_(take(d + "embed_tokens.weight"))
     model.pos_embed.weight.copy_(take(d + "embed_positions.weight"))
     load_layer_norm(model.norm, take, d + "final_layer_norm")

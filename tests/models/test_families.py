@@ -576,6 +576,13 @@ NOT_MODELS = {  # config.json's text (None: none), files of the default model be
         ["--context-length", "128"],
         ["--context-length 128", "learned 64 positions"],
     ),
+    "quantized-vision-language-top-level": (
+        '{"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], '
+        '"quantization_config": {"quant_method": "fp8"}}',
+        (),
+        [],
+        ["quantized weights (fp8) are not served"],
+    ),
     "quantized": (
         LLAMA_CONFIG % ', "quantization_config": {"quant_method": "awq", "bits": 4}',
         (),
@@ -589,7 +596,7 @@ NOT_MODELS = {  # config.json's text (None: none), files of the default model be
         '"n_head": 9, "vocab_size": 49152}',
         (*TOKENIZER_FILES, "model.safetensors"),
         [],
-        ["checkpoint lacks transformer.wte.weight", "is it a GPT2LMHeadModel checkpoint?"],
+        ["checkpoint lacks wte.weight", "is it a GPT2LMHeadModel checkpoint?"],
     ),
 }
 
@@ -706,3 +713,27 @@ def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, 
         assert e.value.code == "FAILED_PRECONDITION" and "vision tower is not served" in e.value.message
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(
+    "family, prefix, hub",
+    [("gpt2", "transformer.", ""), ("opt", "model.decoder.", "decoder.")],
+    indirect=["family"],
+)
+def test_the_hubs_tensor_names_load_as_save_pretrained_s(family, prefix, hub, tmp_path):
+    """GPT-2's and OPT's files on the hub were saved from their base models (`wte.weight`,
+    `decoder.layers.0...`), not under `save_pretrained`'s prefixes: both load, to the same tokens."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, whole = family
+    out = tmp_path / "hub"
+    out.mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    renamed = {hub + k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, str(out / "model.safetensors"))
+    (got,), _ = serve(out, [LOGPROBS], loop="normal", chunked_prefill_size=0, disable_prefix_cache=True)
+    assert [ids for ids, _ in got] == [ids for ids, _ in whole]

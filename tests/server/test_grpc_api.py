@@ -164,8 +164,11 @@ def test_generation_config_sets_end_of_turn_ids_and_sampling_defaults(smol_dir, 
     end_of_turn = base.token_ids[4]  # as if the model's end-of-turn token came fifth
     generation = {"eos_token_id": [2, end_of_turn], "top_k": 1, "max_new_tokens": 9}
     model = model_variant(smol_dir, tmp_path / "m", **{"generation_config.json": json.dumps(generation)})
-    with grpc_stub(model, kv_cache_tokens=1024) as s:
+    with grpc_stub(model, kv_cache_tokens=1024, context_length=32) as s:
         assert end_of_turn in s.GetModelInfo(pb2.GetModelInfoRequest()).eos_token_ids
+        long = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # 30 tokens: the model's 9 new ones are capped to 2
+        r = s.Generate(pb2.GenerateRequest(text=long, sampling=pb2.SamplingParams(ignore_eos=True)))
+        assert len(r.token_ids) == 2 and r.finish_reason == pb2.FINISH_REASON_LENGTH
         r = s.Generate(pb2.GenerateRequest(text=prompt, sampling=greedy(12)))
         assert list(r.token_ids) == list(base.token_ids[:5]) and r.finish_reason == pb2.FINISH_REASON_STOP
         r = s.Generate(pb2.GenerateRequest(text=prompt, sampling=pb2.SamplingParams(seed=7, ignore_eos=True)))
