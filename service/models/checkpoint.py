@@ -10,8 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-# (index file, the weight files' pattern without one), safetensors first
+# (index file, the weight files' pattern without one), safetensors first; `model*` before any
+# other safetensors (a Mistral repo's `consolidated.safetensors` holds the same weights, named its way)
 LAYOUTS = (
+    ("model.safetensors.index.json", "model*.safetensors"),
     ("model.safetensors.index.json", "*.safetensors"),
     ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
 )

@@ -737,3 +737,22 @@ def test_the_hubs_tensor_names_load_as_save_pretrained_s(family, prefix, hub, tm
     save_file(renamed, str(out / "model.safetensors"))
     (got,), _ = serve(out, [LOGPROBS], loop="normal", chunked_prefill_size=0, disable_prefix_cache=True)
     assert [ids for ids, _ in got] == [ids for ids, _ in whole]
+
+
+def test_weight_files_are_the_transformers_layout_first(tmp_path):
+    """A Mistral repo carries `consolidated.safetensors` (its own names) beside the transformers
+    files: only the latter are read; safetensors before `.bin`; an index names the shards."""
+    from service.models.checkpoint import NoWeights, checkpoint_files
+
+    with pytest.raises(NoWeights):
+        checkpoint_files(tmp_path)
+    for name in ("consolidated.safetensors", "pytorch_model.bin", "model-00001-of-00002.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert [f.name for f in checkpoint_files(tmp_path)] == ["model-00001-of-00002.safetensors"]
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "x.safetensors"}}')
+    assert [f.name for f in checkpoint_files(tmp_path)] == ["x.safetensors"]
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (tmp_path / name).unlink()
+    assert [f.name for f in checkpoint_files(tmp_path)] == ["consolidated.safetensors"]
+    (tmp_path / "consolidated.safetensors").unlink()
+    assert [f.name for f in checkpoint_files(tmp_path)] == ["pytorch_model.bin"]
