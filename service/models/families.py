@@ -26,6 +26,7 @@ from service.models import (
     qwen3,
     qwen3_moe,
     smollm3,
+    stablelm,
     starcoder2,
 )
 from service.models.layers import CausalLM, Checkpoint, ModelShape, UnsupportedModel, architecture
@@ -54,6 +55,7 @@ FAMILIES: dict[str, Family] = {
         gpt_neox,
         phi,
         starcoder2,
+        stablelm,
         cohere,
         gpt2,
         opt,

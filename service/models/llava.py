@@ -44,6 +44,7 @@ def language_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             ("model.language_model.", "model."),
             ("language_model.model.", "model."),
             ("language_model.lm_head.", "lm_head."),
+            ("model.text_model.", "model."),  # Idefics3 / SmolVLM
         ):
             if name.startswith(old):
                 out[new + name[len(old) :]] = t

@@ -1,6 +1,6 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
 GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPT-NeoX, OPT, Phi-2,
-StarCoder2; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
+StarCoder2, StableLM; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -241,6 +241,17 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "OPTConfig",
         dict(hidden_size=48, ffn_dim=64, num_hidden_layers=3, num_attention_heads=2, word_embed_proj_dim=48,
              enable_bias=False, activation_function="gelu"),
+    ),
+    "stablelm-sequential-qkv-bias": (
+        "StableLmConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, use_qkv_bias=True, partial_rotary_factor=0.25),
+    ),
+    "stablelm-parallel-tied": (
+        "StableLmConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=3, use_parallel_residual=True, partial_rotary_factor=0.5,
+             tie_word_embeddings=True),
     ),
     "cohere-logit-scale": (
         "CohereConfig",
@@ -644,8 +655,8 @@ def test_pytorch_bin_weights_load_as_safetensors_do(family, tmp_path):
 
 
 def vision_language_checkpoint(kind: str, smol: Path, out: Path):
-    """A random-init Gemma-3 (4B and up's layout) or Mistral-3 (Mistral-Small-3.1's) vision-language
-    checkpoint with a tiny vision tower, norms and biases perturbed; (its dir, the transformers model)."""
+    """A random-init Gemma-3 (4B and up's layout), Mistral-3 (Mistral-Small-3.1's) or Idefics3
+    (SmolVLM's) vision-language checkpoint with a tiny vision tower, norms and biases perturbed; (its dir, the transformers model)."""
     import transformers
 
     text = dict(
@@ -663,6 +674,18 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=1,
             image_token_index=2000, boi_token_index=2001, eoi_token_index=2002,
         )  # fmt: skip
+    elif kind == "idefics3":
+        text_cfg = transformers.LlamaConfig(**text)
+        vision = transformers.Idefics3VisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14,
+        )  # fmt: skip
+        cfg = transformers.Idefics3Config(
+            text_config=text_cfg.to_dict(),
+            vision_config=vision.to_dict(),
+            image_token_id=2000,
+            scale_factor=1,
+        )
     else:
         text_cfg = transformers.MistralConfig(sliding_window=None, **text)
         vision = transformers.PixtralVisionConfig(
@@ -686,9 +709,9 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
     return out, model
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "idefics3"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
-    """Gemma-3 4B and up and Mistral-Small-3.1 are published as vision-language checkpoints only:
+    """Gemma-3 4B and up, Mistral-Small-3.1 and SmolVLM are published as vision-language checkpoints only:
     their language model is served for text (greedy tokens equal transformers' on text prompts),
     and an image is refused naming why."""
     from service.core.request import RequestError
