@@ -483,10 +483,13 @@ def load_linear(linear: nn.Module, take: Checkpoint, name: str) -> None:
 
 
 def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> None:
-    """Embedding, final norm and (untied) LM head under transformers' names. norm_offset 1:
-    Gemma's (1 + w) norms, stored as 1 + w."""
+    """Embedding, final norm (RMSNorm or LayerNorm) and (untied) LM head under transformers'
+    names. norm_offset 1: Gemma's (1 + w) norms, stored as 1 + w."""
     model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    model.norm.copy_(take("model.norm.weight") + norm_offset)
+    if isinstance(model.norm, nn.LayerNorm):
+        load_layer_norm(model.norm, take, "model.norm")
+    else:
+        model.norm.copy_(take("model.norm.weight") + norm_offset)
     if model.lm_head is not None:
         model.lm_head.weight.copy_(take("lm_head.weight"))
 

@@ -12,6 +12,7 @@ from service.models.layers import (
     ModelShape,
     UnsupportedModel,
     layer_norm_shape,
+    load_common,
     load_layer_norm,
     load_split_projections,
 )
@@ -35,10 +36,7 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    load_layer_norm(model.norm, take, "model.norm")
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    load_common(model, take)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         load_split_projections(layer, take, p)

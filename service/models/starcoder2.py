@@ -10,6 +10,7 @@ from service.models.layers import (
     Checkpoint,
     ModelShape,
     layer_norm_shape,
+    load_common,
     load_layer_norm,
     load_linear,
     load_split_attention,
@@ -23,10 +24,7 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    load_layer_norm(model.norm, take, "model.norm")
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    load_common(model, take)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         load_layer_norm(layer.input_norm, take, p + "input_layernorm")
