@@ -779,3 +779,44 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
     assert [f.name for f in checkpoint_files(tmp_path)] == ["consolidated.safetensors"]
     (tmp_path / "consolidated.safetensors").unlink()
     assert [f.name for f in checkpoint_files(tmp_path)] == ["pytorch_model.bin"]
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "gpt2",
+        "gpt_neox-parallel",
+        "stablelm-parallel-tied",
+        "cohere-logit-scale",
+        "olmo2",
+        "glm4-sandwich",
+        "granite",
+        "smollm3-nope",
+    ],
+    indirect=True,
+)
+def test_bf16_engine_tracks_the_float32_run_and_both_loops_agree(family):
+    """bf16, the default where the CPU has native bf16 (AMX, AVX-512 BF16), through each block kind
+    of the families added last: LayerNorm blocks (learned positions, side by side, without a bias),
+    norms after the blocks, sandwich norms, Granite's multipliers, layers without rotary. The
+    prompts' logprobs stay within bf16's reach of the float32 run's, and the overlap loop gives the
+    normal loop's tokens."""
+    model_dir, whole = family
+    runs = [
+        serve(
+            model_dir,
+            [LOGPROBS],
+            dtype="bfloat16",
+            loop=loop,
+            chunked_prefill_size=0,
+            disable_prefix_cache=True,
+        )[0][0]
+        for loop in ("normal", "overlap")
+    ]
+    assert [ids for ids, _ in runs[0]] == [ids for ids, _ in runs[1]]
+    worst = 0.0
+    for (_, extras), (_, want) in zip(runs[0], whole):
+        got, ref = ([e[1] for e in x[0].input] for x in (extras, want))
+        assert len(got) == len(ref)
+        worst = max(worst, *(abs(a - b) for a, b in zip(got, ref)))
+    assert worst < 0.4, worst
