@@ -48,7 +48,7 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return z ^ (z >> 31)
 
 
-# generation_config.json keys that set a request's defaults (SamplingParams.model_defaults): the
+# generation_config.json keys that set a request's sampling defaults (generation_defaults): the
 # values taken (others are left out)
 GENERATION_DEFAULTS: dict[str, Callable[[float], bool]] = {
     "temperature": lambda v: v >= 0,
@@ -78,18 +78,6 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-
-    @classmethod
-    def model_defaults(cls, generation: dict) -> SamplingParams:
-        """The defaults a model's generation_config.json sets (temperature, top_p, top_k, min_p,
-        repetition_penalty; its max_new_tokens is the engine's, capped by the context), the built-in
-        ones elsewhere; values of the wrong kind or range are left out."""
-        p = cls()
-        for name, takes in GENERATION_DEFAULTS.items():
-            v = generation.get(name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and takes(v):
-                setattr(p, name, int(v) if name == "top_k" else float(v))
-        return p
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError(INVALID_ARGUMENT) naming the first bad field."""
@@ -146,6 +134,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         # A vanishing temperature is greedy: dividing by it would overflow the logits.
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def generation_defaults(generation: dict) -> tuple[SamplingParams, int]:
+    """What a model's generation_config.json sets for a request that leaves it unset: the sampling
+    fields (temperature, top_p, top_k, min_p, repetition_penalty) and max_new_tokens (the engine
+    caps it by the context); the built-in defaults elsewhere, and for values of the wrong kind or
+    range."""
+    p = SamplingParams()
+    for name, takes in GENERATION_DEFAULTS.items():
+        v = generation.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and takes(v):
+            setattr(p, name, int(v) if name == "top_k" else float(v))
+    most = generation.get("max_new_tokens")
+    return p, most if type(most) is int and most >= 1 else DEFAULT_MAX_NEW_TOKENS  # not a bool
 
 
 @dataclass

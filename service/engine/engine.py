@@ -30,6 +30,7 @@ from service.core.request import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    generation_defaults,
 )
 from service.core.text import IncrementalDetokenizer
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
@@ -117,25 +118,20 @@ class Engine:
         try:
             self.tokenizer = Tokenizer(self.model_dir)
         except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UnsupportedModel(
-                f"{self.model_dir}: no tokenizer transformers can load ({first})"
+            raise UnsupportedModel.because(
+                f"{self.model_dir}: no tokenizer transformers can load", e
             ) from None
         self.generation_config = load_generation_config(self.model_dir)  # EOS ids, sampling defaults
-        self.sampling_defaults = (  # what a request's unset sampling fields take
-            SamplingParams.model_defaults(self.generation_config)
+        # what a request's unset sampling fields take, and its max_new_tokens (capped by the context)
+        self.sampling_defaults, self.default_max_new_tokens = (
+            generation_defaults(self.generation_config)
             if args.sampling_defaults == "model"
-            else SamplingParams()
+            else (SamplingParams(), DEFAULT_MAX_NEW_TOKENS)
         )
-        # a request without max_new_tokens: the model's default (else 128), capped by the context
-        model_max = self.generation_config.get("max_new_tokens")
-        use_model_max = (
-            args.sampling_defaults == "model" and type(model_max) is int and model_max >= 1  # not a bool
-        )
-        self.default_max_new_tokens = model_max if use_model_max else DEFAULT_MAX_NEW_TOKENS
-        changed = {k: v for k, v in vars(self.sampling_defaults).items() if v != getattr(SamplingParams(), k)}
-        if use_model_max:
-            changed["max_new_tokens"] = model_max
+        built_in = SamplingParams()
+        changed = {k: v for k, v in vars(self.sampling_defaults).items() if v != getattr(built_in, k)}
+        if self.default_max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
+            changed["max_new_tokens"] = self.default_max_new_tokens
         if changed:
             log.info("sampling defaults from generation_config.json: %s", changed)
         self.device = Device.of(args.device)

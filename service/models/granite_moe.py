@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from service.models import granite
+from service.models import granite, mixtral
 from service.models.layers import CausalLM, Checkpoint, ModelShape, load_common, load_split_attention
-from service.models.moe import MoEShape
 
 ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 
 
 def shape(config) -> ModelShape:
-    moe = MoEShape(
-        hidden_size=config.hidden_size,
-        num_experts=config.num_local_experts,
-        top_k=config.num_experts_per_tok,
-        intermediate_size=config.intermediate_size,
-        renormalize=True,
+    moe = dataclasses.replace(
+        mixtral.moe_shape(config),
         shared_intermediate_size=getattr(config, "shared_intermediate_size", 0) or 0,
         shared_gated=False,
     )

@@ -64,6 +64,12 @@ class UnsupportedModel(ValueError):
     """A model directory this server cannot serve: config.json asks for something no model file
     serves, or the weights are missing or not what its family needs; the message names it."""
 
+    @classmethod
+    def because(cls, what: str, error: Exception) -> UnsupportedModel:
+        """`what`, then the first line of the library error that refused it."""
+        text = str(error).strip()
+        return cls(f"{what}: {text.splitlines()[0] if text else type(error).__name__}")
+
 
 @dataclass(frozen=True)
 class LayerAttention:

@@ -25,8 +25,7 @@ def load_config(model_dir: str | Path):
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnsupportedModel(f"{Path(model_dir) / 'config.json'}: {first}") from None
+        raise UnsupportedModel.because(str(Path(model_dir) / "config.json"), e) from None
 
 
 def load_generation_config(model_dir: str | Path) -> dict:

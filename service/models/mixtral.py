@@ -22,15 +22,19 @@ ARCHITECTURES = ("MixtralForCausalLM",)
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 
 
-def shape(config) -> ModelShape:
-    moe = MoEShape(
+def moe_shape(config) -> MoEShape:
+    """The experts of a config that names them as Mixtral does (Granite MoE's too)."""
+    return MoEShape(
         hidden_size=config.hidden_size,
         num_experts=config.num_local_experts,
         top_k=config.num_experts_per_tok,
         intermediate_size=config.intermediate_size,
         renormalize=True,
     )
-    return base_shape(config, moe=moe, moe_layers=(True,) * config.num_hidden_layers)
+
+
+def shape(config) -> ModelShape:
+    return base_shape(config, moe=moe_shape(config), moe_layers=(True,) * config.num_hidden_layers)
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:

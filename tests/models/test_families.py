@@ -295,7 +295,12 @@ def make_family_model(smol: Path, out: Path, name: str) -> Path:
     cls_name, kwargs = CONFIGS[name]
     cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    save_perturbed(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), smol, out)
+    return out
+
+
+def save_perturbed(model, smol: Path, out: Path) -> None:
+    """`model` saved to `out` with SmolLM2's tokenizer, its norms and biases perturbed so they matter."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:  # norms (Gemma's are 1 + w: zeros at init) and biases
@@ -304,7 +309,6 @@ def make_family_model(smol: Path, out: Path, name: str) -> Path:
     for f in TOKENIZER_FILES:
         if (smol / f).exists():
             shutil.copy(smol / f, out / f)
-    return out
 
 
 def prompts() -> list[list[int]]:
@@ -698,14 +702,7 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
         )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(out)
-    for f in TOKENIZER_FILES:
-        if (smol / f).exists():
-            shutil.copy(smol / f, out / f)
+    save_perturbed(model, smol, out)
     return out, model
 
 
