@@ -1,6 +1,6 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPT-NeoX, OPT, Phi-2,
-StarCoder2, StableLM; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
+GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
+GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -232,6 +232,20 @@ CONFIGS = {  # name: (transformers config class, its arguments)
     "gpt2-inner-unscaled": (
         "GPT2Config",
         dict(n_embd=48, n_layer=3, n_head=2, n_inner=80, scale_attn_weights=False, activation_function="relu"),
+    ),
+    "gptj-partial-interleaved": (
+        "GPTJConfig",
+        dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8),
+    ),
+    "gptj-wide-rotary-relu": (
+        "GPTJConfig",
+        dict(n_embd=48, n_layer=3, n_head=2, rotary_dim=24, n_inner=80, activation_function="relu"),
+    ),
+    "gpt_bigcode-mqa": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4)),
+    "gpt_bigcode-mha-untied-unscaled": (
+        "GPTBigCodeConfig",
+        dict(n_embd=48, n_layer=3, n_head=3, n_inner=80, multi_query=False, scale_attn_weights=False,
+             tie_word_embeddings=False),
     ),
     "opt": (
         "OPTConfig",
