@@ -33,6 +33,8 @@ from service.models.ops import (
     gelu_mul,
     gelu_tanh_mul,
     norm_qk_heads,
+    relu2,
+    relu2_mul,
     relu_mul,
     silu_mul,
     soft_cap,
@@ -40,12 +42,19 @@ from service.models.ops import (
 )
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table, rotary_dim
 
-ACTIVATIONS = {"silu": silu_mul, "gelu": gelu_mul, "gelu_tanh": gelu_tanh_mul, "relu": relu_mul}
+ACTIVATIONS = {
+    "silu": silu_mul,
+    "gelu": gelu_mul,
+    "gelu_tanh": gelu_tanh_mul,
+    "relu": relu_mul,
+    "relu2": relu2_mul,
+}
 PLAIN_ACTIVATIONS = {  # the same, without a gate (PlainMLP)
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_tanh": partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "relu2": relu2,
 }
 # transformers' names for them (config `hidden_act`; Gemma-2/3's `hidden_activation`; GPT-2's and
 # OPT's `activation_function`)
@@ -57,6 +66,7 @@ ACTIVATION_OF_CONFIG = {
     "gelu_new": "gelu_tanh",  # the same tanh approximation, spelt out
     "gelu_fast": "gelu_tanh",
     "relu": "relu",
+    "relu2": "relu2",  # relu(x) squared (Nemotron, Arcee)
 }
 
 
@@ -114,7 +124,7 @@ class ModelShape:
     # blocks side by side, learned absolute positions.
     norm: str = "rms"  # "rms", or "layer": LayerNorm before each block and at the end
     norm_bias: bool = True  # ... with a bias (Cohere's has none)
-    mlp_gated: bool = True  # False: proj(act(fc(x))), no gate
+    mlp_gated: bool = True  # False: proj(act(fc(x))), no gate (the GPT lineage, Nemotron, Arcee)
     parallel_blocks: bool = False  # attention and MLP both read the layer's input (GPT-NeoX, Phi-2)
     shared_block_norm: bool = False  # ... through one norm (Phi-2); else a norm each
     lm_head_bias: bool = False  # the LM head has a bias (Phi-2)
@@ -265,7 +275,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.s = s
         self.attn = SelfAttention(s)
-        self.mlp: nn.Module = MoEBlock(s.moe) if s.moe is not None and s.moe_layers[index] else GatedMLP(s)
+        self.mlp: nn.Module = (
+            MoEBlock(s.moe)
+            if s.moe is not None and s.moe_layers[index]
+            else GatedMLP(s)
+            if s.mlp_gated
+            else PlainMLP(s)
+        )
         if not s.post_norms:
             self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
         self.post_norm = nn.Parameter(
@@ -501,9 +517,14 @@ def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> 
 
 
 def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> None:
-    """q/k/v and gate/up published as separate projections (Llama's layout), fused here."""
+    """q/k/v and gate/up published as separate projections (Llama's layout), fused here; an MLP
+    without a gate (Nemotron's, Arcee's) from `up_proj` and `down_proj`."""
     load_split_attention(layer, take, p)
     mlp = layer.mlp
+    if isinstance(mlp, PlainMLP):
+        load_linear(mlp.fc, take, p + "mlp.up_proj")
+        load_linear(mlp.proj, take, p + "mlp.down_proj")
+        return
     mlp.gate_up.weight.copy_(take.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
     mlp.down.weight.copy_(take(p + "mlp.down_proj.weight"))
     if mlp.gate_up.bias is not None:

@@ -1,10 +1,11 @@
-"""The Llama family: Llama, SmolLM, Mistral, Ministral, Qwen2, Seed-OSS (the layers are
+"""The Llama family: Llama, SmolLM, Mistral, Ministral, Qwen2, Seed-OSS, Arcee (the layers are
 `layers.py`'s).
 
 Biases: Llama's `attention_bias` puts them on all four projections (and `mlp_bias` on the MLP's);
 Qwen2 always has q/k/v biases and none on o; Seed-OSS biases o by its own `attention_out_bias`. Sliding windows: Mistral's on every layer; Qwen2's
 (`use_sliding_window`) only on the layers at or above `max_window_layers`, and Ministral's on the
-layers its `layer_types` name, as transformers' `layer_types` say.
+layers its `layer_types` name, as transformers' `layer_types` say. Arcee (AFM) has an MLP without
+a gate (`up_proj`, `down_proj`; ReLU squared as published).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ ARCHITECTURES = (
     "MinistralForCausalLM",
     "Qwen2ForCausalLM",
     "SeedOssForCausalLM",
+    "ArceeForCausalLM",
 )
 
 
@@ -34,7 +36,8 @@ def shape(config) -> ModelShape:
         "Qwen2ForCausalLM": (True, False),
         "SeedOssForCausalLM": (bias, bool(getattr(config, "attention_out_bias", False))),
     }.get(architecture(config), (bias, bias))
-    return base_shape(config, qkv_bias=qkv_bias, o_bias=o_bias)
+    gated = architecture(config) != "ArceeForCausalLM"
+    return base_shape(config, qkv_bias=qkv_bias, o_bias=o_bias, mlp_gated=gated)
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:

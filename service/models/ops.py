@@ -99,6 +99,16 @@ def relu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.relu(gate) * up
 
 
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x) squared (Nemotron's and Arcee's MLP activation, `relu2`)."""
+    return torch.square(F.relu(x))
+
+
+def relu2_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return relu2(gate) * up
+
+
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU: gelu(gate, tanh approximation) * up for rows [gate | up] (Gemma)."""
     gate, up = gate_up.chunk(2, dim=-1)

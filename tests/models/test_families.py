@@ -1,6 +1,6 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
 GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
-GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
+GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
 1e-4 of transformers' log_softmax; the overlap loop with chunked prefill (size 7), then the same
@@ -266,6 +266,29 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
              num_key_value_heads=3, use_parallel_residual=True, partial_rotary_factor=0.5,
              tie_word_embeddings=True),
+    ),
+    "nemotron-partial": (
+        "NemotronConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16),
+    ),
+    "nemotron-biases-full-rotary-tied": (
+        "NemotronConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=16, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    ),
+    "arcee-relu2": (
+        "ArceeConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2),
+    ),
+    "arcee-biases-yarn-tied": (
+        "ArceeConfig",
+        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 64}),
     ),
     "cohere-logit-scale": (
         "CohereConfig",
@@ -803,6 +826,8 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
         "glm4-sandwich",
         "granite",
         "smollm3-nope",
+        "arcee-relu2",
+        "nemotron-partial",
     ],
     indirect=True,
 )
