@@ -21,7 +21,9 @@ from service.models import (
     llama,
     mixtral,
     nemotron,
+    olmo,
     olmo2,
+    olmoe,
     opt,
     phi,
     phi3,
@@ -51,6 +53,7 @@ FAMILIES: dict[str, Family] = {
         qwen3,
         gemma,
         phi3,
+        olmo,
         olmo2,
         exaone4,
         glm,
@@ -69,6 +72,7 @@ FAMILIES: dict[str, Family] = {
         qwen2_moe,
         qwen3_moe,
         granite_moe,
+        olmoe,
     )
     for arch in module.ARCHITECTURES
 }

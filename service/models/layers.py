@@ -110,6 +110,9 @@ class ModelShape:
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma-3)
     qk_norm_whole: bool = False  # ... over all of q and all of k instead of per head (OLMo-2)
+    qkv_clip: float | None = (
+        None  # q, k and v clamped to [-clip, clip] (after the q/k norms: OLMo's `clip_qkv`)
+    )
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
@@ -246,6 +249,8 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)
         if s.qk_norm:
             qkv = norm_qk_heads(qkv, hq, hkv, d, self.q_norm, self.k_norm, s.norm_eps)
+        if s.qkv_clip is not None:
+            qkv = qkv.clamp(-s.qkv_clip, s.qkv_clip)
         q, k, v = split_qkv_rope(qkv, hq, hkv, d, positions, cos, sin)
         return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
 

@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
+GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -162,6 +162,16 @@ CONFIGS = {  # name: (transformers config class, its arguments)
                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                  "full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
              }),
+    ),
+    "olmo-clip": (
+        "OlmoConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, clip_qkv=0.6),
+    ),
+    "olmo-biases-tied": (
+        "OlmoConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=3, attention_bias=True, tie_word_embeddings=True),
     ),
     "ernie4_5-mqa": (
         "Ernie4_5Config",

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert) and Granite MoE (an ungated one) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one) and OLMoE end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -136,6 +136,25 @@ CONFIGS = {
             **GRANITE,
         ),
     ),
+    # 8 experts, top-3, not renormalised, q/k normed whole, q/k/v clamped
+    "olmoe-clip": (
+        "olmoe",
+        dict(num_hidden_layers=2, intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=0.8),
+    ),
+    # 6 experts, top-2, renormalised, attention biases, MQA, tied
+    "olmoe-biases-tied": (
+        "olmoe",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=24,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            attention_bias=True,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 CONFIG_CLASSES = {
     "mixtral": "MixtralConfig",
@@ -143,6 +162,7 @@ CONFIG_CLASSES = {
     "qwen2_moe": "Qwen2MoeConfig",
     "granitemoe": "GraniteMoeConfig",
     "granitemoeshared": "GraniteMoeSharedConfig",
+    "olmoe": "OlmoeConfig",
 }
 
 
