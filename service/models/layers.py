@@ -110,9 +110,10 @@ class ModelShape:
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma-3)
     qk_norm_whole: bool = False  # ... over all of q and all of k instead of per head (OLMo-2)
-    qkv_clip: float | None = (
-        None  # q, k and v clamped to [-clip, clip] (after the q/k norms: OLMo's `clip_qkv`)
-    )
+    # (beta, period): q times 1 + beta * log(1 + floor(position / period)) after rotary (Ministral 3's
+    # `llama_4_scaling_beta` over `original_max_position_embeddings`)
+    q_position_scale: tuple[float, int] | None = None
+    qkv_clip: float | None = None  # q, k, v clamped to [-clip, clip] after the q/k norms (OLMo)
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
@@ -252,6 +253,10 @@ class SelfAttention(nn.Module):
         if s.qkv_clip is not None:
             qkv = qkv.clamp(-s.qkv_clip, s.qkv_clip)
         q, k, v = split_qkv_rope(qkv, hq, hkv, d, positions, cos, sin)
+        if s.q_position_scale is not None:
+            beta, period = s.q_position_scale
+            scale = 1 + beta * torch.log(1 + torch.floor(positions / period))
+            q = q * scale.to(q.dtype)[:, None, None]
         return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
 
 

@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral, Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
+GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -203,6 +203,21 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, sliding_window=8,
              layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    ),
+    "ministral3-q-scaled-yarn": (
+        "Ministral3Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                              "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.3}),
+    ),
+    "ministral3-window-tied": (
+        "Ministral3Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=16, sliding_window=8, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                              "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.5}),
     ),
     "seed_oss-out-bias": (
         "SeedOssConfig",
@@ -516,7 +531,8 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
 
 # One config per family, each variant the device kernels have: sliding windows, soft-capping,
 # local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling,
-# norms after the blocks only, interleaved partial rotary, LayerNorm blocks side by side, learned positions.
+# norms after the blocks only, interleaved partial rotary, LayerNorm blocks side by side, learned positions,
+# q scaled by position.
 @pytest.mark.parametrize(
     "family",
     [
@@ -530,6 +546,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
         "glm4-sandwich",
         "gpt_neox-parallel",
         "gpt2",
+        "ministral3-q-scaled-yarn",
     ],
     indirect=True,
 )
@@ -706,7 +723,7 @@ def test_pytorch_bin_weights_load_as_safetensors_do(family, tmp_path):
 
 
 def vision_language_checkpoint(kind: str, smol: Path, out: Path):
-    """A random-init Gemma-3 (4B and up's layout), Mistral-3 (Mistral-Small-3.1's) or Idefics3
+    """A random-init Gemma-3 (4B and up's layout), Mistral-3 (Mistral-Small-3.1's, Ministral 3's) or Idefics3
     (SmolVLM's) vision-language checkpoint with a tiny vision tower, norms and biases perturbed; (its dir, the transformers model)."""
     import transformers
 
@@ -737,8 +754,17 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             image_token_id=2000,
             scale_factor=1,
         )
-    else:
-        text_cfg = transformers.MistralConfig(sliding_window=None, **text)
+    else:  # Mistral-Small-3.1's text model, or Ministral 3's (q scaled by position past 8 here)
+        text_cfg = (
+            transformers.MistralConfig(sliding_window=None, **text)
+            if kind == "mistral3"
+            else transformers.Ministral3Config(
+                sliding_window=None,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                 "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.3},
+                **text,
+            )
+        )  # fmt: skip
         vision = transformers.PixtralVisionConfig(
             hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28,
             patch_size=14, head_dim=16,
@@ -753,9 +779,9 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
     return out, model
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "idefics3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "ministral3", "idefics3"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
-    """Gemma-3 4B and up, Mistral-Small-3.1 and SmolVLM are published as vision-language checkpoints only:
+    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3 and SmolVLM are published as vision-language checkpoints only:
     their language model is served for text (greedy tokens equal transformers' on text prompts),
     and an image is refused naming why."""
     from service.core.request import RequestError
