@@ -1,4 +1,4 @@
-"""Gemma, Gemma-2 and Gemma-3 (text): Llama's blocks with Gemma's differences.
+"""Gemma, Gemma-2, VaultGemma and Gemma-3 (text): Llama's blocks with Gemma's differences.
 
 - embeddings scaled by sqrt(hidden); RMSNorms of the form x * (1 + w) (stored as 1 + w at load);
 - GeGLU (the config's GELU: the tanh approximation in the published ones) MLP;
@@ -7,6 +7,8 @@
   (`sandwich_norms`); attention scale query_pre_attn_scalar ** -0.5; sliding-window and global
   layers as `layer_types` alternate them;
 - Gemma-2: attention-score and final-logit soft-capping;
+- VaultGemma: Gemma-2's without the norms on the blocks' outputs (its pre-MLP norm is
+  `pre_feedforward_layernorm`);
 - Gemma-3: q/k per-head norms, a rope base per layer type (local 10k, global 1M and its scaling).
 Embeddings are tied unless the config says otherwise.
 """
@@ -27,7 +29,7 @@ from service.models.layers import (
 )
 from service.models.qwen3 import load_qk_norms
 
-ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "VaultGemmaForCausalLM", "Gemma3ForCausalLM")
 
 
 def shape(config) -> ModelShape:
@@ -43,7 +45,7 @@ def shape(config) -> ModelShape:
         qk_norm=s.architecture == "Gemma3ForCausalLM",
         attn_scale=config.query_pre_attn_scalar**-0.5,
         final_softcap=getattr(config, "final_logit_softcapping", None),
-        sandwich_norms=True,
+        sandwich_norms=s.architecture != "VaultGemmaForCausalLM",
     )
 
 
@@ -53,6 +55,9 @@ def load(model: CausalLM, take: Checkpoint) -> None:
         p = f"model.layers.{i}."
         load_split_projections(layer, take, p)
         layer.input_norm.copy_(take(p + "input_layernorm.weight") + 1.0)
+        if model.shape.architecture == "VaultGemmaForCausalLM":  # pre-norms only, the MLP's named so
+            layer.post_norm.copy_(take(p + "pre_feedforward_layernorm.weight") + 1.0)
+            continue
         layer.post_norm.copy_(take(p + "post_attention_layernorm.weight") + 1.0)
         if not model.shape.sandwich_norms:  # Gemma (the first)
             continue

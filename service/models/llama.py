@@ -1,5 +1,5 @@
-"""The Llama family: Llama, SmolLM, Mistral, Ministral (and Ministral 3), Qwen2, Seed-OSS, Arcee
-(the layers are `layers.py`'s).
+"""The Llama family: Llama, SmolLM, Mistral, Ministral (and Ministral 3), Qwen2, Seed-OSS, Arcee,
+CWM (Code World Model: sliding layers as `layer_types` says) (the layers are `layers.py`'s).
 
 Biases: Llama's `attention_bias` puts them on all four projections (and `mlp_bias` on the MLP's);
 Qwen2 always has q/k/v biases and none on o; Seed-OSS biases o by its own `attention_out_bias`. Sliding windows: Mistral's on every layer; Qwen2's
@@ -29,6 +29,7 @@ ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "SeedOssForCausalLM",
     "ArceeForCausalLM",
+    "CwmForCausalLM",
 )
 
 

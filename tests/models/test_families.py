@@ -94,6 +94,19 @@ CONFIGS = {  # name: (transformers config class, its arguments)
              num_key_value_heads=1, head_dim=32, sliding_window=6, query_pre_attn_scalar=32,
              attn_logit_softcapping=1.5, final_logit_softcapping=3.0, tie_word_embeddings=False),
     ),
+    "vaultgemma-capped-windows": (
+        "VaultGemmaConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    ),
+    "vaultgemma-mqa-untied": (
+        "VaultGemmaConfig",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=24, tie_word_embeddings=False,
+             layer_types=["full_attention", "full_attention"]),
+    ),
     "gemma3-local-global": (
         "Gemma3TextConfig",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -218,6 +231,24 @@ CONFIGS = {  # name: (transformers config class, its arguments)
              num_key_value_heads=1, head_dim=16, sliding_window=8, tie_word_embeddings=True,
              rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                               "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.5}),
+    ),
+    "cwm-layer-windows-llama3": (
+        "CwmConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 16.0,
+                              "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                              "original_max_position_embeddings": 64}),
+    ),
+    "jais2": (
+        "Jais2Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2),
+    ),
+    "jais2-no-bias-tied": (
+        "Jais2Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
     ),
     "seed_oss-out-bias": (
         "SeedOssConfig",
