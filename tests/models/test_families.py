@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-J,
+GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -302,6 +302,15 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "GPTBigCodeConfig",
         dict(n_embd=48, n_layer=3, n_head=3, n_inner=80, multi_query=False, scale_attn_weights=False,
              tie_word_embeddings=False),
+    ),
+    "gpt_neo-local-global": (
+        "GPTNeoConfig",
+        dict(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8),
+    ),
+    "gpt_neo-local-first-untied": (
+        "GPTNeoConfig",
+        dict(hidden_size=48, num_layers=3, num_heads=2, intermediate_size=80, window_size=6,
+             attention_types=[[["local", "global", "local"], 1]], tie_word_embeddings=False),
     ),
     "opt": (
         "OPTConfig",
