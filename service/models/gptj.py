@@ -2,9 +2,15 @@
 `LayerNormDecoderLayer`: attention and MLP side by side on one LayerNorm of the layer's input)
 with interleaved rotary on the first `rotary_dim` dims of each head (reordered at load to the
 rotate-half layout, `rotate_pairs_as_halves`), no biases on q, k, v and the output projection,
-a GELU MLP without a gate (`fc_in`, `fc_out`, with biases), and a biased LM head."""
+a GELU MLP without a gate (`fc_in`, `fc_out`, with biases), and a biased LM head.
+
+CodeGen (Salesforce's codegen-350M/2B/6B/16B, mono, multi, nl) is the same model with q, v and k
+fused in `qkv_proj` across the four model-parallel shards it was trained with: each shard's rows
+hold its heads' q, then v, then k; they are reordered at load to all q, then k, then v."""
 
 from __future__ import annotations
+
+import torch
 
 from service.models.layers import (
     CausalLM,
@@ -16,7 +22,8 @@ from service.models.layers import (
     rotate_pairs_as_halves,
 )
 
-ARCHITECTURES = ("GPTJForCausalLM",)
+ARCHITECTURES = ("GPTJForCausalLM", "CodeGenForCausalLM")
+CODEGEN_SHARDS = 4
 
 
 def shape(config) -> ModelShape:
@@ -43,8 +50,17 @@ def load(model: CausalLM, take: Checkpoint) -> None:
     for i, layer in enumerate(model.layers):
         p = f"transformer.h.{i}."
         load_layer_norm(layer.input_norm, take, p + "ln_1")
-        layer.attn.qkv.weight.copy_(take.cat(*(p + f"attn.{n}_proj.weight" for n in "qkv")))
+        if take.has(p + "attn.qkv_proj.weight"):  # CodeGen
+            layer.attn.qkv.weight.copy_(codegen_qkv(take(p + "attn.qkv_proj.weight")))
+        else:
+            layer.attn.qkv.weight.copy_(take.cat(*(p + f"attn.{n}_proj.weight" for n in "qkv")))
         load_linear(layer.attn.o, take, p + "attn.out_proj")
         load_linear(layer.mlp.fc, take, p + "mlp.fc_in")
         load_linear(layer.mlp.proj, take, p + "mlp.fc_out")
     rotate_pairs_as_halves(model)
+
+
+def codegen_qkv(w: torch.Tensor) -> torch.Tensor:
+    """CodeGen's fused rows, [q v k] per model-parallel shard -> [all q | all k | all v]."""
+    q, v, k = w.view(CODEGEN_SHARDS, 3, -1, w.shape[-1]).unbind(1)
+    return torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v)])

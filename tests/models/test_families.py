@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J,
+GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -296,6 +296,14 @@ CONFIGS = {  # name: (transformers config class, its arguments)
     "gptj-wide-rotary-relu": (
         "GPTJConfig",
         dict(n_embd=48, n_layer=3, n_head=2, rotary_dim=24, n_inner=80, activation_function="relu"),
+    ),
+    "codegen-sharded-qkv": (
+        "CodeGenConfig",
+        dict(n_embd=64, n_layer=2, n_head=8, rotary_dim=4),
+    ),
+    "codegen-wide-rotary-tied": (
+        "CodeGenConfig",
+        dict(n_embd=96, n_layer=3, n_head=4, rotary_dim=16, n_inner=80, tie_word_embeddings=True),
     ),
     "gpt_bigcode-mqa": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4)),
     "gpt_bigcode-mha-untied-unscaled": (
