@@ -110,6 +110,7 @@ class ModelShape:
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma-3)
     qk_norm_whole: bool = False  # ... over all of q and all of k instead of per head (OLMo-2)
+    qk_norm_after_rope: bool = False  # ... per head after rotary instead (HunYuan, NanoChat)
     # (beta, period): q times 1 + beta * log(1 + floor(position / period)) after rotary (Ministral 3's
     # `llama_4_scaling_beta` over `original_max_position_embeddings`)
     q_position_scale: tuple[float, int] | None = None
@@ -117,6 +118,7 @@ class ModelShape:
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    embed_norm: bool = False  # the final RMSNorm applied to the embeddings too (NanoChat)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
     residual_scale: float | None = None  # each block's output times this before its residual add (Granite)
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
@@ -248,11 +250,14 @@ class SelfAttention(nn.Module):
         s = self.s
         hq, hkv, d = s.num_q_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv(x)
-        if s.qk_norm:
+        if s.qk_norm and not s.qk_norm_after_rope:
             qkv = norm_qk_heads(qkv, hq, hkv, d, self.q_norm, self.k_norm, s.norm_eps)
         if s.qkv_clip is not None:
             qkv = qkv.clamp(-s.qkv_clip, s.qkv_clip)
         q, k, v = split_qkv_rope(qkv, hq, hkv, d, positions, cos, sin)
+        if s.qk_norm_after_rope:  # in place: k keeps v's row stride (the kernels store both so)
+            q.copy_(add_rms_norm(q.reshape(-1, d), None, self.q_norm, s.norm_eps)[1].view(q.shape))
+            k.copy_(add_rms_norm(k.reshape(-1, d), None, self.k_norm, s.norm_eps)[1].view(k.shape))
         if s.q_position_scale is not None:
             beta, period = s.q_position_scale
             scale = 1 + beta * torch.log(1 + torch.floor(positions / period))
@@ -425,6 +430,8 @@ class CausalLM(nn.Module):
             h = h + self.pos_embed(fb.positions + s.learned_positions)
         for feature, _ in fb.features:  # e.g. image embeddings spliced into the prompt
             h = feature.modify_embeddings(fb, h)
+        if s.embed_norm:
+            h = add_rms_norm(h, None, self.norm, s.norm_eps)[1]
         metas = {
             la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap)
             for la in dict.fromkeys(s.layer_attention)

@@ -87,6 +87,9 @@ def rope_table(
         return _table(_inv_freq(params["rope_theta"], dim), torch.arange(max_positions), 1.0)
     if rope_type in ("longrope", "su"):
         return _longrope(config, params, dim, max_positions)
+    if rope_type == "dynamic" and params.get("alpha"):  # HunYuan's NTK alpha: a fixed, larger base
+        base = params["rope_theta"] * params["alpha"] ** (dim / (dim - 2))
+        return _table(_inv_freq(base, dim), torch.arange(max_positions), 1.0)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}

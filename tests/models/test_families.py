@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
+GLM / GLM-4, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -69,6 +69,27 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "Qwen3Config",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    ),
+    "hunyuan-norms-after-rope": (
+        "HunYuanDenseV1Config",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16),
+    ),
+    "hunyuan-ntk-alpha-biases-tied": (
+        "HunYuanDenseV1Config",
+        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}),
+    ),
+    "nanochat": (
+        "NanoChatConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, final_logit_softcapping=5.0),
+    ),
+    "nanochat-mqa-biases": (
+        "NanoChatConfig",
+        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, attention_bias=True, final_logit_softcapping=3.0),
     ),
     "qwen3-window-wide-heads": (
         "Qwen3Config",
@@ -580,7 +601,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
 # One config per family, each variant the device kernels have: sliding windows, soft-capping,
 # local/global layers with their rope bases, partial LongRoPE, layers without rotary, residual scaling,
 # norms after the blocks only, interleaved partial rotary, LayerNorm blocks side by side, learned positions,
-# q scaled by position.
+# q scaled by position, q/k norms after rotary with a normed embedding.
 @pytest.mark.parametrize(
     "family",
     [
@@ -595,6 +616,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
         "gpt_neox-parallel",
         "gpt2",
         "ministral3-q-scaled-yarn",
+        "nanochat",
     ],
     indirect=True,
 )
@@ -912,6 +934,7 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
         "smollm3-nope",
         "arcee-relu2",
         "nemotron-partial",
+        "nanochat",
     ],
     indirect=True,
 )
