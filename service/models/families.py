@@ -11,6 +11,7 @@ from service.models import (
     exaone4,
     gemma,
     glm,
+    glm4_moe,
     gpt2,
     gpt_bigcode,
     gpt_neo,
@@ -81,6 +82,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_moe,
         granite_moe,
         olmoe,
+        glm4_moe,
     )
     for arch in module.ARCHITECTURES
 }

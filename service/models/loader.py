@@ -71,7 +71,7 @@ def load_model(
     if load_format == "dummy":
         model = model.to_empty(device=device)
         init_dummy_weights(model, getattr(config, "initializer_range", 0.02))
-        model = model.to(dtype)
+        model = cast(model, dtype, device)
     elif load_format == "auto":
         model = model.to_empty(device="cpu")
         with torch.no_grad():
@@ -81,13 +81,28 @@ def load_model(
                 raise UnsupportedModel(
                     f"{model_dir}: {e.args[0]} (is it a {shape.architecture} checkpoint?)"
                 ) from None
-        model = model.to(dtype).to(device)
+        model = cast(model, dtype, device)
     else:
         raise ValueError(f"unknown load format {load_format!r} (auto or dummy)")
     model.init_rope(device)
     if pack and torch.device(device).type == "cpu":
         model.pack_weights()
     return model.eval()
+
+
+def cast(model: CausalLM, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """The model in `dtype` on `device`, but for the parameters a module names in its
+    `float32_parameters` (DeepSeek-V3's router and correction bias): those stay float32."""
+    kept = [
+        (m, name, getattr(m, name).detach().float().clone())
+        for m in model.modules()
+        for name in getattr(m, "float32_parameters", ())
+        if hasattr(m, name)
+    ]
+    model = model.to(dtype).to(device)
+    for m, name, t in kept:
+        getattr(m, name).data = t.to(device)
+    return model
 
 
 @torch.no_grad()

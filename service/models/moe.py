@@ -2,7 +2,10 @@
 
 The router is transformers': softmax over the experts in float32, top-k, the k weights
 renormalised to sum to one where the config says so (Mixtral always; Qwen3-MoE per
-`norm_topk_prob`). The experts' weights are stacked, gate and up fused: `w_gate_up`
+`norm_topk_prob`); or DeepSeek-V3's (GLM-4.5, dots.llm1): sigmoid scores in float32, the choice
+made on the scores plus a per-expert correction bias within the `topk_group` best of `n_group`
+groups (a group ranked by its two best), the chosen experts weighted by their plain scores,
+renormalised where the config says so, then times `routed_scaling_factor`. The experts' weights are stacked, gate and up fused: `w_gate_up`
 [E, 2I, H] and `w_down` [E, H, I].
 
 The experts run over tokens grouped by expert: the T x k (token, slot) pairs are sorted by
@@ -43,6 +46,17 @@ class MoEShape:
     shared_gated: bool = (
         True  # its output times sigmoid(gate(x)) (Qwen2-MoE); False: added as it is (Granite)
     )
+    grouped: GroupedRouting | None = None  # DeepSeek-V3's sigmoid routing; None: softmax
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's router (`noaux_tc`): sigmoid scores, a correction bias for the choice only,
+    experts chosen within the best `topk_group` of `n_group` groups."""
+
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0  # routed_scaling_factor
 
 
 def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
@@ -63,6 +77,25 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(
+    router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, g: GroupedRouting
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) as DeepSeek-V3's router gives them."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, e = choice.shape
+    if g.n_group > 1:
+        group_scores = choice.view(t, g.n_group, e // g.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=g.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(e // g.n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * g.scale, ids
 
 
 @dataclass(frozen=True)
@@ -124,11 +157,17 @@ def experts_dense_reference(
 class MoEBlock(nn.Module):
     """Router + stacked experts (+ a shared expert with its sigmoid gate, where the config has one)."""
 
+    float32_parameters = ("router_weight", "score_bias")  # the loader keeps these float32 (grouped routing)
+
     def __init__(self, s: MoEShape):
         super().__init__()
         self.s = s
         e, i, h = s.num_experts, s.intermediate_size, s.hidden_size
-        self.router = nn.Linear(h, e, bias=False)
+        if s.grouped is None:
+            self.router = nn.Linear(h, e, bias=False)
+        else:  # run in float32 as transformers does (kept so by the loader, not packed with the linears)
+            self.router_weight = nn.Parameter(torch.zeros(e, h))
+            self.score_bias = nn.Parameter(torch.zeros(e))  # on the scores the choice is made on
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w_down = nn.Parameter(torch.empty(e, h, i))
         self.shared: nn.ModuleDict | None = None
@@ -141,7 +180,13 @@ class MoEBlock(nn.Module):
                 self.shared["gate"] = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router(x), self.s.top_k, self.s.renormalize)
+        if self.s.grouped is None:
+            weights, ids = route(self.router(x), self.s.top_k, self.s.renormalize)
+        else:
+            logits = F.linear(x.float(), self.router_weight)
+            weights, ids = route_grouped(
+                logits, self.score_bias, self.s.top_k, self.s.renormalize, self.s.grouped
+            )
         y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared is not None:
             sh = self.shared
@@ -165,13 +210,19 @@ def run_experts(
     return experts_torch(x, w_gate_up, w_down, weights, ids)
 
 
-def load_moe_block(block: MoEBlock, take: Any, prefix: str, names: tuple[str, str, str]) -> None:
+def load_moe_block(
+    block: MoEBlock, take: Any, prefix: str, names: tuple[str, str, str], shared: str = "shared_expert."
+) -> None:
     """A checkpoint's router and experts into `block` (no grad). `take(name)` gives a tensor and
     `take.has(name)` says whether there is one. Experts as transformers' `save_pretrained` and
     the published checkpoints lay them out, one module per expert (`{prefix}experts.{e}.{gate,
     up, down}.weight` under the family's `names`), or fused 3-D (`{prefix}experts.gate_up_proj`
     [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout)."""
-    block.router.weight.copy_(take(prefix + "gate.weight"))
+    if block.s.grouped is None:
+        block.router.weight.copy_(take(prefix + "gate.weight"))
+    else:
+        block.router_weight.copy_(take(prefix + "gate.weight"))
+        block.score_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
     if take.has(prefix + "experts.gate_up_proj"):
         block.w_gate_up.copy_(take(prefix + "experts.gate_up_proj"))
         block.w_down.copy_(take(prefix + "experts.down_proj"))
@@ -182,7 +233,8 @@ def load_moe_block(block: MoEBlock, take: Any, prefix: str, names: tuple[str, st
             block.w_gate_up[e].copy_(torch.cat([take(q + gate + ".weight"), take(q + up + ".weight")]))
             block.w_down[e].copy_(take(q + down + ".weight"))
     if block.shared is not None:
-        sh, q = block.shared, prefix + "shared_expert."
+        sh, q = block.shared, prefix + shared
         sh["gate_up"].weight.copy_(torch.cat([take(q + "gate_proj.weight"), take(q + "up_proj.weight")]))
         sh["down"].weight.copy_(take(q + "down_proj.weight"))
-        sh["gate"].weight.copy_(take(prefix + "shared_expert_gate.weight"))
+        if "gate" in sh:
+            sh["gate"].weight.copy_(take(prefix + "shared_expert_gate.weight"))

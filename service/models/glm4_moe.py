@@ -1,0 +1,67 @@
+"""GLM-4.5 / 4.6 / 4.7 (Glm4Moe, Air included) and dots.llm1 (Dots1): DeepSeek-V3's mixture of
+experts under a plain attention. The experts (`moe.py` `GroupedRouting`): sigmoid scores, the choice
+on the scores plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups, top
+`num_experts_per_tok` of `n_routed_experts`, weights renormalised where `norm_topk_prob`, times
+`routed_scaling_factor`; `n_shared_experts` x `moe_intermediate_size` of shared expert added
+without a gate; the first `first_k_dense_replace` layers dense (a GatedMLP of `intermediate_size`).
+
+The attention: GLM-4.5's is Llama's with rotary on the first `partial_rotary_factor` (half as
+published), q/k/v biases where `attention_bias` (never o), per-head q/k norms where
+`use_qk_norm`; dots.llm1's is Qwen3's (per-head q/k norms, its sliding layers as `layer_types`
+says). The next-token-prediction layers GLM-4.5 publishes past `num_hidden_layers` are not read."""
+
+from __future__ import annotations
+
+from service.models import qwen3
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    architecture,
+    base_shape,
+    load_common,
+    load_split_attention,
+    load_split_projections,
+)
+from service.models.moe import GroupedRouting, MoEShape, load_moe_block
+
+ARCHITECTURES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def shape(config) -> ModelShape:
+    moe = MoEShape(
+        hidden_size=config.hidden_size,
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+        shared_gated=False,
+        grouped=GroupedRouting(
+            n_group=config.n_group or 1,
+            topk_group=config.topk_group or 1,
+            scale=float(config.routed_scaling_factor),
+        ),
+    )
+    dense = config.first_k_dense_replace or 0
+    moe_layers = tuple(i >= dense for i in range(config.num_hidden_layers))
+    bias = bool(getattr(config, "attention_bias", False))
+    if architecture(config) == "Dots1ForCausalLM":
+        return base_shape(config, qk_norm=True, qkv_bias=bias, o_bias=bias, moe=moe, moe_layers=moe_layers)
+    return base_shape(config, qk_norm=bool(config.use_qk_norm), qkv_bias=bias, moe=moe, moe_layers=moe_layers)
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    load_common(model, take)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        if model.shape.moe_layers[i]:
+            load_split_attention(layer, take, p)
+            load_moe_block(layer.mlp, take, p + "mlp.", EXPERT_NAMES, shared="shared_experts.")
+        else:
+            load_split_projections(layer, take, p)
+        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+    if model.shape.qk_norm:
+        qwen3.load_qk_norms(model, take)
