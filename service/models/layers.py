@@ -161,15 +161,26 @@ def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
     return (DEFAULT_LAYER,) * num_layers
 
 
+# Language models of vision-language checkpoints that transformers gives no causal LM of its own,
+# by their text config's model type: what they are for text (Qwen3-VL's is Qwen3 with M-RoPE, whose
+# three position streams are equal on text, and DeepStack, which only adds image features).
+TEXT_MODEL_ARCHITECTURES = {
+    "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
+}
+
+
 def architecture(config) -> str:
     """config.json's `architectures[0]`; a config without one (a LLaVA's text config) names its
-    model type, whose causal LM transformers knows."""
+    model type, whose causal LM transformers knows (or `TEXT_MODEL_ARCHITECTURES` does)."""
     names = getattr(config, "architectures", None)
     if names:
         return names[0]
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(config, "model_type", "")
+    if model_type in TEXT_MODEL_ARCHITECTURES:
+        return TEXT_MODEL_ARCHITECTURES[model_type]
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UnsupportedModel(
             f"config.json names no architecture, and model type {model_type!r} has no causal LM"

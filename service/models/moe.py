@@ -217,15 +217,19 @@ def load_moe_block(
     `take.has(name)` says whether there is one. Experts as transformers' `save_pretrained` and
     the published checkpoints lay them out, one module per expert (`{prefix}experts.{e}.{gate,
     up, down}.weight` under the family's `names`), or fused 3-D (`{prefix}experts.gate_up_proj`
-    [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout)."""
+    [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout, or each
+    [E, in, out] as Qwen3-VL-MoE publishes them)."""
     if block.s.grouped is None:
         block.router.weight.copy_(take(prefix + "gate.weight"))
     else:
         block.router_weight.copy_(take(prefix + "gate.weight"))
         block.score_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
     if take.has(prefix + "experts.gate_up_proj"):
-        block.w_gate_up.copy_(take(prefix + "experts.gate_up_proj"))
-        block.w_down.copy_(take(prefix + "experts.down_proj"))
+        for param, name in ((block.w_gate_up, "gate_up_proj"), (block.w_down, "down_proj")):
+            t = take(prefix + "experts." + name)
+            # Qwen3-VL-MoE publishes them [E, in, out]: turned as transformers does, when the
+            # shape says so (a square one is taken as it is)
+            param.copy_(t if t.shape == param.shape else t.transpose(1, 2))
     else:
         gate, up, down = names
         for e in range(block.s.num_experts):

@@ -32,7 +32,7 @@ def moe_shape(config) -> MoEShape:
         num_experts=config.num_experts,
         top_k=config.num_experts_per_tok,
         intermediate_size=config.moe_intermediate_size,
-        renormalize=bool(config.norm_topk_prob),
+        renormalize=bool(getattr(config, "norm_topk_prob", True)),  # Qwen3-VL-MoE's has none: always
         shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
     )
 

@@ -2,7 +2,8 @@
 
 LLaVA (`llava.py`: one fixed resolution, CLIP-style tower) and Qwen2-VL / Qwen2.5-VL
 (`qwen_vl.py`: dynamic resolution, M-RoPE). A text-only config is none of them. Another
-vision-language checkpoint (Gemma-3 4B and up, Mistral-Small-3.1, SmolVLM: a `text_config` beside a
+vision-language checkpoint (Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3, SmolVLM, Qwen3-VL and
+Qwen3-VL-MoE: a `text_config` beside a
 `vision_config`) is served for its language model alone, text in and out, when that model's
 family is served; its images are refused.
 """

@@ -812,6 +812,68 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=1,
             image_token_index=2000, boi_token_index=2001, eoi_token_index=2002,
         )  # fmt: skip
+    elif (
+        kind == "qwen3_vl"
+    ):  # Qwen3's text model with interleaved M-RoPE (equal streams on text) and DeepStack
+        text_cfg = transformers.Qwen3VLTextConfig(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e5,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            **text,
+        )
+        vision = transformers.Qwen3VLVisionConfig(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            patch_size=14,
+            out_hidden_size=64,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=16,
+        )
+        cfg = transformers.Qwen3VLConfig(
+            text_config=text_cfg.to_dict(),
+            vision_config=vision.to_dict(),
+            image_token_id=2000,
+            video_token_id=2001,
+            vision_start_token_id=2002,
+            vision_end_token_id=2003,
+            tie_word_embeddings=False,
+        )
+    elif kind == "qwen3_vl_moe":  # Qwen3-MoE's text model, experts saved as published ([E, in, out])
+        text_cfg = transformers.Qwen3VLMoeTextConfig(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5e5,
+                "mrope_section": [4, 2, 2],
+                "mrope_interleaved": True,
+            },
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            **text,
+        )
+        vision = transformers.Qwen3VLMoeVisionConfig(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=48,
+            num_heads=2,
+            patch_size=14,
+            out_hidden_size=64,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=16,
+        )
+        cfg = transformers.Qwen3VLMoeConfig(
+            text_config=text_cfg.to_dict(),
+            vision_config=vision.to_dict(),
+            image_token_id=2000,
+            video_token_id=2001,
+            vision_start_token_id=2002,
+            vision_end_token_id=2003,
+        )
     elif kind == "idefics3":
         text_cfg = transformers.LlamaConfig(**text)
         vision = transformers.Idefics3VisionConfig(
@@ -846,12 +908,19 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
     torch.manual_seed(0)
     model = transformers.AutoModelForImageTextToText.from_config(cfg).eval()
     save_perturbed(model, smol, out)
+    if kind == "qwen3_vl_moe":
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(out / "model.safetensors")
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out, model
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "ministral3", "idefics3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "ministral3", "idefics3", "qwen3_vl", "qwen3_vl_moe"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
-    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3 and SmolVLM are published as vision-language checkpoints only:
+    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3, SmolVLM and Qwen3-VL are published as vision-language checkpoints only:
     their language model is served for text (greedy tokens equal transformers' on text prompts),
     and an image is refused naming why."""
     from service.core.request import RequestError
