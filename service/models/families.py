@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from service.models import (
     cohere,
     ernie4_5,
+    ernie4_5_moe,
     exaone4,
     gemma,
     glm,
@@ -83,6 +84,7 @@ FAMILIES: dict[str, Family] = {
         granite_moe,
         olmoe,
         glm4_moe,
+        ernie4_5_moe,
     )
     for arch in module.ARCHITECTURES
 }

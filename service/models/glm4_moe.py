@@ -1,5 +1,5 @@
 """GLM-4.5 / 4.6 / 4.7 (Glm4Moe, Air included) and dots.llm1 (Dots1): DeepSeek-V3's mixture of
-experts under a plain attention. The experts (`moe.py` `GroupedRouting`): sigmoid scores, the choice
+experts under a plain attention. The experts (`moe.py` `BiasedRouting`): sigmoid scores, the choice
 on the scores plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups, top
 `num_experts_per_tok` of `n_routed_experts`, weights renormalised where `norm_topk_prob`, times
 `routed_scaling_factor`; `n_shared_experts` x `moe_intermediate_size` of shared expert added
@@ -23,7 +23,7 @@ from service.models.layers import (
     load_split_attention,
     load_split_projections,
 )
-from service.models.moe import GroupedRouting, MoEShape, load_moe_block
+from service.models.moe import BiasedRouting, MoEShape, load_moe_block
 
 ARCHITECTURES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -38,7 +38,7 @@ def shape(config) -> ModelShape:
         renormalize=bool(config.norm_topk_prob),
         shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
         shared_gated=False,
-        grouped=GroupedRouting(
+        biased=BiasedRouting(
             n_group=config.n_group or 1,
             topk_group=config.topk_group or 1,
             scale=float(config.routed_scaling_factor),

@@ -2,11 +2,13 @@
 
 The router is transformers': softmax over the experts in float32, top-k, the k weights
 renormalised to sum to one where the config says so (Mixtral always; Qwen3-MoE per
-`norm_topk_prob`); or DeepSeek-V3's (GLM-4.5, dots.llm1): sigmoid scores in float32, the choice
-made on the scores plus a per-expert correction bias within the `topk_group` best of `n_group`
-groups (a group ranked by its two best), the chosen experts weighted by their plain scores,
-renormalised where the config says so, then times `routed_scaling_factor`. The experts' weights are stacked, gate and up fused: `w_gate_up`
-[E, 2I, H] and `w_down` [E, H, I].
+`norm_topk_prob`); or one whose choice is made on its scores plus a per-expert correction bias,
+the chosen experts weighted by their plain scores (`BiasedRouting`): DeepSeek-V3's (GLM-4.5,
+dots.llm1: sigmoid scores in float32, the choice within the `topk_group` best of `n_group` groups, a
+group ranked by its two best, renormalised where the config says so, then times
+`routed_scaling_factor`) and ERNIE 4.5's (softmax scores, renormalised).
+
+The experts' weights are stacked, gate and up fused: `w_gate_up` [E, 2I, H] and `w_down` [E, H, I].
 
 The experts run over tokens grouped by expert: the T x k (token, slot) pairs are sorted by
 expert, stably in transformers' order (by slot, then token, within an expert; a token's
@@ -46,17 +48,22 @@ class MoEShape:
     shared_gated: bool = (
         True  # its output times sigmoid(gate(x)) (Qwen2-MoE); False: added as it is (Granite)
     )
-    grouped: GroupedRouting | None = None  # DeepSeek-V3's sigmoid routing; None: softmax
+    shared_bias: bool = False  # the shared expert's projections have biases (ERNIE 4.5's `use_bias`)
+    biased: BiasedRouting | None = None  # the choice made on scores plus a correction bias; None: softmax
 
 
 @dataclass(frozen=True)
-class GroupedRouting:
-    """DeepSeek-V3's router (`noaux_tc`): sigmoid scores, a correction bias for the choice only,
-    experts chosen within the best `topk_group` of `n_group` groups."""
+class BiasedRouting:
+    """A router whose choice is made on its scores plus a per-expert correction bias, the chosen
+    experts weighted by their plain scores: DeepSeek-V3's (`noaux_tc`: sigmoid scores, the choice
+    within the best `topk_group` of `n_group` groups, the weights times `scale`) and ERNIE 4.5's
+    (softmax scores, renormalised over a floor)."""
 
+    scoring: str = "sigmoid"  # or "softmax"
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0  # routed_scaling_factor
+    norm_floor: float | None = None  # renormalised w / max(sum, floor) (ERNIE); None: w / (sum + 1e-20)
 
 
 def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
@@ -79,23 +86,25 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def route_grouped(
-    router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, g: GroupedRouting
+def route_biased(
+    router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, r: BiasedRouting
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64) as DeepSeek-V3's router gives them."""
-    scores = router_logits.float().sigmoid()
+    """(weights [T, k] float32, expert ids [T, k] int64) as DeepSeek-V3's or ERNIE 4.5's router gives them."""
+    logits = router_logits.float()
+    scores = logits.sigmoid() if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores + bias.float()
     t, e = choice.shape
-    if g.n_group > 1:
-        group_scores = choice.view(t, g.n_group, e // g.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        best = torch.topk(group_scores, k=g.topk_group, dim=-1, sorted=False)[1]
+    if r.n_group > 1:
+        group_scores = choice.view(t, r.n_group, e // r.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=r.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0).bool()
-        choice = choice.masked_fill(~keep.repeat_interleave(e // g.n_group, dim=1), float("-inf"))
+        choice = choice.masked_fill(~keep.repeat_interleave(e // r.n_group, dim=1), float("-inf"))
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * g.scale, ids
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if r.norm_floor is None else total.clamp(min=r.norm_floor))
+    return weights * r.scale, ids
 
 
 @dataclass(frozen=True)
@@ -157,13 +166,13 @@ def experts_dense_reference(
 class MoEBlock(nn.Module):
     """Router + stacked experts (+ a shared expert with its sigmoid gate, where the config has one)."""
 
-    float32_parameters = ("router_weight", "score_bias")  # the loader keeps these float32 (grouped routing)
+    float32_parameters = ("router_weight", "score_bias")  # the loader keeps these float32 (biased routing)
 
     def __init__(self, s: MoEShape):
         super().__init__()
         self.s = s
         e, i, h = s.num_experts, s.intermediate_size, s.hidden_size
-        if s.grouped is None:
+        if s.biased is None:
             self.router = nn.Linear(h, e, bias=False)
         else:  # run in float32 as transformers does (kept so by the loader, not packed with the linears)
             self.router_weight = nn.Parameter(torch.zeros(e, h))
@@ -173,19 +182,20 @@ class MoEBlock(nn.Module):
         self.shared: nn.ModuleDict | None = None
         if s.shared_intermediate_size:
             si = s.shared_intermediate_size
+            b = s.shared_bias
             self.shared = nn.ModuleDict(
-                dict(gate_up=nn.Linear(h, 2 * si, bias=False), down=nn.Linear(si, h, bias=False))
+                dict(gate_up=nn.Linear(h, 2 * si, bias=b), down=nn.Linear(si, h, bias=b))
             )
             if s.shared_gated:
                 self.shared["gate"] = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.s.grouped is None:
+        if self.s.biased is None:
             weights, ids = route(self.router(x), self.s.top_k, self.s.renormalize)
         else:
             logits = F.linear(x.float(), self.router_weight)
-            weights, ids = route_grouped(
-                logits, self.score_bias, self.s.top_k, self.s.renormalize, self.s.grouped
+            weights, ids = route_biased(
+                logits, self.score_bias, self.s.top_k, self.s.renormalize, self.s.biased
             )
         y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared is not None:
@@ -219,11 +229,14 @@ def load_moe_block(
     up, down}.weight` under the family's `names`), or fused 3-D (`{prefix}experts.gate_up_proj`
     [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout, or each
     [E, in, out] as Qwen3-VL-MoE publishes them)."""
-    if block.s.grouped is None:
+    if block.s.biased is None:
         block.router.weight.copy_(take(prefix + "gate.weight"))
     else:
         block.router_weight.copy_(take(prefix + "gate.weight"))
-        block.score_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
+        bias = take.first(
+            prefix + "gate.e_score_correction_bias", prefix + "moe_statics.e_score_correction_bias"
+        )
+        block.score_bias.copy_(bias.reshape(-1))  # ERNIE's is [1, E]
     if take.has(prefix + "experts.gate_up_proj"):
         for param, name in ((block.w_gate_up, "gate_up_proj"), (block.w_down, "down_proj")):
             t = take(prefix + "experts." + name)
@@ -240,5 +253,8 @@ def load_moe_block(
         sh, q = block.shared, prefix + shared
         sh["gate_up"].weight.copy_(torch.cat([take(q + "gate_proj.weight"), take(q + "up_proj.weight")]))
         sh["down"].weight.copy_(take(q + "down_proj.weight"))
+        if block.s.shared_bias:
+            sh["gate_up"].bias.copy_(torch.cat([take(q + "gate_proj.bias"), take(q + "up_proj.bias")]))
+            sh["down"].bias.copy_(take(q + "down_proj.bias"))
         if "gate" in sh:
             sh["gate"].weight.copy_(take(prefix + "shared_expert_gate.weight"))

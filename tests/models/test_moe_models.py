@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -190,6 +190,23 @@ CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # ERNIE 4.5 MoE: 8 experts top-3 (softmax, the choice biased), layer 0 dense, a biased shared expert,
+    # interleaved rotary, biases everywhere
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            moe_num_experts=8,
+            moe_k=3,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=2,
+            use_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 CONFIG_CLASSES = {
     "mixtral": "MixtralConfig",
@@ -200,6 +217,7 @@ CONFIG_CLASSES = {
     "olmoe": "OlmoeConfig",
     "glm4_moe": "Glm4MoeConfig",
     "dots1": "Dots1Config",
+    "ernie4_5_moe": "Ernie4_5_MoeConfig",
 }
 
 
@@ -217,6 +235,9 @@ def make_tiny_moe(smol: Path, out: Path, name: str) -> Path:
         for n, b in model.named_buffers():  # DeepSeek-V3's correction bias: zeros at init
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.5)
+        for n, p in model.named_parameters():  # ERNIE's (a parameter; on softmax scores)
+            if n.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.05)
     model.save_pretrained(out)
     for f in TOKENIZER_FILES:
         if (smol / f).exists():
