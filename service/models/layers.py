@@ -32,6 +32,7 @@ from service.models.ops import (
     add_rms_norm,
     gelu_mul,
     gelu_tanh_mul,
+    layer_norm_qk_heads,
     norm_qk_heads,
     relu2,
     relu2_mul,
@@ -111,6 +112,10 @@ class ModelShape:
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma-3)
     qk_norm_whole: bool = False  # ... over all of q and all of k instead of per head (OLMo-2)
     qk_norm_after_rope: bool = False  # ... per head after rotary instead (HunYuan, NanoChat)
+    # ... a LayerNorm per head instead (mean-centred; weights [heads, head_dim], biases where
+    # `qk_norm_bias`): Command R+, StableLM-2-12B, Phi's `qk_layernorm`
+    qk_layer_norm: bool = False
+    qk_norm_bias: bool = False
     # (beta, period): q times 1 + beta * log(1 + floor(position / period)) after rotary (Ministral 3's
     # `llama_4_scaling_beta` over `original_max_position_embeddings`)
     q_position_scale: tuple[float, int] | None = None
@@ -253,7 +258,13 @@ class SelfAttention(nn.Module):
         q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.qkv = nn.Linear(s.hidden_size, q + 2 * kv, bias=s.qkv_bias)
         self.o = nn.Linear(q, s.hidden_size, bias=s.o_bias)
-        if s.qk_norm:
+        if s.qk_norm and s.qk_layer_norm:
+            self.q_norm = nn.Parameter(torch.ones(s.num_q_heads, s.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(s.num_kv_heads, s.head_dim))
+            if s.qk_norm_bias:
+                self.q_norm_bias = nn.Parameter(torch.zeros(s.num_q_heads, s.head_dim))
+                self.k_norm_bias = nn.Parameter(torch.zeros(s.num_kv_heads, s.head_dim))
+        elif s.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(q if s.qk_norm_whole else s.head_dim))
             self.k_norm = nn.Parameter(torch.ones(kv if s.qk_norm_whole else s.head_dim))
 
@@ -261,7 +272,12 @@ class SelfAttention(nn.Module):
         s = self.s
         hq, hkv, d = s.num_q_heads, s.num_kv_heads, s.head_dim
         qkv = self.qkv(x)
-        if s.qk_norm and not s.qk_norm_after_rope:
+        if s.qk_norm and s.qk_layer_norm:
+            q_bias, k_bias = (self.q_norm_bias, self.k_norm_bias) if s.qk_norm_bias else (None, None)
+            qkv = layer_norm_qk_heads(
+                qkv, hq, hkv, d, (self.q_norm, q_bias), (self.k_norm, k_bias), s.norm_eps
+            )
+        elif s.qk_norm and not s.qk_norm_after_rope:
             qkv = norm_qk_heads(qkv, hq, hkv, d, self.q_norm, self.k_norm, s.norm_eps)
         if s.qkv_clip is not None:
             qkv = qkv.clamp(-s.qkv_clip, s.qkv_clip)
@@ -576,9 +592,15 @@ def rotate_pairs_as_halves(model: CausalLM) -> None:
         for p in (attn.qkv.weight, attn.qkv.bias):
             if p is not None:
                 p[: rows.numel()] = p[rows]
-        if s.qk_norm and not s.qk_norm_whole:
-            attn.q_norm.copy_(attn.q_norm[order])
-            attn.k_norm.copy_(attn.k_norm[order])
+        if s.qk_norm and not s.qk_norm_whole:  # per-head norms' weights (and biases) along a head
+            for p in (
+                attn.q_norm,
+                attn.k_norm,
+                getattr(attn, "q_norm_bias", None),
+                getattr(attn, "k_norm_bias", None),
+            ):
+                if p is not None:
+                    p.copy_(p[..., order])
 
 
 def load_split_attention(layer: DecoderLayer, take: Checkpoint, p: str) -> None:

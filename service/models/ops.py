@@ -88,6 +88,29 @@ def norm_qk_heads(
     return torch.cat([q, k, v], dim=-1)
 
 
+def layer_norm_qk_heads(
+    qkv: torch.Tensor,
+    hq: int,
+    hkv: int,
+    d: int,
+    q_norm: tuple[torch.Tensor, torch.Tensor | None],
+    k_norm: tuple[torch.Tensor, torch.Tensor | None],
+    eps: float,
+) -> torch.Tensor:
+    """The fused projection with each q and k head LayerNorm-ed over its d dims (mean-centred, in
+    float32 as Cohere's), times its own weights [heads, d] (plus biases where given)."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+
+    def norm(x: torch.Tensor, heads: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = F.layer_norm(x.reshape(t, heads, d).float(), (d,), eps=eps) * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).view(t, heads * d)
+
+    return torch.cat([norm(q, hq, *q_norm), norm(k, hkv, *k_norm), v], dim=-1)
+
+
 def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu(gate) * up (the exact, erf form) for rows [gate | up]."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -9,7 +9,6 @@ from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
-    UnsupportedModel,
     layer_norm_shape,
     load_layer_norm,
     load_linear,
@@ -19,8 +18,7 @@ ARCHITECTURES = ("PhiForCausalLM",)
 
 
 def shape(config) -> ModelShape:
-    if getattr(config, "qk_layernorm", False):
-        raise UnsupportedModel("PhiForCausalLM: qk_layernorm is not served")
+    qk_norm = bool(getattr(config, "qk_layernorm", False))
     return layer_norm_shape(
         config,
         config.layer_norm_eps,
@@ -29,6 +27,9 @@ def shape(config) -> ModelShape:
         shared_block_norm=True,
         lm_head_bias=True,
         tie_word_embeddings=False,  # a tied head still has its own bias: the embeddings are copied
+        qk_norm=qk_norm,
+        qk_layer_norm=qk_norm,
+        qk_norm_bias=qk_norm,
     )
 
 
@@ -47,3 +48,8 @@ def load(model: CausalLM, take: Checkpoint) -> None:
         load_linear(layer.attn.o, take, a + "dense")
         load_linear(layer.mlp.fc, take, p + "mlp.fc1")
         load_linear(layer.mlp.proj, take, p + "mlp.fc2")
+        if model.shape.qk_norm:  # one norm for every head
+            attn = layer.attn
+            for n, w, b in (("q", attn.q_norm, attn.q_norm_bias), ("k", attn.k_norm, attn.k_norm_bias)):
+                w.copy_(take(f"{p}self_attn.{n}_layernorm.weight").expand_as(w))
+                b.copy_(take(f"{p}self_attn.{n}_layernorm.bias").expand_as(b))

@@ -290,6 +290,11 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              partial_rotary_factor=0.4),
     ),
+    "phi-qk-layernorm": (
+        "PhiConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             partial_rotary_factor=0.5, qk_layernorm=True),
+    ),
     "phi-gqa-tied": (
         "PhiConfig",
         dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,
@@ -355,6 +360,11 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, use_qkv_bias=True, partial_rotary_factor=0.25),
     ),
+    "stablelm-qk-layernorm-per-head": (
+        "StableLmConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, qk_layernorm=True, partial_rotary_factor=0.25),
+    ),
     "stablelm-parallel-tied": (
         "StableLmConfig",
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
@@ -388,6 +398,11 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "CohereConfig",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, logit_scale=0.5),
+    ),
+    "cohere-qk-norm": (
+        "CohereConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, logit_scale=0.5, use_qk_norm=True),
     ),
     "cohere2-windows-rotary-on-sliding-only": (
         "Cohere2Config",
@@ -433,8 +448,9 @@ def make_family_model(smol: Path, out: Path, name: str) -> Path:
 def save_perturbed(model, smol: Path, out: Path) -> None:
     """`model` saved to `out` with SmolLM2's tokenizer, its norms and biases perturbed so they matter."""
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # norms (Gemma's are 1 + w: zeros at init) and biases
+        for name, p in model.named_parameters():
+            # norms (Gemma's are 1 + w: zeros at init), biases, per-head norms [heads, d] (Command R+'s)
+            if p.dim() == 1 or name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(out)
     for f in TOKENIZER_FILES:
