@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.models import (
+    apertus,
     cohere,
     ernie4_5,
     ernie4_5_moe,
@@ -57,6 +58,7 @@ FAMILIES: dict[str, Family] = {
         granite,
         helium,
         qwen3,
+        apertus,
         hunyuan,
         nanochat,
         gemma,

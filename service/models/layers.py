@@ -18,6 +18,7 @@ modules; `families.py` picks the family from config.json's `architectures`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -68,6 +69,7 @@ ACTIVATION_OF_CONFIG = {
     "gelu_fast": "gelu_tanh",
     "relu": "relu",
     "relu2": "relu2",  # relu(x) squared (Nemotron, Arcee)
+    "xielu": "xielu",  # learned per layer (Apertus; an MLP without a gate only)
 }
 
 
@@ -146,6 +148,8 @@ class ModelShape:
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
 
     def __post_init__(self) -> None:
+        if self.mlp_gated and self.activation not in ACTIVATIONS:
+            raise UnsupportedModel(f"{self.architecture}: a gated MLP with {self.activation!r} is not served")
         if self.moe is not None and self.activation != "silu":
             raise UnsupportedModel(
                 f"{self.architecture}: routed experts run SiLU only, the config asks for {self.activation!r}"
@@ -355,6 +359,25 @@ class DecoderLayer(nn.Module):
         return h, add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
 
 
+class XIELU(nn.Module):
+    """xIELU (Apertus): an activation with learned scalars per layer, as transformers computes it:
+    x > 0: a_p x^2 + beta x; else (expm1(min(x, eps)) - x) a_n + beta x, where a_p = softplus(alpha_p)
+    and a_n = beta + softplus(alpha_n)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1))
+        self.alpha_n = nn.Parameter(torch.zeros(1))
+        self.beta = nn.Parameter(torch.zeros(()))
+        self.eps = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        negative = (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x, negative + self.beta * x)
+
+
 class PlainMLP(nn.Module):
     """proj(act(fc(x))), biases where `mlp_bias` (the GPT lineage)."""
 
@@ -362,7 +385,9 @@ class PlainMLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
         self.proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
-        self.act = PLAIN_ACTIVATIONS[s.activation]
+        self.act: nn.Module | Callable = (
+            XIELU() if s.activation == "xielu" else PLAIN_ACTIVATIONS[s.activation]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))

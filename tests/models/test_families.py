@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
+GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -69,6 +69,17 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "Qwen3Config",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    ),
+    "apertus-xielu": (
+        "ApertusConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16),
+    ),
+    "apertus-biases-relu2-tied": (
+        "ApertusConfig",
+        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=16, attention_bias=True, hidden_act="relu2",
+             tie_word_embeddings=True),
     ),
     "hunyuan-norms-after-rope": (
         "HunYuanDenseV1Config",
@@ -704,6 +715,20 @@ def test_unsupported_model_ends_the_server_with_one_line(tmp_path, refused):
     model_dir = tmp_path / "m"
     cfg.save_pretrained(model_dir)
     assert_one_line_refusal(model_dir, words)
+
+
+def test_a_gated_mlp_with_an_activation_only_served_ungated_is_refused():
+    """xIELU carries learned scalars: served in Apertus's MLP without a gate, refused in a gated one."""
+    import transformers
+
+    from service.models.families import model_shape
+    from service.models.layers import UnsupportedModel
+
+    cls_name, kwargs = CONFIGS["llama-mlp-bias-gelu"]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "hidden_act": "xielu"})
+    cfg.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(UnsupportedModel, match="a gated MLP with 'xielu' is not served"):
+        model_shape(cfg)
 
 
 def assert_one_line_refusal(model_dir: Path, words: list[str], *args: str) -> None:
