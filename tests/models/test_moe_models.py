@@ -310,15 +310,21 @@ def test_chunks_of_7_in_overlap_loop_match_transformers(moe_case):
     _check_against_reference(outs, refs, lps)
 
 
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
-def test_retraction_re_prefills_to_transformers_tokens(moe_case, loop):
+def test_retraction_re_prefills_to_transformers_tokens(moe_case):
     """A pool that holds two requests' prompts but not their outputs: requests are retracted and
-    re-prefilled (prompt and kept output), and every one still matches transformers."""
+    re-prefilled (prompt and kept output), and every one still matches transformers (the overlap
+    loop; the normal loop's retraction is the same for every model)."""
     model_dir, refs, lps = moe_case
-    _check_against_reference(_run(model_dir, retracts=True, loop=loop, kv_cache_tokens=70), refs, lps)
+    _check_against_reference(_run(model_dir, retracts=True, loop="overlap", kv_cache_tokens=70), refs, lps)
 
 
+@pytest.mark.parametrize(
+    "moe_case",
+    list({family: name for name, (family, _) in reversed(CONFIGS.items())}.values()),
+    indirect=True,
+)
 def test_constraints_hold_and_both_loops_agree(moe_case):
+    """One config per family: the masks meet its logits."""
     check_constraints(moe_case[0])
 
 
@@ -343,9 +349,7 @@ def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
         assert max(abs(x - y) for x, y in zip(_logprobs(a)[1], _logprobs(b)[1])) < TOL
 
 
-@pytest.mark.parametrize(
-    "moe_case", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared", "glm4_moe-grouped"], indirect=True
-)
+@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared"], indirect=True)
 def test_device_path_gives_transformers_tokens(moe_case):
     model_dir, refs, _ = moe_case
     assert device_path_tokens(model_dir, PROMPTS, DEVICE_NEW) == [r[:DEVICE_NEW] for r in refs]
