@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
+GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, Granite 4.0 (attention only), the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -193,6 +193,13 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
              num_key_value_heads=1, embedding_multiplier=6.0, attention_multiplier=0.05,
              residual_multiplier=0.5, logits_scaling=2.5, hidden_act="relu", tie_word_embeddings=True),
+    ),
+    "granite4-attention-only-dense": (
+        "GraniteMoeHybridConfig",
+        dict(hidden_size=64, intermediate_size=96, shared_intermediate_size=80, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, num_local_experts=0, position_embedding_type="rope",
+             layer_types=["attention", "attention"], embedding_multiplier=12.0, attention_multiplier=0.0078125,
+             residual_multiplier=0.22, logits_scaling=8.0),
     ),
     "olmo2": (
         "Olmo2Config",
@@ -733,6 +740,19 @@ def test_a_gated_mlp_with_an_activation_only_served_ungated_is_refused():
     cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "hidden_act": "xielu"})
     cfg.architectures = ["LlamaForCausalLM"]
     with pytest.raises(UnsupportedModel, match="a gated MLP with 'xielu' is not served"):
+        model_shape(cfg)
+
+
+def test_granite4_with_mamba_layers_is_refused_naming_them():
+    import transformers
+
+    from service.models.families import model_shape
+    from service.models.layers import UnsupportedModel
+
+    cls_name, kwargs = CONFIGS["granite4-attention-only-dense"]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "layer_types": ["mamba", "attention"]})
+    cfg.architectures = ["GraniteMoeHybridForCausalLM"]
+    with pytest.raises(UnsupportedModel, match=r"Mamba layers \(linear_attention\) are not served"):
         model_shape(cfg)
 
 

@@ -207,6 +207,20 @@ CONFIGS = {
             tie_word_embeddings=False,
         ),
     ),
+    # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
+    "granitemoehybrid-nope": (
+        "granitemoehybrid",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=24,
+            shared_intermediate_size=40,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            position_embedding_type="nope",
+            layer_types=["attention", "attention"],
+            **GRANITE,
+        ),
+    ),
 }
 CONFIG_CLASSES = {
     "mixtral": "MixtralConfig",
@@ -218,6 +232,7 @@ CONFIG_CLASSES = {
     "glm4_moe": "Glm4MoeConfig",
     "dots1": "Dots1Config",
     "ernie4_5_moe": "Ernie4_5_MoeConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
 }
 
 
