@@ -1,5 +1,5 @@
 """The dense families (Qwen3, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
-GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, Granite 4.0 (attention only), the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen,
+GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, Granite 4.0 (attention only), the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen, Falcon,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
 generate(do_sample=False) for a batch of different prompt lengths; input and output logprobs within
@@ -363,6 +363,25 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "GPTNeoConfig",
         dict(hidden_size=48, num_layers=3, num_heads=2, intermediate_size=80, window_size=6,
              attention_types=[[["local", "global", "local"], 1]], tie_word_embeddings=False),
+    ),
+    "falcon-7b-mqa-parallel": (
+        "FalconConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=96),
+    ),
+    "falcon-40b-grouped-two-norms-biases": (
+        "FalconConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_kv_heads=2, ffn_hidden_size=80,
+             new_decoder_architecture=True, bias=True, tie_word_embeddings=False),
+    ),
+    "falcon2-11b-grouped-one-norm": (
+        "FalconConfig",
+        dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=3, num_kv_heads=1, ffn_hidden_size=64,
+             new_decoder_architecture=True, num_ln_in_parallel_attn=1),
+    ),
+    "falcon-sequential-mha": (
+        "FalconConfig",
+        dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=3, ffn_hidden_size=64, multi_query=False,
+             parallel_attn=False, bias=True),
     ),
     "opt": (
         "OPTConfig",
@@ -753,6 +772,19 @@ def test_granite4_with_mamba_layers_is_refused_naming_them():
     cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "layer_types": ["mamba", "attention"]})
     cfg.architectures = ["GraniteMoeHybridForCausalLM"]
     with pytest.raises(UnsupportedModel, match=r"Mamba layers \(linear_attention\) are not served"):
+        model_shape(cfg)
+
+
+def test_falcon_with_alibi_is_refused():
+    import transformers
+
+    from service.models.families import model_shape
+    from service.models.layers import UnsupportedModel
+
+    cls_name, kwargs = CONFIGS["falcon-sequential-mha"]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "alibi": True})
+    cfg.architectures = ["FalconForCausalLM"]
+    with pytest.raises(UnsupportedModel, match="ALiBi"):
         model_shape(cfg)
 
 
