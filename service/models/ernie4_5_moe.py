@@ -8,18 +8,16 @@ renormalised over `moe_norm_min` (`moe.py` `BiasedRouting`), and `moe_num_shared
 
 from __future__ import annotations
 
+from service.models import qwen2_moe
 from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
     UnsupportedModel,
     base_shape,
-    load_common,
-    load_split_attention,
-    load_split_projections,
     rotate_pairs_as_halves,
 )
-from service.models.moe import BiasedRouting, MoEShape, load_moe_block
+from service.models.moe import BiasedRouting, MoEShape
 
 ARCHITECTURES = ("Ernie4_5_MoeForCausalLM",)
 
@@ -47,16 +45,5 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    load_common(model, take)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        if model.shape.moe_layers[i]:
-            load_split_attention(layer, take, p)
-            load_moe_block(
-                layer.mlp, take, p + "mlp.", ("gate_proj", "up_proj", "down_proj"), shared="shared_experts."
-            )
-        else:
-            load_split_projections(layer, take, p)
-        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+    qwen2_moe.load(model, take, shared="shared_experts.")
     rotate_pairs_as_halves(model)

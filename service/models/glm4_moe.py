@@ -12,21 +12,11 @@ says). The next-token-prediction layers GLM-4.5 publishes past `num_hidden_layer
 
 from __future__ import annotations
 
-from service.models import qwen3
-from service.models.layers import (
-    CausalLM,
-    Checkpoint,
-    ModelShape,
-    architecture,
-    base_shape,
-    load_common,
-    load_split_attention,
-    load_split_projections,
-)
-from service.models.moe import BiasedRouting, MoEShape, load_moe_block
+from service.models import qwen2_moe, qwen3
+from service.models.layers import CausalLM, Checkpoint, ModelShape, architecture, base_shape
+from service.models.moe import BiasedRouting, MoEShape
 
 ARCHITECTURES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
-EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def shape(config) -> ModelShape:
@@ -53,15 +43,6 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    load_common(model, take)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        if model.shape.moe_layers[i]:
-            load_split_attention(layer, take, p)
-            load_moe_block(layer.mlp, take, p + "mlp.", EXPERT_NAMES, shared="shared_experts.")
-        else:
-            load_split_projections(layer, take, p)
-        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+    qwen2_moe.load(model, take, shared="shared_experts.")
     if model.shape.qk_norm:
         qwen3.load_qk_norms(model, take)

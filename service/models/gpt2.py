@@ -33,21 +33,28 @@ def shape(config) -> ModelShape:
     )
 
 
-def load(model: CausalLM, take: Checkpoint) -> None:
-    def conv1d(linear, name: str) -> None:  # Conv1D keeps its weight as [in, out]
-        linear.weight.copy_(take(name + ".weight").t())
-        linear.bias.copy_(take(name + ".bias"))
-
-    t = "transformer." if take.has("transformer.wte.weight") else ""  # the hub's files: GPT2Model's names
+def load_frame(model: CausalLM, take: Checkpoint, t: str = "transformer.") -> None:
+    """What GPT-2, GPTBigCode and GPT-Neo name alike: `{t}wte`, `{t}wpe`, `{t}ln_f`, the LM head, and
+    each layer's `{t}h.{i}.ln_1` / `ln_2`; the attention and MLP are each family's."""
     model.embed.weight.copy_(take(t + "wte.weight"))
     model.pos_embed.weight.copy_(take(t + "wpe.weight"))
     load_layer_norm(model.norm, take, t + "ln_f")
     if model.lm_head is not None:
         model.lm_head.weight.copy_(take("lm_head.weight"))
     for i, layer in enumerate(model.layers):
+        load_layer_norm(layer.input_norm, take, f"{t}h.{i}.ln_1")
+        load_layer_norm(layer.post_norm, take, f"{t}h.{i}.ln_2")
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    def conv1d(linear, name: str) -> None:  # Conv1D keeps its weight as [in, out]
+        linear.weight.copy_(take(name + ".weight").t())
+        linear.bias.copy_(take(name + ".bias"))
+
+    t = "transformer." if take.has("transformer.wte.weight") else ""  # the hub's files: GPT2Model's names
+    load_frame(model, take, t)
+    for i, layer in enumerate(model.layers):
         p = f"{t}h.{i}."
-        load_layer_norm(layer.input_norm, take, p + "ln_1")
-        load_layer_norm(layer.post_norm, take, p + "ln_2")
         conv1d(layer.attn.qkv, p + "attn.c_attn")
         conv1d(layer.attn.o, p + "attn.c_proj")
         conv1d(layer.mlp.fc, p + "mlp.c_fc")

@@ -8,13 +8,13 @@ is laid out head by head ([q k v] per head) and reordered at load."""
 
 from __future__ import annotations
 
+from service.models import gpt2
 from service.models.gpt_neox import heads_to_blocks
 from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
     layer_norm_shape,
-    load_layer_norm,
     load_linear,
 )
 from service.models.rope import NO_ROPE
@@ -37,15 +37,9 @@ def shape(config) -> ModelShape:
 
 def load(model: CausalLM, take: Checkpoint) -> None:
     s = model.shape
-    model.embed.weight.copy_(take("transformer.wte.weight"))
-    model.pos_embed.weight.copy_(take("transformer.wpe.weight"))
-    load_layer_norm(model.norm, take, "transformer.ln_f")
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    gpt2.load_frame(model, take)
     for i, layer in enumerate(model.layers):
         p = f"transformer.h.{i}."
-        load_layer_norm(layer.input_norm, take, p + "ln_1")
-        load_layer_norm(layer.post_norm, take, p + "ln_2")
         qkv_w, qkv_b = take(p + "attn.c_attn.weight"), take(p + "attn.c_attn.bias")
         if s.num_kv_heads != 1:
             qkv_w, qkv_b = (heads_to_blocks(t, s.num_q_heads, s.head_dim) for t in (qkv_w, qkv_b))

@@ -6,6 +6,7 @@ tokens (a sliding window), the "global" ones to all."""
 
 from __future__ import annotations
 
+from service.models import gpt2
 from service.models.layers import (
     CausalLM,
     Checkpoint,
@@ -13,7 +14,6 @@ from service.models.layers import (
     ModelShape,
     UnsupportedModel,
     layer_norm_shape,
-    load_layer_norm,
     load_linear,
 )
 from service.models.rope import NO_ROPE
@@ -41,15 +41,9 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    model.embed.weight.copy_(take("transformer.wte.weight"))
-    model.pos_embed.weight.copy_(take("transformer.wpe.weight"))
-    load_layer_norm(model.norm, take, "transformer.ln_f")
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    gpt2.load_frame(model, take)
     for i, layer in enumerate(model.layers):
         p = f"transformer.h.{i}."
-        load_layer_norm(layer.input_norm, take, p + "ln_1")
-        load_layer_norm(layer.post_norm, take, p + "ln_2")
         a = p + "attn.attention."
         layer.attn.qkv.weight.copy_(take.cat(*(a + f"{n}_proj.weight" for n in "qkv")))
         load_linear(layer.attn.o, take, a + "out_proj")

@@ -47,14 +47,16 @@ def shape(config) -> ModelShape:
     )
 
 
-def load(model: CausalLM, take: Checkpoint) -> None:
-    """Qwen3-MoE's checkpoints are laid out the same way (its q/k norms apart)."""
+def load(model: CausalLM, take: Checkpoint, shared: str = "shared_expert.") -> None:
+    """Llama's names with experts under `mlp.` in the sparse layers: Qwen3-MoE's checkpoints are
+    laid out the same way (its q/k norms apart), and GLM-4.5's and ERNIE 4.5's (their shared
+    experts under `shared`)."""
     load_common(model, take)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         if model.shape.moe_layers[i]:
             load_split_attention(layer, take, p)
-            load_moe_block(layer.mlp, take, p + "mlp.", EXPERT_NAMES)
+            load_moe_block(layer.mlp, take, p + "mlp.", EXPERT_NAMES, shared=shared)
         else:
             load_split_projections(layer, take, p)
         layer.input_norm.copy_(take(p + "input_layernorm.weight"))
