@@ -1102,6 +1102,10 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
         "arcee-relu2",
         "nemotron-partial",
         "nanochat",
+        "apertus-xielu",
+        "falcon-40b-grouped-two-norms-biases",
+        "cohere-qk-norm",
+        "olmo-clip",
     ],
     indirect=True,
 )
