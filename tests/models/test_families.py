@@ -75,12 +75,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16),
     ),
-    "apertus-biases-relu2-tied": (
-        "ApertusConfig",
-        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=1, head_dim=16, attention_bias=True, hidden_act="relu2",
-             tie_word_embeddings=True),
-    ),
     "hunyuan-norms-after-rope": (
         "HunYuanDenseV1Config",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -96,11 +90,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "NanoChatConfig",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, final_logit_softcapping=5.0),
-    ),
-    "nanochat-mqa-biases": (
-        "NanoChatConfig",
-        dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=1, attention_bias=True, final_logit_softcapping=3.0),
     ),
     "qwen3-window-wide-heads": (
         "Qwen3Config",
@@ -132,12 +121,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
              num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
              attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
-    ),
-    "vaultgemma-mqa-untied": (
-        "VaultGemmaConfig",
-        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=24, query_pre_attn_scalar=24, tie_word_embeddings=False,
-             layer_types=["full_attention", "full_attention"]),
     ),
     "gemma3-local-global": (
         "Gemma3TextConfig",
@@ -220,11 +203,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, clip_qkv=0.6),
     ),
-    "olmo-biases-tied": (
-        "OlmoConfig",
-        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=3, attention_bias=True, tie_word_embeddings=True),
-    ),
     "ernie4_5-mqa": (
         "Ernie4_5Config",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -264,13 +242,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
                               "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                               "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.3}),
     ),
-    "ministral3-window-tied": (
-        "Ministral3Config",
-        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=1, head_dim=16, sliding_window=8, tie_word_embeddings=True,
-             rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                              "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.5}),
-    ),
     "cwm-layer-windows-llama3": (
         "CwmConfig",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -283,11 +254,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "Jais2Config",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2),
-    ),
-    "jais2-no-bias-tied": (
-        "Jais2Config",
-        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=1, attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
     ),
     "seed_oss-out-bias": (
         "SeedOssConfig",
@@ -344,10 +310,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
     "codegen-sharded-qkv": (
         "CodeGenConfig",
         dict(n_embd=64, n_layer=2, n_head=8, rotary_dim=4),
-    ),
-    "codegen-wide-rotary-tied": (
-        "CodeGenConfig",
-        dict(n_embd=96, n_layer=3, n_head=4, rotary_dim=16, n_inner=80, tie_word_embeddings=True),
     ),
     "gpt_bigcode-mqa": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4)),
     "gpt_bigcode-mha-untied-unscaled": (
@@ -412,12 +374,6 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         "NemotronConfig",
         dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16),
-    ),
-    "nemotron-biases-full-rotary-tied": (
-        "NemotronConfig",
-        dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=3,
-             num_key_value_heads=1, head_dim=16, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     ),
     "arcee-relu2": (
         "ArceeConfig",
