@@ -5,15 +5,8 @@ on as published)."""
 
 from __future__ import annotations
 
-from service.models.layers import (
-    CausalLM,
-    Checkpoint,
-    ModelShape,
-    layer_norm_shape,
-    load_common,
-    load_layer_norm,
-    load_split_projections,
-)
+from service.models import stablelm
+from service.models.layers import ModelShape, layer_norm_shape
 
 ARCHITECTURES = ("Jais2ForCausalLM",)
 
@@ -29,10 +22,4 @@ def shape(config) -> ModelShape:
     )
 
 
-def load(model: CausalLM, take: Checkpoint) -> None:
-    load_common(model, take)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        load_split_projections(layer, take, p)
-        load_layer_norm(layer.input_norm, take, p + "input_layernorm")
-        load_layer_norm(layer.post_norm, take, p + "post_attention_layernorm")
+load = stablelm.load  # Llama's projections (the MLP's without a gate), a LayerNorm before each block

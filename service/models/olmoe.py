@@ -8,15 +8,9 @@ published, or the fused 3-D layout `save_pretrained` writes (`docs/moe.md`)."""
 
 from __future__ import annotations
 
-from service.models.layers import (
-    CausalLM,
-    Checkpoint,
-    ModelShape,
-    base_shape,
-    load_common,
-    load_split_attention,
-)
-from service.models.moe import MoEShape, load_moe_block
+from service.models import qwen2_moe, qwen3
+from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape
+from service.models.moe import MoEShape
 
 ARCHITECTURES = ("OlmoeForCausalLM",)
 
@@ -43,12 +37,5 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    load_common(model, take)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        load_split_attention(layer, take, p)
-        layer.attn.q_norm.copy_(take(p + "self_attn.q_norm.weight"))
-        layer.attn.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
-        load_moe_block(layer.mlp, take, p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
-        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+    qwen2_moe.load(model, take)  # Llama's names, experts under `mlp.` in every layer, no shared expert
+    qwen3.load_qk_norms(model, take)  # its whole-projection weights go under the same names

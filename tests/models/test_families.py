@@ -704,43 +704,36 @@ def test_unsupported_model_ends_the_server_with_one_line(tmp_path, refused):
     assert_one_line_refusal(model_dir, words)
 
 
-def test_a_gated_mlp_with_an_activation_only_served_ungated_is_refused():
-    """xIELU carries learned scalars: served in Apertus's MLP without a gate, refused in a gated one."""
+REFUSED_SHAPES = {  # a served config with these fields: what the refusal says (from the config alone, in-process)
+    # xIELU carries learned scalars: served in Apertus's MLP without a gate, refused in a gated one
+    "gated-xielu": (
+        "llama-mlp-bias-gelu",
+        "LlamaForCausalLM",
+        {"hidden_act": "xielu"},
+        "a gated MLP with 'xielu'",
+    ),
+    "granite4-mamba": (
+        "granite4-attention-only-dense",
+        "GraniteMoeHybridForCausalLM",
+        {"layer_types": ["mamba", "attention"]},
+        r"Mamba layers \(linear_attention\) are not served",
+    ),
+    "falcon-alibi": ("falcon-sequential-mha", "FalconForCausalLM", {"alibi": True}, "ALiBi"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_SHAPES))
+def test_a_config_the_family_does_not_serve_is_refused_naming_why(case):
     import transformers
 
     from service.models.families import model_shape
     from service.models.layers import UnsupportedModel
 
-    cls_name, kwargs = CONFIGS["llama-mlp-bias-gelu"]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "hidden_act": "xielu"})
-    cfg.architectures = ["LlamaForCausalLM"]
-    with pytest.raises(UnsupportedModel, match="a gated MLP with 'xielu' is not served"):
-        model_shape(cfg)
-
-
-def test_granite4_with_mamba_layers_is_refused_naming_them():
-    import transformers
-
-    from service.models.families import model_shape
-    from service.models.layers import UnsupportedModel
-
-    cls_name, kwargs = CONFIGS["granite4-attention-only-dense"]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "layer_types": ["mamba", "attention"]})
-    cfg.architectures = ["GraniteMoeHybridForCausalLM"]
-    with pytest.raises(UnsupportedModel, match=r"Mamba layers \(linear_attention\) are not served"):
-        model_shape(cfg)
-
-
-def test_falcon_with_alibi_is_refused():
-    import transformers
-
-    from service.models.families import model_shape
-    from service.models.layers import UnsupportedModel
-
-    cls_name, kwargs = CONFIGS["falcon-sequential-mha"]
-    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, "alibi": True})
-    cfg.architectures = ["FalconForCausalLM"]
-    with pytest.raises(UnsupportedModel, match="ALiBi"):
+    base, arch, changes, says = REFUSED_SHAPES[case]
+    cls_name, kwargs = CONFIGS[base]
+    cfg = getattr(transformers, cls_name)(**{**COMMON, **kwargs, **changes})
+    cfg.architectures = [arch]
+    with pytest.raises(UnsupportedModel, match=says):
         model_shape(cfg)
 
 
@@ -866,19 +859,23 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=1,
             image_token_index=2000, boi_token_index=2001, eoi_token_index=2002,
         )  # fmt: skip
-    elif (
-        kind == "qwen3_vl"
-    ):  # Qwen3's text model with interleaved M-RoPE (equal streams on text) and DeepStack
-        text_cfg = transformers.Qwen3VLTextConfig(
+    elif kind in ("qwen3_vl", "qwen3_vl_moe"):
+        # Qwen3's (or Qwen3-MoE's) text model with interleaved M-RoPE (equal streams on text) and
+        # DeepStack; the MoE's experts are saved as published ([E, in, out]) below
+        moe = kind == "qwen3_vl_moe"
+        prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
+        experts = dict(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2) if moe else {}
+        text_cfg = getattr(transformers, prefix + "TextConfig")(
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 5e5,
                 "mrope_section": [4, 2, 2],
                 "mrope_interleaved": True,
             },
+            **experts,
             **text,
         )
-        vision = transformers.Qwen3VLVisionConfig(
+        vision = getattr(transformers, prefix + "VisionConfig")(
             depth=1,
             hidden_size=32,
             intermediate_size=48,
@@ -888,46 +885,11 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             deepstack_visual_indexes=[0],
             num_position_embeddings=16,
         )
-        cfg = transformers.Qwen3VLConfig(
-            text_config=text_cfg.to_dict(),
-            vision_config=vision.to_dict(),
-            image_token_id=2000,
-            video_token_id=2001,
-            vision_start_token_id=2002,
-            vision_end_token_id=2003,
-            tie_word_embeddings=False,
-        )
-    elif kind == "qwen3_vl_moe":  # Qwen3-MoE's text model, experts saved as published ([E, in, out])
-        text_cfg = transformers.Qwen3VLMoeTextConfig(
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5e5,
-                "mrope_section": [4, 2, 2],
-                "mrope_interleaved": True,
-            },
-            moe_intermediate_size=24,
-            num_experts=4,
-            num_experts_per_tok=2,
-            **text,
-        )
-        vision = transformers.Qwen3VLMoeVisionConfig(
-            depth=1,
-            hidden_size=32,
-            intermediate_size=48,
-            num_heads=2,
-            patch_size=14,
-            out_hidden_size=64,
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=16,
-        )
-        cfg = transformers.Qwen3VLMoeConfig(
-            text_config=text_cfg.to_dict(),
-            vision_config=vision.to_dict(),
-            image_token_id=2000,
-            video_token_id=2001,
-            vision_start_token_id=2002,
-            vision_end_token_id=2003,
-        )
+        cfg = getattr(transformers, prefix + "Config")(
+            text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), image_token_id=2000,
+            video_token_id=2001, vision_start_token_id=2002, vision_end_token_id=2003,
+            **({} if moe else {"tie_word_embeddings": False}),
+        )  # fmt: skip
     elif kind == "idefics3":
         text_cfg = transformers.LlamaConfig(**text)
         vision = transformers.Idefics3VisionConfig(
