@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from service.models import (
     apertus,
     cohere,
+    deepseek,
     ernie4_5,
     ernie4_5_moe,
     exaone4,
@@ -89,6 +90,7 @@ FAMILIES: dict[str, Family] = {
         olmoe,
         glm4_moe,
         ernie4_5_moe,
+        deepseek,
     )
     for arch in module.ARCHITECTURES
 }

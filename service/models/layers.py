@@ -28,6 +28,7 @@ from torch import nn
 
 from service.core.forward_batch import ForwardBatch
 from service.models.linear import fast_twin, pack_linear
+from service.models.mla import LatentAttention, MLAShape
 from service.models.moe import MoEBlock, MoEShape
 from service.models.ops import (
     add_rms_norm,
@@ -146,6 +147,7 @@ class ModelShape:
     )
     moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
+    mla: MLAShape | None = None  # multi-head latent attention (DeepSeek-V2/V3) instead of SelfAttention
 
     def __post_init__(self) -> None:
         if self.mlp_gated and self.activation not in ACTIVATIONS:
@@ -320,7 +322,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape, index: int = 0):
         super().__init__()
         self.s = s
-        self.attn = SelfAttention(s)
+        self.attn = (
+            SelfAttention(s)
+            if s.mla is None
+            else LatentAttention(s.mla, s.hidden_size, s.num_q_heads, s.norm_eps, s.scale)
+        )
         self.mlp: nn.Module = (
             MoEBlock(s.moe)
             if s.moe is not None and s.moe_layers[index]
@@ -589,6 +595,11 @@ def load_split_projections(layer: DecoderLayer, take: Checkpoint, p: str) -> Non
     """q/k/v and gate/up published as separate projections (Llama's layout), fused here; an MLP
     without a gate (Nemotron's, Arcee's) from `up_proj` and `down_proj`."""
     load_split_attention(layer, take, p)
+    load_split_mlp(layer, take, p)
+
+
+def load_split_mlp(layer: DecoderLayer, take: Checkpoint, p: str) -> None:
+    """gate/up (fused here) and down under `{p}mlp.`, or an MLP without a gate's up and down."""
     mlp = layer.mlp
     if isinstance(mlp, PlainMLP):
         load_linear(mlp.fc, take, p + "mlp.up_proj")

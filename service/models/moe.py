@@ -57,13 +57,16 @@ class BiasedRouting:
     """A router whose choice is made on its scores plus a per-expert correction bias, the chosen
     experts weighted by their plain scores: DeepSeek-V3's (`noaux_tc`: sigmoid scores, the choice
     within the best `topk_group` of `n_group` groups, the weights times `scale`) and ERNIE 4.5's
-    (softmax scores, renormalised over a floor)."""
+    (softmax scores, renormalised over a floor); or without the bias, DeepSeek-V2's (softmax
+    scores, the groups ranked by their best expert)."""
 
     scoring: str = "sigmoid"  # or "softmax"
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0  # routed_scaling_factor
     norm_floor: float | None = None  # renormalised w / max(sum, floor) (ERNIE); None: w / (sum + 1e-20)
+    correction: bool = True  # a per-expert bias on the scores the choice is made on (False: DeepSeek-V2)
+    group_rank: str = "top2"  # a group's rank: the sum of its two best scores, or "max": its best
 
 
 def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
@@ -87,18 +90,24 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def route_biased(
-    router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, r: BiasedRouting
+    router_logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, r: BiasedRouting
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64) as DeepSeek-V3's or ERNIE 4.5's router gives them."""
+    """(weights [T, k] float32, expert ids [T, k] int64) as DeepSeek-V3's, ERNIE 4.5's or
+    (no bias) DeepSeek-V2's router gives them."""
     logits = router_logits.float()
     scores = logits.sigmoid() if r.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-    choice = scores + bias.float()
+    choice = scores if bias is None else scores + bias.float()
     t, e = choice.shape
     if r.n_group > 1:
-        group_scores = choice.view(t, r.n_group, e // r.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        grouped = choice.view(t, r.n_group, e // r.n_group)
+        group_scores = (
+            grouped.amax(dim=-1) if r.group_rank == "max" else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        )
         best = torch.topk(group_scores, k=r.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores).scatter_(1, best, 1.0).bool()
-        choice = choice.masked_fill(~keep.repeat_interleave(e // r.n_group, dim=1), float("-inf"))
+        # DeepSeek-V2 zeroes the other groups' scores (they are >= 0), V3 sets them to -inf
+        dropped = 0.0 if bias is None else float("-inf")
+        choice = choice.masked_fill(~keep.repeat_interleave(e // r.n_group, dim=1), dropped)
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
@@ -176,7 +185,8 @@ class MoEBlock(nn.Module):
             self.router = nn.Linear(h, e, bias=False)
         else:  # run in float32 as transformers does (kept so by the loader, not packed with the linears)
             self.router_weight = nn.Parameter(torch.zeros(e, h))
-            self.score_bias = nn.Parameter(torch.zeros(e))  # on the scores the choice is made on
+            if s.biased.correction:
+                self.score_bias = nn.Parameter(torch.zeros(e))  # on the scores the choice is made on
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w_down = nn.Parameter(torch.empty(e, h, i))
         self.shared: nn.ModuleDict | None = None
@@ -194,9 +204,8 @@ class MoEBlock(nn.Module):
             weights, ids = route(self.router(x), self.s.top_k, self.s.renormalize)
         else:
             logits = F.linear(x.float(), self.router_weight)
-            weights, ids = route_biased(
-                logits, self.score_bias, self.s.top_k, self.s.renormalize, self.s.biased
-            )
+            bias = self.score_bias if self.s.biased.correction else None
+            weights, ids = route_biased(logits, bias, self.s.top_k, self.s.renormalize, self.s.biased)
         y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared is not None:
             sh = self.shared
@@ -233,6 +242,7 @@ def load_moe_block(
         block.router.weight.copy_(take(prefix + "gate.weight"))
     else:
         block.router_weight.copy_(take(prefix + "gate.weight"))
+    if block.s.biased is not None and block.s.biased.correction:
         bias = take.first(
             prefix + "gate.e_score_correction_bias", prefix + "moe_statics.e_score_correction_bias"
         )

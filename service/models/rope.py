@@ -39,9 +39,12 @@ def rope_params(config, layer_type: str | None = None) -> dict:
 
 
 def rotary_dim(config, head_dim: int, layer_type: str | None = None) -> int:
-    """The dims of each head that turn: GPT-J's `rotary_dim`, else `partial_rotary_factor` of them."""
+    """The dims of each head that turn: GPT-J's `rotary_dim`, multi-head latent attention's
+    `qk_rope_head_dim`, else `partial_rotary_factor` of them."""
     if getattr(config, "rotary_dim", None):
         return int(config.rotary_dim)
+    if getattr(config, "qk_rope_head_dim", None):
+        return int(config.qk_rope_head_dim)
     return int(head_dim * rope_params(config, layer_type).get("partial_rotary_factor", 1.0))
 
 

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3 and GLM-4.7-Flash (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -207,6 +207,87 @@ CONFIGS = {
             tie_word_embeddings=False,
         ),
     ),
+    # DeepSeek-V3: latent attention with q's bottleneck, v wider than q/k (padded), YaRN with its
+    # mscale on the scores, interleaved rotary, biases; 16 experts in 4 groups (the best 2), top-4
+    # renormalised, scaled 2.5, a shared expert, layer 0 dense
+    "deepseek_v3-yarn": (
+        "deepseek_v3",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=32,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=128,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                beta_fast=32,
+                beta_slow=1,
+            ),
+        ),
+    ),
+    # DeepSeek-V2-Lite's layout: q in one projection, v narrower than q/k; softmax routing within
+    # the best 2 of 4 groups ranked by their best expert, not renormalised, scaled 1.5; two shared experts
+    "deepseek_v2-lite": (
+        "deepseek_v2",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=32,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+        ),
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's layout, q/k and v of one width (no padding), rotary not
+    # interleaved, the dense and sparse layers as `mlp_layer_types` says, one group
+    "glm4_moe_lite": (
+        "glm4_moe_lite",
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            q_lora_rank=16,
+            kv_lora_rank=24,
+            qk_nope_head_dim=24,
+            qk_rope_head_dim=8,
+            v_head_dim=32,
+            rope_interleave=False,
+            tie_word_embeddings=True,
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -233,6 +314,9 @@ CONFIG_CLASSES = {
     "dots1": "Dots1Config",
     "ernie4_5_moe": "Ernie4_5_MoeConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig",
+    "deepseek_v3": "DeepseekV3Config",
+    "deepseek_v2": "DeepseekV2Config",
+    "glm4_moe_lite": "Glm4MoeLiteConfig",
 }
 
 
@@ -364,7 +448,9 @@ def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
         assert max(abs(x - y) for x, y in zip(_logprobs(a)[1], _logprobs(b)[1])) < TOL
 
 
-@pytest.mark.parametrize("moe_case", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared"], indirect=True)
+@pytest.mark.parametrize(
+    "moe_case", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared", "deepseek_v2-lite"], indirect=True
+)
 def test_device_path_gives_transformers_tokens(moe_case):
     model_dir, refs, _ = moe_case
     assert device_path_tokens(model_dir, PROMPTS, DEVICE_NEW) == [r[:DEVICE_NEW] for r in refs]
@@ -399,7 +485,9 @@ def test_fused_expert_layout_loads_the_same_weights(name, smol_dir, tmp_path):
     )
 
 
-@pytest.mark.parametrize("moe_case", ["qwen3_moe-sparse-step", "glm4_moe-grouped"], indirect=True)
+@pytest.mark.parametrize(
+    "moe_case", ["qwen3_moe-sparse-step", "glm4_moe-grouped", "deepseek_v3-yarn"], indirect=True
+)
 def test_bf16_engine_tracks_transformers_and_both_loops_agree(moe_case):
     """bf16 (the native experts kernel where the CPU has AVX-512 BF16, the torch matmuls elsewhere):
     the prompts' logprobs stay within bf16's reach of transformers' float32 ones (0.25, or no

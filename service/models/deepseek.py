@@ -1,0 +1,108 @@
+"""DeepSeek-V2 / V3 (V2-Lite, V2.5, V3, R1, Moonlight) and GLM-4.7-Flash (Glm4MoeLite):
+multi-head latent attention (`mla.py`) with routed experts beside ungated shared experts
+(`n_shared_experts` x `moe_intermediate_size`), the first `first_k_dense_replace` layers dense
+(GLM-4.7-Flash: those `mlp_layer_types` calls "dense").
+
+The routers (`moe.py` `BiasedRouting`, the router in float32):
+- V3 and GLM-4.7-Flash: sigmoid scores, the choice on the scores plus `e_score_correction_bias`
+  within the best `topk_group` of `n_group` groups (a group ranked by its two best), renormalised
+  where `norm_topk_prob`, times `routed_scaling_factor`;
+- V2: softmax scores, the top-k (`topk_method` "greedy"), or within the best `topk_group` of
+  `n_group` groups ranked by their best ("group_limited_greedy"); never renormalised, times
+  `routed_scaling_factor`.
+
+Rotary turns interleaved pairs (V2 always, V3 and GLM-4.7-Flash where `rope_interleave`); the
+loader lays those rows out for the rotate-half kernels. The next-token-prediction layers V3
+publishes past `num_hidden_layers` are not read."""
+
+from __future__ import annotations
+
+from service.models import qwen2_moe
+from service.models.layers import (
+    CausalLM,
+    Checkpoint,
+    ModelShape,
+    architecture,
+    base_shape,
+    load_common,
+    load_split_mlp,
+)
+from service.models.mla import MLAShape, attention_scale, load_latent_attention
+from service.models.moe import BiasedRouting, MoEShape, load_moe_block
+
+ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+
+
+def _routing(config) -> tuple[BiasedRouting, bool]:
+    """(the router, renormalised or not) of a V2 or V3 config."""
+    scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+    if architecture(config) != "DeepseekV2ForCausalLM":
+        groups = BiasedRouting(n_group=config.n_group or 1, topk_group=config.topk_group or 1, scale=scale)
+        return groups, bool(config.norm_topk_prob)
+    grouped = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
+    routing = BiasedRouting(
+        scoring="softmax",
+        n_group=(config.n_group or 1) if grouped else 1,
+        topk_group=(config.topk_group or 1) if grouped else 1,
+        scale=scale,
+        correction=False,
+        group_rank="max",
+    )
+    return routing, False
+
+
+def _sparse_layers(config) -> tuple[bool, ...]:
+    n = config.num_hidden_layers
+    types = getattr(config, "mlp_layer_types", None)
+    if types is not None:
+        return tuple(t == "sparse" for t in types[:n])
+    dense = config.first_k_dense_replace or 0
+    return tuple(i >= dense for i in range(n))
+
+
+def shape(config) -> ModelShape:
+    mla = MLAShape(
+        q_lora_rank=config.q_lora_rank or None,
+        kv_lora_rank=config.kv_lora_rank,
+        nope_dim=config.qk_nope_head_dim,
+        rope_dim=config.qk_rope_head_dim,
+        v_dim=config.v_head_dim,
+        bias=bool(getattr(config, "attention_bias", False)),
+    )
+    routing, renormalize = _routing(config)
+    moe = MoEShape(
+        hidden_size=config.hidden_size,
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=renormalize,
+        shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
+        shared_gated=False,
+        biased=routing,
+    )
+    heads = config.num_attention_heads
+    return base_shape(
+        config,
+        num_kv_heads=heads,
+        head_dim=mla.head_dim,
+        attn_scale=attention_scale(config, mla.qk_dim),
+        mla=mla,
+        moe=moe,
+        moe_layers=_sparse_layers(config),
+    )
+
+
+def load(model: CausalLM, take: Checkpoint) -> None:
+    load_common(model, take)
+    interleaved = architecture(model.config) == "DeepseekV2ForCausalLM" or bool(
+        getattr(model.config, "rope_interleave", True)
+    )
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        load_latent_attention(layer.attn, take, p, interleaved)
+        if model.shape.moe_layers[i]:
+            load_moe_block(layer.mlp, take, p + "mlp.", qwen2_moe.EXPERT_NAMES, shared="shared_experts.")
+        else:
+            load_split_mlp(layer, take, p)
+        layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+        layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
