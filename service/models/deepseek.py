@@ -1,7 +1,8 @@
 """DeepSeek-V2 / V3 (V2-Lite, V2.5, V3, R1, Moonlight) and GLM-4.7-Flash (Glm4MoeLite):
 multi-head latent attention (`mla.py`) with routed experts beside ungated shared experts
 (`n_shared_experts` x `moe_intermediate_size`), the first `first_k_dense_replace` layers dense
-(GLM-4.7-Flash: those `mlp_layer_types` calls "dense").
+(GLM-4.7-Flash: those `mlp_layer_types` calls "dense"). Youtu-LLM: V3's attention on Llama's
+dense layers.
 
 The routers (`moe.py` `BiasedRouting`, the router in float32):
 - V3 and GLM-4.7-Flash: sigmoid scores, the choice on the scores plus `e_score_correction_bias`
@@ -30,7 +31,12 @@ from service.models.layers import (
 from service.models.mla import MLAShape, attention_scale, load_latent_attention
 from service.models.moe import BiasedRouting, MoEShape, load_moe_block
 
-ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "YoutuForCausalLM",
+)
 
 
 def _routing(config) -> tuple[BiasedRouting, bool]:
@@ -60,8 +66,8 @@ def _sparse_layers(config) -> tuple[bool, ...]:
     return tuple(i >= dense for i in range(n))
 
 
-def shape(config) -> ModelShape:
-    mla = MLAShape(
+def mla_shape(config) -> MLAShape:
+    return MLAShape(
         q_lora_rank=config.q_lora_rank or None,
         kv_lora_rank=config.kv_lora_rank,
         nope_dim=config.qk_nope_head_dim,
@@ -69,6 +75,25 @@ def shape(config) -> ModelShape:
         v_dim=config.v_head_dim,
         bias=bool(getattr(config, "attention_bias", False)),
     )
+
+
+def dense_shape(config, **overrides) -> ModelShape:
+    """A model with latent attention and Llama's dense MLP in every layer (Youtu, MiniCPM3)."""
+    mla = mla_shape(config)
+    return base_shape(
+        config,
+        num_kv_heads=config.num_attention_heads,
+        head_dim=mla.head_dim,
+        attn_scale=attention_scale(config, mla.qk_dim),
+        mla=mla,
+        **overrides,
+    )
+
+
+def shape(config) -> ModelShape:
+    if architecture(config) == "YoutuForCausalLM":
+        return dense_shape(config)
+    mla = mla_shape(config)
     routing, renormalize = _routing(config)
     moe = MoEShape(
         hidden_size=config.hidden_size,
@@ -92,15 +117,18 @@ def shape(config) -> ModelShape:
     )
 
 
-def load(model: CausalLM, take: Checkpoint) -> None:
+def load(model: CausalLM, take: Checkpoint, interleaved: bool | None = None) -> None:
+    """interleaved: the checkpoint's rotary turns pairs (None: V2's always do, the others' where
+    `rope_interleave`, true unless set)."""
     load_common(model, take)
-    interleaved = architecture(model.config) == "DeepseekV2ForCausalLM" or bool(
-        getattr(model.config, "rope_interleave", True)
-    )
+    if interleaved is None:
+        interleaved = architecture(model.config) == "DeepseekV2ForCausalLM" or bool(
+            getattr(model.config, "rope_interleave", True)
+        )
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         load_latent_attention(layer.attn, take, p, interleaved)
-        if model.shape.moe_layers[i]:
+        if model.shape.moe is not None and model.shape.moe_layers[i]:
             load_moe_block(layer.mlp, take, p + "mlp.", qwen2_moe.EXPERT_NAMES, shared="shared_experts.")
         else:
             load_split_mlp(layer, take, p)
