@@ -1,8 +1,8 @@
 """DeepSeek-V2 / V3 (V2-Lite, V2.5, V3, R1, Moonlight) and GLM-4.7-Flash (Glm4MoeLite):
 multi-head latent attention (`mla.py`) with routed experts beside ungated shared experts
 (`n_shared_experts` x `moe_intermediate_size`), the first `first_k_dense_replace` layers dense
-(GLM-4.7-Flash: those `mlp_layer_types` calls "dense"). Youtu-LLM: V3's attention on Llama's
-dense layers.
+(GLM-4.7-Flash: those `mlp_layer_types` calls "dense"), and Mistral 4 (Mistral Small 4's
+language model). Youtu-LLM: V3's attention on Llama's dense layers.
 
 The routers (`moe.py` `BiasedRouting`, the router in float32):
 - V3 and GLM-4.7-Flash: sigmoid scores, the choice on the scores plus `e_score_correction_bias`
@@ -10,7 +10,10 @@ The routers (`moe.py` `BiasedRouting`, the router in float32):
   where `norm_topk_prob`, times `routed_scaling_factor`;
 - V2: softmax scores, the top-k (`topk_method` "greedy"), or within the best `topk_group` of
   `n_group` groups ranked by their best ("group_limited_greedy"); never renormalised, times
-  `routed_scaling_factor`.
+  `routed_scaling_factor`;
+- Mistral 4: softmax scores, the choice within the best `topk_group` of `n_group` groups (ranked
+  by their two best), renormalised where `norm_topk_prob`, times `routed_scaling_factor`; its q
+  is scaled by position as Ministral 3's (`llama_4_scaling_beta`).
 
 Rotary turns interleaved pairs (V2 always, V3 and GLM-4.7-Flash where `rope_interleave`); the
 loader lays those rows out for the rotate-half kernels. The next-token-prediction layers V3
@@ -18,7 +21,7 @@ publishes past `num_hidden_layers` are not read."""
 
 from __future__ import annotations
 
-from service.models import qwen2_moe
+from service.models import llama, qwen2_moe
 from service.models.layers import (
     CausalLM,
     Checkpoint,
@@ -35,6 +38,7 @@ ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM",
+    "Mistral4ForCausalLM",
     "YoutuForCausalLM",
 )
 
@@ -42,6 +46,15 @@ ARCHITECTURES = (
 def _routing(config) -> tuple[BiasedRouting, bool]:
     """(the router, renormalised or not) of a V2 or V3 config."""
     scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+    if architecture(config) == "Mistral4ForCausalLM":
+        routing = BiasedRouting(
+            scoring="softmax",
+            n_group=config.n_group or 1,
+            topk_group=config.topk_group or 1,
+            scale=scale,
+            correction=False,
+        )
+        return routing, bool(config.norm_topk_prob)
     if architecture(config) != "DeepseekV2ForCausalLM":
         groups = BiasedRouting(n_group=config.n_group or 1, topk_group=config.topk_group or 1, scale=scale)
         return groups, bool(config.norm_topk_prob)
@@ -111,6 +124,7 @@ def shape(config) -> ModelShape:
         num_kv_heads=heads,
         head_dim=mla.head_dim,
         attn_scale=attention_scale(config, mla.qk_dim),
+        q_position_scale=llama.q_position_scale(config),
         mla=mla,
         moe=moe,
         moe_layers=_sparse_layers(config),

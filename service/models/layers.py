@@ -39,6 +39,7 @@ from service.models.ops import (
     relu2,
     relu2_mul,
     relu_mul,
+    scale_by_position,
     silu_mul,
     soft_cap,
     split_qkv_rope,
@@ -178,6 +179,7 @@ def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
 TEXT_MODEL_ARCHITECTURES = {
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",  # Mistral Small 4's: transformers has the class, not the entry
 }
 
 
@@ -292,9 +294,7 @@ class SelfAttention(nn.Module):
             q.copy_(add_rms_norm(q.reshape(-1, d), None, self.q_norm, s.norm_eps)[1].view(q.shape))
             k.copy_(add_rms_norm(k.reshape(-1, d), None, self.k_norm, s.norm_eps)[1].view(k.shape))
         if s.q_position_scale is not None:
-            beta, period = s.q_position_scale
-            scale = 1 + beta * torch.log(1 + torch.floor(positions / period))
-            q = q * scale.to(q.dtype)[:, None, None]
+            q = scale_by_position(q, positions, *s.q_position_scale)
         return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
 
 
@@ -325,7 +325,7 @@ class DecoderLayer(nn.Module):
         self.attn = (
             SelfAttention(s)
             if s.mla is None
-            else LatentAttention(s.mla, s.hidden_size, s.num_q_heads, s.norm_eps, s.scale)
+            else LatentAttention(s.mla, s.hidden_size, s.num_q_heads, s.norm_eps, s.scale, s.q_position_scale)
         )
         self.mlp: nn.Module = (
             MoEBlock(s.moe)

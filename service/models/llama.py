@@ -46,8 +46,8 @@ def shape(config) -> ModelShape:
 
 
 def q_position_scale(config) -> tuple[float, int] | None:
-    """Ministral 3's (beta, period) where its rope parameters give a beta."""
-    if architecture(config) != "Ministral3ForCausalLM":
+    """Ministral 3's and Mistral 4's (beta, period) where their rope parameters give a beta."""
+    if architecture(config) not in ("Ministral3ForCausalLM", "Mistral4ForCausalLM"):
         return None
     params = getattr(config, "rope_parameters", None) or {}
     beta = params.get("llama_4_scaling_beta")

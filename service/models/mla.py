@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from service.models.ops import add_rms_norm, rope_eager
+from service.models.ops import add_rms_norm, rope_eager, scale_by_position
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,18 @@ class MLAShape:
 class LatentAttention(nn.Module):
     """MLA's projections around the backend call; `forward` takes SelfAttention's arguments."""
 
-    def __init__(self, m: MLAShape, hidden: int, heads: int, eps: float, scale: float):
+    def __init__(
+        self,
+        m: MLAShape,
+        hidden: int,
+        heads: int,
+        eps: float,
+        scale: float,
+        q_position_scale: tuple[float, int] | None = None,
+    ):
         super().__init__()
         self.m, self.heads, self.eps, self.scale = m, heads, eps, scale
+        self.q_position_scale = q_position_scale  # Mistral 4's (beta, period), as ModelShape's
         d = m.head_dim
         if m.q_lora_rank is None:
             self.q_a = None
@@ -76,6 +85,8 @@ class LatentAttention(nn.Module):
         )
         cos, sin = cos[positions], sin[positions]
         q[..., :r] = rope_eager(q[..., :r], cos, sin)
+        if self.q_position_scale is not None:
+            q = scale_by_position(q, positions, *self.q_position_scale)
         # k and v side by side in one buffer: the kernels take both with one row stride
         kv = x.new_empty(t, 2, h, d)
         k, v = kv[:, 0], kv[:, 1]

@@ -43,6 +43,13 @@ def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
 
 
+def scale_by_position(q: torch.Tensor, positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
+    """q [T, H, D] times 1 + beta * log(1 + floor(position / period)) (Llama 4's attention scale:
+    Ministral 3, Mistral 4)."""
+    scale = 1 + beta * torch.log(1 + torch.floor(positions / period))
+    return q * scale.to(q.dtype)[:, None, None]
+
+
 def split_qkv_rope(
     qkv: torch.Tensor,
     hq: int,

@@ -919,10 +919,20 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             image_token_id=2000,
             scale_factor=1,
         )
-    else:  # Mistral-Small-3.1's text model, or Ministral 3's (q scaled by position past 8 here)
+    else:  # Mistral-Small-3.1's text model, Ministral 3's (q scaled by position past 8 here), or
+        # Mistral Small 4's (latent attention and experts, q scaled so too)
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.3}  # fmt: skip
+        mla = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, first_k_dense_replace=1)  # fmt: skip
         text_cfg = (
             transformers.MistralConfig(sliding_window=None, **text)
             if kind == "mistral3"
+            else transformers.Mistral4Config(
+                rope_parameters=rope, **{k: v for k, v in {**text, **mla}.items() if k != "head_dim"}
+            )
+            if kind == "mistral4"
             else transformers.Ministral3Config(
                 sliding_window=None,
                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
@@ -951,9 +961,11 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
     return out, model
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "ministral3", "idefics3", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize(
+    "kind", ["gemma3", "mistral3", "ministral3", "mistral4", "idefics3", "qwen3_vl", "qwen3_vl_moe"]
+)
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
-    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3, SmolVLM and Qwen3-VL are published as vision-language checkpoints only:
+    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3, Mistral Small 4, SmolVLM and Qwen3-VL are published as vision-language checkpoints only:
     their language model is served for text (greedy tokens equal transformers' on text prompts),
     and an image is refused naming why."""
     from service.core.request import RequestError

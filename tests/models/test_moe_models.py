@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3 and GLM-4.7-Flash (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -288,6 +288,40 @@ CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # Mistral 4: DeepSeek-V3's layout with softmax routing (no correction bias) within the best 2 of
+    # 4 groups, renormalised, and q scaled by position (Llama 4's beta, a short period: it turns
+    # within the prompts); YaRN with mscale on the scores
+    "mistral4": (
+        "mistral4",
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                beta_fast=32,
+                beta_slow=1,
+                llama_4_scaling_beta=0.3,
+            ),
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -317,7 +351,23 @@ CONFIG_CLASSES = {
     "deepseek_v3": "DeepseekV3Config",
     "deepseek_v2": "DeepseekV2Config",
     "glm4_moe_lite": "Glm4MoeLiteConfig",
+    "mistral4": "Mistral4Config",
 }
+
+
+def causal_lm(model_dir_or_config, dtype: torch.dtype = torch.float32):
+    """transformers' causal LM of a config or a saved model; Mistral 4's by its class (transformers
+    has it, but no AutoModelForCausalLM entry: it ships as Mistral Small 4's language model)."""
+    import transformers
+
+    if isinstance(model_dir_or_config, Path):
+        config = transformers.AutoConfig.from_pretrained(model_dir_or_config)
+        if config.model_type == "mistral4":
+            return transformers.Mistral4ForCausalLM.from_pretrained(model_dir_or_config, dtype=dtype)
+        return transformers.AutoModelForCausalLM.from_pretrained(model_dir_or_config, dtype=dtype)
+    if model_dir_or_config.model_type == "mistral4":
+        return transformers.Mistral4ForCausalLM(model_dir_or_config).to(dtype)
+    return transformers.AutoModelForCausalLM.from_config(model_dir_or_config, dtype=dtype)
 
 
 def make_tiny_moe(smol: Path, out: Path, name: str) -> Path:
@@ -326,7 +376,7 @@ def make_tiny_moe(smol: Path, out: Path, name: str) -> Path:
     family, extra = CONFIGS[name]
     torch.manual_seed(0)
     config = getattr(transformers, CONFIG_CLASSES[family])(**{**COMMON, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = causal_lm(config)
     with torch.no_grad():  # routers sharp enough that the choice of experts matters
         for n, p in model.named_parameters():
             if n.endswith(".gate.weight"):
@@ -347,10 +397,8 @@ def make_tiny_moe(smol: Path, out: Path, name: str) -> Path:
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def moe_case(request, smol_dir, tmp_path_factory):
     """(model dir, greedy references, transformers' log_softmax over prompt + reference)."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = make_tiny_moe(smol_dir, tmp_path_factory.mktemp(request.param), request.param)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = causal_lm(model_dir).eval()
     refs = [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
     with torch.inference_mode():
         lps = [
@@ -493,12 +541,10 @@ def test_bf16_engine_tracks_transformers_and_both_loops_agree(moe_case):
     the prompts' logprobs stay within bf16's reach of transformers' float32 ones (0.25, or no
     further than transformers' own bf16 run where a token's experts change with the rounding, as
     DeepSeek-V3's grouped choice makes likelier), and the overlap loop gives the normal loop's tokens."""
-    from transformers import AutoModelForCausalLM
-
     model_dir, _, lps = moe_case
     normal, overlap = (_run(model_dir, dtype="bfloat16", loop=loop) for loop in ("normal", "overlap"))
     assert [collect(o)[0] for o in normal] == [collect(o)[0] for o in overlap]
-    hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    hf16 = causal_lm(model_dir, torch.bfloat16).eval()
     for p, outs, lp in zip(PROMPTS, normal, lps):
         want = [float(lp[k - 1, p[k]]) for k in range(1, len(p))]
         got = _logprobs(outs)[0]
