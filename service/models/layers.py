@@ -129,7 +129,8 @@ class ModelShape:
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     embed_norm: bool = False  # the final RMSNorm applied to the embeddings too (NanoChat)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
-    residual_scale: float | None = None  # each block's output times this before its residual add (Granite)
+    # each block's output (after its sandwich norm, if any) times this before its residual add (Granite)
+    residual_scale: float | None = None
     logits_divisor: float | None = None  # logits divided by this (Granite's logits_scaling)
     logits_scale: float | None = None  # logits times this (Cohere's logit_scale)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
@@ -360,9 +361,11 @@ class DecoderLayer(nn.Module):
             h, x = add_rms_norm(h, a if scale is None else a * scale, self.post_norm, eps)
             m = self.mlp(x)
             return h, m if scale is None else m * scale
+        scale = self.s.residual_scale  # HyperCLOVAX: the normed block outputs times it
         _, a = add_rms_norm(a, None, self.post_norm, eps)
-        h, x = add_rms_norm(h, a, self.pre_mlp_norm, eps)
-        return h, add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
+        h, x = add_rms_norm(h, a if scale is None else a * scale, self.pre_mlp_norm, eps)
+        m = add_rms_norm(self.mlp(x), None, self.post_mlp_norm, eps)[1]
+        return h, m if scale is None else m * scale
 
 
 class XIELU(nn.Module):

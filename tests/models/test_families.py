@@ -1,4 +1,4 @@
-"""The dense families (Qwen3, MiniCPM3, Youtu-LLM, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
+"""The dense families (Qwen3, MiniCPM3, Youtu-LLM, HyperCLOVA X, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
 GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, Granite 4.0 (attention only), the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen, Falcon,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
@@ -176,6 +176,13 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
              num_key_value_heads=1, embedding_multiplier=6.0, attention_multiplier=0.05,
              residual_multiplier=0.5, logits_scaling=2.5, hidden_act="relu", tie_word_embeddings=True),
+    ),
+    # HyperCLOVA X: Granite's multipliers with a norm on each block's output, logits multiplied
+    "hyperclovax": (
+        "HyperCLOVAXConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, embedding_multiplier=3.0, attention_multiplier=0.05,
+             residual_multiplier=0.4, logits_scaling=0.5, use_post_norm=True),
     ),
     # MiniCPM3: latent attention (q's bottleneck, v narrower than q/k, rotary on halves) with
     # Granite-like multipliers (embeddings, residual branches, logits divided)
@@ -1054,6 +1061,7 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
         "cohere-qk-norm",
         "olmo-clip",
         "minicpm3",
+        "hyperclovax",
     ],
     indirect=True,
 )
