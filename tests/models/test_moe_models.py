@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, GLM-4.5 and dots.llm1 (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -322,6 +322,35 @@ CONFIGS = {
             ),
         ),
     ),
+    # Solar Open: GLM-4.5's experts (two groups, the best one) in every layer under Llama's attention
+    # with q/k/v biases, full rotary
+    "solar_open": (
+        "solar_open",
+        dict(
+            num_hidden_layers=2,
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            n_shared_experts=1,
+            attention_bias=True,
+            head_dim=32,
+        ),
+    ),
+    # FlexOlmo: OLMoE's experts in OLMo-2's layer (norms after the blocks only)
+    "flex_olmo": (
+        "flex_olmo",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=24,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            pad_token_id=0,
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -352,6 +381,8 @@ CONFIG_CLASSES = {
     "deepseek_v2": "DeepseekV2Config",
     "glm4_moe_lite": "Glm4MoeLiteConfig",
     "mistral4": "Mistral4Config",
+    "solar_open": "SolarOpenConfig",
+    "flex_olmo": "FlexOlmoConfig",
 }
 
 
