@@ -230,18 +230,24 @@ def run_experts(
 
 
 def load_moe_block(
-    block: MoEBlock, take: Any, prefix: str, names: tuple[str, str, str], shared: str = "shared_expert."
+    block: MoEBlock,
+    take: Any,
+    prefix: str,
+    names: tuple[str, str, str],
+    shared: str = "shared_expert.",
+    router: str = "gate.weight",
 ) -> None:
     """A checkpoint's router and experts into `block` (no grad). `take(name)` gives a tensor and
     `take.has(name)` says whether there is one. Experts as transformers' `save_pretrained` and
     the published checkpoints lay them out, one module per expert (`{prefix}experts.{e}.{gate,
     up, down}.weight` under the family's `names`), or fused 3-D (`{prefix}experts.gate_up_proj`
     [E, 2I, H] and `{prefix}experts.down_proj` [E, H, I], transformers' in-memory layout, or each
-    [E, in, out] as Qwen3-VL-MoE publishes them)."""
+    [E, in, out] as Qwen3-VL-MoE publishes them). The router is `{prefix}{router}` (HunYuan's
+    `gate.wg.weight`)."""
     if block.s.biased is None:
-        block.router.weight.copy_(take(prefix + "gate.weight"))
+        block.router.weight.copy_(take(prefix + router))
     else:
-        block.router_weight.copy_(take(prefix + "gate.weight"))
+        block.router_weight.copy_(take(prefix + router))
     if block.s.biased is not None and block.s.biased.correction:
         bias = take.first(
             prefix + "gate.e_score_correction_bias", prefix + "moe_statics.e_score_correction_bias"

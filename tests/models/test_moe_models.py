@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -351,6 +351,20 @@ CONFIGS = {
             pad_token_id=0,
         ),
     ),
+    # HunYuan MoE (Hunyuan-A13B): q/k norms after rotary, softmax top-2 of 6 renormalised, a shared
+    # MLP beside the experts, biases on the attention
+    "hunyuan_v1_moe": (
+        "hunyuan_v1_moe",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=24,
+            num_experts=6,
+            moe_topk=2,
+            attention_bias=True,
+            head_dim=16,
+            pad_token_id=0,
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -383,6 +397,7 @@ CONFIG_CLASSES = {
     "mistral4": "Mistral4Config",
     "solar_open": "SolarOpenConfig",
     "flex_olmo": "FlexOlmoConfig",
+    "hunyuan_v1_moe": "HunYuanMoEV1Config",
 }
 
 
@@ -586,3 +601,21 @@ def test_bf16_engine_tracks_transformers_and_both_loops_agree(moe_case):
         )
         our_dev = max((abs(a - b) for a, b in zip(got, want)), default=0)
         assert len(got) == len(want) and our_dev < max(0.25, 1.1 * their_dev), (our_dev, their_dev)
+
+
+def test_expert_counts_that_differ_between_layers_are_refused_naming_them():
+    """HunYuan's config may give `moe_topk` per layer: served where every layer has the same, else
+    refused with one line naming the field."""
+    import transformers
+
+    from service.models.families import model_shape
+    from service.models.layers import UnsupportedModel
+
+    family, extra = CONFIGS["hunyuan_v1_moe"]
+    uniform = transformers.HunYuanMoEV1Config(**{**COMMON, **extra, "moe_topk": [2, 2]})
+    uniform.architectures = ["HunYuanMoEV1ForCausalLM"]
+    assert model_shape(uniform).moe.top_k == 2
+    mixed = transformers.HunYuanMoEV1Config(**{**COMMON, **extra, "moe_topk": [1, 2]})
+    mixed.architectures = ["HunYuanMoEV1ForCausalLM"]
+    with pytest.raises(UnsupportedModel, match=r"moe_topk differs between layers"):
+        model_shape(mixed)
