@@ -29,6 +29,7 @@ from service.models import (
     jais2,
     llama,
     minicpm3,
+    minimax_m2,
     mixtral,
     nanochat,
     nemotron,
@@ -93,6 +94,7 @@ FAMILIES: dict[str, Family] = {
         granite_moe,
         olmoe,
         glm4_moe,
+        minimax_m2,
         ernie4_5_moe,
         deepseek,
     )

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -365,6 +365,39 @@ CONFIGS = {
             pad_token_id=0,
         ),
     ),
+    # MiniMax-M2: sigmoid scores plus a correction bias (on the block), renormalised; whole-projection
+    # q/k norms, partial rotary by `rotary_dim`
+    "minimax_m2": (
+        "minimax_m2",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=24,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            rotary_dim=8,
+        ),
+    ),
+    # K-EXAONE: EXAONE 4's attention (sliding layers with rotary, a global one without) in pre-norm
+    # layers, DeepSeek-V3's experts in 2 groups beside a shared expert, layer 0 dense
+    "exaone_moe": (
+        "exaone_moe",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            num_shared_experts=1,
+            first_k_dense_replace=1,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            head_dim=16,
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -398,6 +431,8 @@ CONFIG_CLASSES = {
     "solar_open": "SolarOpenConfig",
     "flex_olmo": "FlexOlmoConfig",
     "hunyuan_v1_moe": "HunYuanMoEV1Config",
+    "minimax_m2": "MiniMaxM2Config",
+    "exaone_moe": "ExaoneMoeConfig",
 }
 
 
