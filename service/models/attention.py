@@ -18,7 +18,8 @@ attends over each request's rows of the pool (`fb.kv_indices`).
 - without a C compiler: gather + one masked SDPA for decode, per-request SDPA
   for extend;
 - soft-capped scores (Gemma-2): both kernels cap them; without them
-  `capped_attention.py` does, as SDPA cannot.
+  `eager_attention.py` does, as SDPA cannot;
+- ALiBi's biased scores (Bloom, MPT): `eager_attention.py` always.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch.nn.functional as F
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.models import cpu_kernels
-from service.models.capped_attention import allowed, capped_attention, extend_rows
 from service.models.cpu_features import cpu_features
+from service.models.eager_attention import allowed, eager_attention, extend_rows
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
 # with tokens x context; the extend kernel's or SDPA's blocked matmuls win for long chunks).
@@ -85,7 +86,8 @@ class AttentionMeta:
     sliding_window: int | None
     use_kernel: bool  # the native kernel, when the layer's dtype and head size have one
     short_max: int = KERNEL_MAX_EXTEND  # a request's extend of at most this many rows: the paged kernel
-    softcap: float | None = None  # scores soft-capped (Gemma-2): the kernel caps them; else capped_attention
+    softcap: float | None = None  # scores soft-capped (Gemma-2): the kernel caps them; else eager_attention
+    alibi: torch.Tensor | None = None  # ALiBi's slopes [Hq] float32: eager_attention takes every row
     kernel: cpu_kernels.PagedAttention | None = None  # the batch's kernel calls, arguments converted once
     # A long extend with short rows too (e.g. a mixed batch's decode rows): the kernel takes the
     # short rows' queries (packed indices; `short_kernel` knows their requests and positions), SDPA the long rows.
@@ -147,8 +149,12 @@ class TorchAttention:
         num_kv_heads: int,
         sliding_window: int | None,
         softcap: float | None = None,
+        alibi: tuple[float, ...] | None = None,
     ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
+        if alibi is not None:  # no kernel adds the bias: every row through eager_attention
+            slopes = torch.tensor(alibi, dtype=torch.float32, device=fb.kv_indices.device)
+            return AttentionMeta(fb, group, sliding_window, False, softcap=softcap, alibi=slopes)
         decode = fb.mode is ForwardMode.DECODE
         on_cpu = fb.kv_indices.device.type == "cpu"
         short_max = self.kernel_max_extend if on_cpu else KERNEL_MAX_EXTEND
@@ -234,8 +240,10 @@ class TorchAttention:
             self._sdpa_rows(q, k_cache, v_cache, meta, scale, out, meta.flash_rows)
             self._short_rows(q, k_cache, v_cache, meta, scale, out)
             return out
-        if meta.softcap is not None:  # SDPA does not cap scores
-            return capped_attention(q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window)
+        if meta.softcap is not None or meta.alibi is not None:  # SDPA neither caps nor biases scores
+            return eager_attention(
+                q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window, meta.alibi
+            )
         k_cache[fb.out_cache_loc] = k
         v_cache[fb.out_cache_loc] = v
         if fb.mode is ForwardMode.DECODE:

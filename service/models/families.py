@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from service.models import (
     apertus,
+    bloom,
     cohere,
     deepseek,
     ernie4_5,
@@ -31,6 +32,7 @@ from service.models import (
     minicpm3,
     minimax_m2,
     mixtral,
+    mpt,
     nanochat,
     nemotron,
     olmo,
@@ -87,6 +89,8 @@ FAMILIES: dict[str, Family] = {
         gpt_bigcode,
         gpt_neo,
         falcon,
+        bloom,
+        mpt,
         opt,
         mixtral,
         qwen2_moe,

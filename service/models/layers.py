@@ -88,10 +88,11 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class LayerAttention:
-    """What differs between a model's attention layers: its sliding window and soft-capping."""
+    """What differs between a model's attention layers: its sliding window, soft-capping, ALiBi."""
 
     window: int | None = None  # attend to at most this many most recent positions
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+    alibi: tuple[float, ...] | None = None  # ALiBi: scores + slope_h * kv position, a slope per q head
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ class ModelShape:
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
     embed_norm: bool = False  # the final RMSNorm applied to the embeddings too (NanoChat)
+    embed_layer_norm: bool = False  # a LayerNorm of its own on the embeddings (Bloom)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma-2)
     # each block's output (after its sandwich norm, if any) times this before its residual add (Granite)
     residual_scale: float | None = None
@@ -444,6 +446,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.shape = s = shape
         self.embed = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_ln = nn.LayerNorm(s.hidden_size, eps=s.norm_eps) if s.embed_layer_norm else None
         self.pos_embed = (
             None
             if s.learned_positions is None
@@ -485,6 +488,8 @@ class CausalLM(nn.Module):
         followed by those of fb.extra_logit_rows when set."""
         s = self.shape
         h = self.embed(input_ids)
+        if self.embed_ln is not None:
+            h = self.embed_ln(h)
         if s.embed_scale is not None:
             h = h * torch.tensor(s.embed_scale, dtype=h.dtype)
         if self.pos_embed is not None:
@@ -494,7 +499,7 @@ class CausalLM(nn.Module):
         if s.embed_norm:
             h = add_rms_norm(h, None, self.norm, s.norm_eps)[1]
         metas = {
-            la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap)
+            la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap, la.alibi)
             for la in dict.fromkeys(s.layer_attention)
         }
         positions, pos3 = fb.positions, self._mrope_positions(fb)

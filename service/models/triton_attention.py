@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.models.eager_attention import eager_attention
 
 
 @triton.jit
@@ -496,6 +497,7 @@ class TritonMeta:
     num_splits: int  # decode only
     softcap: float  # 0: scores not capped; else softcap * tanh(scores / softcap) (Gemma-2)
     mid: tuple[torch.Tensor, torch.Tensor] | None = None  # decode scratch, allocated by the first layer
+    alibi: torch.Tensor | None = None  # ALiBi's slopes [Hq]: eager_attention.py, not the kernels
 
 
 class TritonAttention:
@@ -532,9 +534,13 @@ class TritonAttention:
         num_kv_heads: int,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        alibi: tuple[float, ...] | None = None,
     ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
-        return TritonMeta(fb, sliding_window or 0, splits, softcap or 0.0)
+        slopes = None
+        if alibi is not None:
+            slopes = torch.tensor(alibi, dtype=torch.float32, device=fb.kv_indices.device)
+        return TritonMeta(fb, sliding_window or 0, splits, softcap or 0.0, alibi=slopes)
 
     def forward(
         self,
@@ -547,6 +553,11 @@ class TritonAttention:
         scale: float,
     ) -> torch.Tensor:
         fb = meta.fb
+        if meta.alibi is not None:  # the kernels add no bias
+            window = meta.window or None
+            return eager_attention(
+                q, k, v, k_cache, v_cache, fb, scale, meta.softcap or None, window, meta.alibi
+            )
         store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:
             if meta.mid is None:

@@ -1,4 +1,4 @@
-"""The dense families (Qwen3, MiniCPM3, Youtu-LLM, HyperCLOVA X, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
+"""The dense families (Qwen3, MiniCPM3, Youtu-LLM, HyperCLOVA X, BLOOM, MPT, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
 GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, Granite 4.0 (attention only), the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen, Falcon,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
@@ -176,6 +176,22 @@ CONFIGS = {  # name: (transformers config class, its arguments)
         dict(hidden_size=48, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
              num_key_value_heads=1, embedding_multiplier=6.0, attention_multiplier=0.05,
              residual_multiplier=0.5, logits_scaling=2.5, hidden_act="relu", tie_word_embeddings=True),
+    ),
+    # BLOOM: ALiBi (4 heads: the power-of-two slopes), a LayerNorm on the embeddings, head-by-head qkv
+    "bloom": (
+        "BloomConfig",
+        dict(hidden_size=64, n_layer=2, n_head=4),
+    ),
+    # ... 6 heads (ALiBi's slopes past the power of two), untied head
+    "bloom-6-heads-untied": (
+        "BloomConfig",
+        dict(hidden_size=96, n_layer=2, n_head=6, tie_word_embeddings=False),
+    ),
+    # MPT: ALiBi from alibi_bias_max (6 heads), no biases, q/k/v clamped, its own softmax scale
+    "mpt-clip": (
+        "MptConfig",
+        dict(d_model=96, n_heads=6, n_layers=2, max_seq_len=256,
+             attn_config={"clip_qkv": 1.5, "softmax_scale": 0.3}),
     ),
     # HyperCLOVA X: Granite's multipliers with a norm on each block's output, logits multiplied
     "hyperclovax": (
@@ -655,6 +671,7 @@ DEVICE_NEW = 5  # tokens per request through the interpreted Triton kernels (slo
         "glm4-sandwich",
         "gpt_neox-parallel",
         "gpt2",
+        "bloom",
     ],
     indirect=True,
 )
@@ -743,6 +760,13 @@ REFUSED_SHAPES = {  # a served config with these fields: what the refusal says (
         r"Mamba layers \(linear_attention\) are not served",
     ),
     "falcon-alibi": ("falcon-sequential-mha", "FalconForCausalLM", {"alibi": True}, "ALiBi"),
+    "bloom-residual-after-the-norm": (
+        "bloom",
+        "BloomForCausalLM",
+        {"apply_residual_connection_post_layernorm": True},
+        "apply_residual_connection_post_layernorm",
+    ),
+    "mpt-qk-ln": ("mpt-clip", "MptForCausalLM", {"attn_config": {"qk_ln": True}}, "qk_ln"),
 }
 
 
@@ -1001,7 +1025,7 @@ def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, 
 
 @pytest.mark.parametrize(
     "family, prefix, hub",
-    [("gpt2", "transformer.", ""), ("opt", "model.decoder.", "decoder.")],
+    [("gpt2", "transformer.", ""), ("opt", "model.decoder.", "decoder."), ("bloom", "transformer.", "")],
     indirect=["family"],
 )
 def test_the_hubs_tensor_names_load_as_save_pretrained_s(family, prefix, hub, tmp_path):
@@ -1062,6 +1086,7 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
         "olmo-clip",
         "minicpm3",
         "hyperclovax",
+        "mpt-clip",
     ],
     indirect=True,
 )

@@ -90,6 +90,6 @@ def test_default_split_choice_is_sane():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 6])
 def test_soft_capped_scores_match_torch(dtype, window):
-    """Gemma-2's capped scores (the torch backend takes them through capped_attention)."""
+    """Gemma-2's capped scores (the torch backend takes them through eager_attention)."""
     check([3, 20, 37], [1, 1, 1], 4, 2, 16, dtype, window, softcap=0.5, block_n=16, num_splits=2)
     check([10, 0], [23, 17], 4, 2, 16, dtype, window, seed=2, softcap=0.5, block_m=16, block_n=16)

@@ -1,11 +1,14 @@
-"""Attention with soft-capped scores (Gemma-2) over the paged KV pool, in plain torch ops.
+"""Attention over the paged KV pool in plain torch ops, for scores SDPA cannot make: soft-capped
+(Gemma-2) or with ALiBi's linear bias (Bloom, MPT, Falcon-RW).
 
-scores = cap * tanh(q.k * scale / cap), masked (causal, sliding window), softmax, times V — the
-op order of transformers' eager Gemma-2 attention, accumulated in float32. The native CPU kernel
-and the Triton kernels cap scores themselves; SDPA cannot, so the torch backend routes here what
-its kernel does not take (long extends; every capped layer without a C compiler). Decode is one
-batched computation over each request's pool rows with no host read (CUDA-graph safe); an extend
-runs one request at a time, like the torch backend's SDPA path.
+scores = q.k * scale, then cap * tanh(scores / cap) where capped, plus slope_h * kv_position
+where ALiBi (transformers adds slope_h * (kv_position - q_position); the difference is the same
+for a query's every key, so its softmax is too), masked (causal, sliding window), softmax, times
+V, accumulated in float32: the op order of transformers' eager attentions. The native CPU kernel
+and the Triton kernels cap scores themselves, so the torch backend routes here what its kernels
+do not take (long extends; every capped layer without a C compiler), and every ALiBi layer on
+either backend. Decode is one batched computation over each request's pool rows with no host read
+(CUDA-graph safe); an extend runs one request at a time, like the torch backend's SDPA path.
 """
 
 from __future__ import annotations
@@ -35,15 +38,19 @@ def allowed(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None) -> to
     return mask
 
 
-def _attend(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """q [..., Hkv, g, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., Hkv, g, n, L]."""
+def _attend(q, k, v, mask, scale: float, softcap: float | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """q [..., Hkv, g, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., Hkv, g, n, L];
+    bias (ALiBi's) broadcastable to the scores, or None."""
     s = torch.matmul(q.float(), k.float().unsqueeze(-3).transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if bias is not None:
+        s = s + bias
     p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(p, v.float().unsqueeze(-3))
 
 
-def capped_attention(
+def eager_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,
@@ -51,14 +58,16 @@ def capped_attention(
     v_cache: torch.Tensor,
     fb: ForwardBatch,
     scale: float,
-    softcap: float,
+    softcap: float | None,
     window: int | None,
+    alibi: torch.Tensor | None = None,  # [Hq] float32 slopes
 ) -> torch.Tensor:
     """Stores this step's K/V at fb.out_cache_loc, then attends: [T, Hq * D]."""
     k_cache[fb.out_cache_loc] = k
     v_cache[fb.out_cache_loc] = v
     hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
+    slopes = None if alibi is None else alibi.to(q.device).view(hkv, g, 1, 1)
     if fb.mode is ForwardMode.DECODE:
         bs, length = fb.kv_indices.shape
         rows = fb.kv_indices.reshape(-1)
@@ -66,7 +75,8 @@ def capped_attention(
         vp = v_cache.index_select(0, rows).view(bs, length, hkv, d).transpose(1, 2)
         kv_pos = torch.arange(length, device=q.device).view(1, -1)
         mask = allowed(fb.positions.view(-1, 1), kv_pos, window).view(bs, 1, 1, 1, length)
-        o = _attend(q.view(bs, hkv, g, 1, d), kp, vp, mask, scale, softcap)
+        bias = None if slopes is None else slopes * kv_pos.float()  # [Hkv, g, 1, L]
+        o = _attend(q.view(bs, hkv, g, 1, d), kp, vp, mask, scale, softcap, bias)
         return o.to(q.dtype).reshape(bs, hq * d)
     out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
     for r, (length, n, start) in enumerate(extend_rows(fb)):
@@ -75,7 +85,9 @@ def capped_attention(
         vr = v_cache.index_select(0, rows).transpose(0, 1)
         qr = q[start : start + n].view(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
         q_pos = torch.arange(length - n, length, device=q.device).view(-1, 1)
-        mask = allowed(q_pos, torch.arange(length, device=q.device).view(1, -1), window)
-        o = _attend(qr, kr, vr, mask, scale, softcap)  # [Hkv, g, n, D]
+        kv_pos = torch.arange(length, device=q.device).view(1, -1)
+        mask = allowed(q_pos, kv_pos, window)
+        bias = None if slopes is None else slopes * kv_pos.float()
+        o = _attend(qr, kr, vr, mask, scale, softcap, bias)  # [Hkv, g, n, D]
         out[start : start + n] = o.permute(2, 0, 1, 3).reshape(n, hq * d).to(q.dtype)
     return out
