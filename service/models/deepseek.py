@@ -21,6 +21,8 @@ publishes past `num_hidden_layers` are not read."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from service.models import llama, qwen2_moe
 from service.models.layers import (
     CausalLM,
@@ -32,7 +34,7 @@ from service.models.layers import (
     load_split_mlp,
 )
 from service.models.mla import MLAShape, attention_scale, load_latent_attention
-from service.models.moe import BiasedRouting, MoEShape, load_moe_block
+from service.models.moe import BiasedRouting, load_moe_block, shared_experts_shape, v3_routing
 
 ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
@@ -44,30 +46,15 @@ ARCHITECTURES = (
 
 
 def _routing(config) -> tuple[BiasedRouting, bool]:
-    """(the router, renormalised or not) of a V2 or V3 config."""
-    scale = float(getattr(config, "routed_scaling_factor", None) or 1.0)
-    if architecture(config) == "Mistral4ForCausalLM":
-        routing = BiasedRouting(
-            scoring="softmax",
-            n_group=config.n_group or 1,
-            topk_group=config.topk_group or 1,
-            scale=scale,
-            correction=False,
-        )
-        return routing, bool(config.norm_topk_prob)
+    """(the router, renormalised or not) of a V2, V3 or Mistral 4 config."""
+    v3 = v3_routing(config)
+    if architecture(config) == "Mistral4ForCausalLM":  # softmax scores, no correction bias
+        return dataclasses.replace(v3, scoring="softmax", correction=False), bool(config.norm_topk_prob)
     if architecture(config) != "DeepseekV2ForCausalLM":
-        groups = BiasedRouting(n_group=config.n_group or 1, topk_group=config.topk_group or 1, scale=scale)
-        return groups, bool(config.norm_topk_prob)
+        return v3, bool(config.norm_topk_prob)
     grouped = getattr(config, "topk_method", "greedy") == "group_limited_greedy"
-    routing = BiasedRouting(
-        scoring="softmax",
-        n_group=(config.n_group or 1) if grouped else 1,
-        topk_group=(config.topk_group or 1) if grouped else 1,
-        scale=scale,
-        correction=False,
-        group_rank="max",
-    )
-    return routing, False
+    v2 = dataclasses.replace(v3, scoring="softmax", correction=False, group_rank="max")
+    return (v2 if grouped else dataclasses.replace(v2, n_group=1, topk_group=1)), False
 
 
 def _sparse_layers(config) -> tuple[bool, ...]:
@@ -108,16 +95,7 @@ def shape(config) -> ModelShape:
         return dense_shape(config)
     mla = mla_shape(config)
     routing, renormalize = _routing(config)
-    moe = MoEShape(
-        hidden_size=config.hidden_size,
-        num_experts=config.n_routed_experts,
-        top_k=config.num_experts_per_tok,
-        intermediate_size=config.moe_intermediate_size,
-        renormalize=renormalize,
-        shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
-        shared_gated=False,
-        biased=routing,
-    )
+    moe = shared_experts_shape(config, config.n_routed_experts, config.n_shared_experts, routing, renormalize)
     heads = config.num_attention_heads
     return base_shape(
         config,

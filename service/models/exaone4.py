@@ -14,7 +14,7 @@ import dataclasses
 
 from service.models import olmo2, qwen2_moe, qwen3
 from service.models.layers import CausalLM, Checkpoint, ModelShape, architecture, base_shape
-from service.models.moe import BiasedRouting, MoEShape
+from service.models.moe import shared_experts_shape, v3_routing
 from service.models.rope import DEFAULT_LAYER, NO_ROPE
 
 ARCHITECTURES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
@@ -24,19 +24,8 @@ def _layout(config) -> dict:
     """EXAONE 4.0's norms after the blocks, or K-EXAONE's experts (pre-norm layers)."""
     if architecture(config) != "ExaoneMoeForCausalLM":
         return dict(post_norms=True)
-    moe = MoEShape(
-        hidden_size=config.hidden_size,
-        num_experts=config.num_experts,
-        top_k=config.num_experts_per_tok,
-        intermediate_size=config.moe_intermediate_size,
-        renormalize=bool(config.norm_topk_prob),
-        shared_intermediate_size=config.moe_intermediate_size * (config.num_shared_experts or 0),
-        shared_gated=False,
-        biased=BiasedRouting(
-            n_group=config.n_group or 1,
-            topk_group=config.topk_group or 1,
-            scale=float(config.routed_scaling_factor),
-        ),
+    moe = shared_experts_shape(
+        config, config.num_experts, config.num_shared_experts, v3_routing(config), bool(config.norm_topk_prob)
     )
     return dict(moe=moe, moe_layers=tuple(t == "sparse" for t in config.mlp_layer_types))
 

@@ -15,25 +15,18 @@ from __future__ import annotations
 
 from service.models import qwen2_moe, qwen3
 from service.models.layers import CausalLM, Checkpoint, ModelShape, architecture, base_shape
-from service.models.moe import BiasedRouting, MoEShape
+from service.models.moe import shared_experts_shape, v3_routing
 
 ARCHITECTURES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "SolarOpenForCausalLM")
 
 
 def shape(config) -> ModelShape:
-    moe = MoEShape(
-        hidden_size=config.hidden_size,
-        num_experts=config.n_routed_experts,
-        top_k=config.num_experts_per_tok,
-        intermediate_size=config.moe_intermediate_size,
-        renormalize=bool(config.norm_topk_prob),
-        shared_intermediate_size=config.moe_intermediate_size * (config.n_shared_experts or 0),
-        shared_gated=False,
-        biased=BiasedRouting(
-            n_group=config.n_group or 1,
-            topk_group=config.topk_group or 1,
-            scale=float(config.routed_scaling_factor),
-        ),
+    moe = shared_experts_shape(
+        config,
+        config.n_routed_experts,
+        config.n_shared_experts,
+        v3_routing(config),
+        bool(config.norm_topk_prob),
     )
     dense = getattr(config, "first_k_dense_replace", None) or 0  # Solar Open: none, every layer sparse
     moe_layers = tuple(i >= dense for i in range(config.num_hidden_layers))

@@ -79,6 +79,32 @@ def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
     )
 
 
+def v3_routing(config) -> BiasedRouting:
+    """DeepSeek-V3's router as a config gives it: `n_group`, `topk_group`, `routed_scaling_factor`."""
+    return BiasedRouting(
+        n_group=config.n_group or 1,
+        topk_group=config.topk_group or 1,
+        scale=float(getattr(config, "routed_scaling_factor", None) or 1.0),
+    )
+
+
+def shared_experts_shape(
+    config, num_experts: int, num_shared: int | None, routing: BiasedRouting, renormalize: bool
+) -> MoEShape:
+    """DeepSeek's layout: `num_experts_per_tok` of `num_experts` routed experts of
+    `moe_intermediate_size` beside `num_shared` such experts fused into one, added without a gate."""
+    return MoEShape(
+        hidden_size=config.hidden_size,
+        num_experts=num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=renormalize,
+        shared_intermediate_size=config.moe_intermediate_size * (num_shared or 0),
+        shared_gated=False,
+        biased=routing,
+    )
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64): softmax in float32, then top-k
     (ties go as torch.topk breaks them, as in transformers), renormalised or not."""
