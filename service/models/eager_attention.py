@@ -1,5 +1,5 @@
 """Attention over the paged KV pool in plain torch ops, for scores SDPA cannot make: soft-capped
-(Gemma-2) or with ALiBi's linear bias (Bloom, MPT, Falcon-RW).
+(Gemma-2) or with ALiBi's linear bias (BLOOM, MPT).
 
 scores = q.k * scale, then cap * tanh(scores / cap) where capped, plus slope_h * kv_position
 where ALiBi (transformers adds slope_h * (kv_position - q_position); the difference is the same
