@@ -3,26 +3,44 @@ absolute positions at offset 2, biases where `enable_bias` (on by default), a Re
 gate of `ffn_dim`, tied embeddings. Served as the models from 125m up publish it: LayerNorm
 before each block (`do_layer_norm_before`), no projection around the embeddings; OPT-350m's
 post-norm layout is refused. The hub's files name the tensors as `OPTModel` does (`decoder.*`),
-`save_pretrained` under `model.decoder.`: both load."""
+`save_pretrained` under `model.decoder.`: both load.
+
+XGLM: OPT's layer under `model.layers`, with the embeddings scaled by sqrt(d_model) (`scale_embedding`),
+fixed sinusoidal positions at offset 2 (the table transformers computes, not in the checkpoint) and a
+GELU MLP."""
 
 from __future__ import annotations
+
+import math
 
 from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
     UnsupportedModel,
+    architecture,
     layer_norm_shape,
     load_layer_norm,
     load_linear,
 )
 from service.models.rope import NO_ROPE
 
-ARCHITECTURES = ("OPTForCausalLM",)
-POSITION_OFFSET = 2  # OPT's learned positions start at row 2
+ARCHITECTURES = ("OPTForCausalLM", "XGLMForCausalLM")
+POSITION_OFFSET = 2  # OPT's learned (XGLM's sinusoidal) positions start at row 2
 
 
 def shape(config) -> ModelShape:
+    if architecture(config) == "XGLMForCausalLM":
+        return layer_norm_shape(
+            config,
+            1e-5,
+            bias=True,
+            intermediate_size=config.ffn_dim,
+            learned_positions=POSITION_OFFSET,
+            layer_rope=(NO_ROPE,) * config.num_hidden_layers,
+            embed_scale=math.sqrt(config.d_model) if config.scale_embedding else None,
+            tie_word_embeddings=True,
+        )
     hidden = config.hidden_size
     unsupported = [
         ("do_layer_norm_before false (post-norm)", not config.do_layer_norm_before),
@@ -44,6 +62,16 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
+    if architecture(model.config) == "XGLMForCausalLM":
+        from transformers.models.xglm.modeling_xglm import XGLMSinusoidalPositionalEmbedding
+
+        rows, dim = model.pos_embed.weight.shape
+        table = XGLMSinusoidalPositionalEmbedding.get_embedding(rows, dim, model.config.pad_token_id)
+        model.pos_embed.weight.copy_(table)
+        model.embed.weight.copy_(take("model.embed_tokens.weight"))
+        load_layer_norm(model.norm, take, "model.layer_norm")
+        load_layers(model, take, "model.")
+        return
     d = (
         "model.decoder." if take.has("model.decoder.embed_tokens.weight") else "decoder."
     )  # the hub's: OPTModel's
@@ -52,6 +80,11 @@ def load(model: CausalLM, take: Checkpoint) -> None:
     load_layer_norm(model.norm, take, d + "final_layer_norm")
     if model.lm_head is not None:
         model.lm_head.weight.copy_(take("lm_head.weight"))
+    load_layers(model, take, d)
+
+
+def load_layers(model: CausalLM, take: Checkpoint, d: str) -> None:
+    """The layers under `{d}layers.{i}.` (OPT's names, XGLM's too)."""
     for i, layer in enumerate(model.layers):
         p = f"{d}layers.{i}."
         a = p + "self_attn."

@@ -1,7 +1,8 @@
 """Phi-1.5 and Phi-2: the GPT lineage's block (`layers.py` `LayerNormDecoderLayer`) with
 attention and MLP side by side on one LayerNorm of the layer's input, rotary on the first
 `partial_rotary_factor` of each head, biases on every projection and on the LM head, a GELU
-(tanh) MLP without a gate. Per-head q/k LayerNorms (`qk_layernorm`) are not served."""
+(tanh) MLP without a gate, and where `qk_layernorm` one LayerNorm (with a bias) over each q and
+k head, the same for every head."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The dense families (Qwen3, MiniCPM3, Youtu-LLM, HyperCLOVA X, BLOOM, MPT, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
+"""The dense families (Qwen3, MiniCPM3, Youtu-LLM, HyperCLOVA X, BLOOM, MPT, Persimmon, XGLM, Gemma, Gemma-2, Gemma-3 text, Phi-3 / Phi-4-mini, SmolLM3, Granite, OLMo-2/3,
 GLM / GLM-4, Apertus, HunYuan, NanoChat, OLMo, ERNIE 4.5, Helium, Ministral (and 3), Seed-OSS, Granite 4.0 (attention only), the GPT lineage: GPT-2, GPTBigCode, GPT-Neo, GPT-J, CodeGen, Falcon,
 GPT-NeoX, OPT, Phi-2, StarCoder2, StableLM, Nemotron; Arcee; Cohere / Cohere2, EXAONE 4; Qwen2's sliding layers, Llama's MLP biases and activations) against
 transformers, two random-init configs each (different shapes, fp32): greedy tokens equal
@@ -177,21 +177,26 @@ CONFIGS = {  # name: (transformers config class, its arguments)
              num_key_value_heads=1, embedding_multiplier=6.0, attention_multiplier=0.05,
              residual_multiplier=0.5, logits_scaling=2.5, hidden_act="relu", tie_word_embeddings=True),
     ),
-    # BLOOM: ALiBi (4 heads: the power-of-two slopes), a LayerNorm on the embeddings, head-by-head qkv
+    # BLOOM: ALiBi (6 heads: slopes past the power of two), a LayerNorm on the embeddings, head-by-head qkv
     "bloom": (
         "BloomConfig",
-        dict(hidden_size=64, n_layer=2, n_head=4),
-    ),
-    # ... 6 heads (ALiBi's slopes past the power of two), untied head
-    "bloom-6-heads-untied": (
-        "BloomConfig",
-        dict(hidden_size=96, n_layer=2, n_head=6, tie_word_embeddings=False),
+        dict(hidden_size=96, n_layer=2, n_head=6),
     ),
     # MPT: ALiBi from alibi_bias_max (6 heads), no biases, q/k/v clamped, its own softmax scale
     "mpt-clip": (
         "MptConfig",
         dict(d_model=96, n_heads=6, n_layers=2, max_seq_len=256,
              attn_config={"clip_qkv": 1.5, "softmax_scale": 0.3}),
+    ),
+    # Persimmon: head-by-head qkv, one q/k LayerNorm for every head, relu2, half rotary
+    "persimmon": (
+        "PersimmonConfig",
+        dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+    ),
+    # XGLM: OPT's layer with sinusoidal positions (offset 2), scaled embeddings, GELU
+    "xglm": (
+        "XGLMConfig",
+        dict(d_model=64, ffn_dim=96, num_layers=2, attention_heads=4, max_position_embeddings=256),
     ),
     # HyperCLOVA X: Granite's multipliers with a norm on each block's output, logits multiplied
     "hyperclovax": (
@@ -1084,8 +1089,6 @@ def test_weight_files_are_the_transformers_layout_first(tmp_path):
         "falcon-40b-grouped-two-norms-biases",
         "cohere-qk-norm",
         "olmo-clip",
-        "minicpm3",
-        "hyperclovax",
         "mpt-clip",
     ],
     indirect=True,
