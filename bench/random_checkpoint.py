@@ -38,6 +38,18 @@ SHAPES = {  # name: (transformers config class, the real model's layer shapes)
         dict(hidden_size=3072, intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8,
              partial_rotary_factor=0.75, tie_word_embeddings=True),
     ),
+    # the same hidden size and heads three ways: plain attention, ALiBi, latent attention
+    "llama-1024": (
+        "LlamaConfig",
+        dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16),
+    ),
+    "bloom-560m": ("BloomConfig", dict(hidden_size=1024, num_attention_heads=16)),
+    "youtu-1024": (  # DeepSeek-V3's latent attention (V2-Lite's head dims) on dense layers
+        "YoutuConfig",
+        dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16,
+             q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+             v_head_dim=128),
+    ),
 }  # fmt: skip
 TOKENIZER_FILES = (
     "tokenizer.json",
