@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from service.core.forward_batch import ForwardBatch, ForwardMode
 from service.models import cpu_kernels
 from service.models.cpu_features import cpu_features
-from service.models.eager_attention import allowed, eager_attention, extend_rows
+from service.models.eager_attention import AlibiSlopes, allowed, eager_attention, extend_rows
 
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
 # with tokens x context; the extend kernel's or SDPA's blocked matmuls win for long chunks).
@@ -131,6 +131,7 @@ class TorchAttention:
         self.use_kernel = use_kernel
         self.team = team  # the engine's full CPU team: the kernels split work by it, whatever size it runs at
         self.dtype = dtype  # the model's (the paged/extend split depends on it)
+        self.alibi_slopes = AlibiSlopes()
 
     @cached_property
     def kernel_max_extend(self) -> int:
@@ -153,7 +154,7 @@ class TorchAttention:
     ) -> AttentionMeta:
         group = num_q_heads // num_kv_heads
         if alibi is not None:  # no kernel adds the bias: every row through eager_attention
-            slopes = torch.tensor(alibi, dtype=torch.float32, device=fb.kv_indices.device)
+            slopes = self.alibi_slopes(alibi, fb.kv_indices.device)
             return AttentionMeta(fb, group, sliding_window, False, softcap=softcap, alibi=slopes)
         decode = fb.mode is ForwardMode.DECODE
         on_cpu = fb.kv_indices.device.type == "cpu"

@@ -19,6 +19,20 @@ import torch.nn.functional as F
 from service.core.forward_batch import ForwardBatch, ForwardMode
 
 
+class AlibiSlopes:
+    """ALiBi's slopes as float32 tensors, made once per model and device: a backend asks every
+    forward, and a CUDA graph's capture may not copy from the host (its warm-up forwards make them)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[tuple[float, ...], str], torch.Tensor] = {}
+
+    def __call__(self, alibi: tuple[float, ...], device: torch.device) -> torch.Tensor:
+        key = (alibi, str(device))
+        if key not in self._made:
+            self._made[key] = torch.tensor(alibi, dtype=torch.float32, device=device)
+        return self._made[key]
+
+
 def extend_rows(fb: ForwardBatch) -> list[tuple[int, int, int]]:
     """(kv length, new tokens, first packed row) per request of an extend, from host copies."""
     lens = list(fb.extend_lens or [])

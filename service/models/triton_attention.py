@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from service.core.forward_batch import ForwardBatch, ForwardMode
-from service.models.eager_attention import eager_attention
+from service.models.eager_attention import AlibiSlopes, eager_attention
 
 
 @triton.jit
@@ -512,6 +512,7 @@ class TritonAttention:
         self.block_n = block_n
         self.max_splits = max_splits
         self.num_splits = num_splits  # fixed (tests); None: chosen per batch
+        self.alibi_slopes = AlibiSlopes()
         self._sm_count: int | None = None
 
     def _splits(self, fb: ForwardBatch, num_kv_heads: int) -> int:
@@ -537,9 +538,7 @@ class TritonAttention:
         alibi: tuple[float, ...] | None = None,
     ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
-        slopes = None
-        if alibi is not None:
-            slopes = torch.tensor(alibi, dtype=torch.float32, device=fb.kv_indices.device)
+        slopes = None if alibi is None else self.alibi_slopes(alibi, fb.kv_indices.device)
         return TritonMeta(fb, sliding_window or 0, splits, softcap or 0.0, alibi=slopes)
 
     def forward(
