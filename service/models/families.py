@@ -26,6 +26,7 @@ from service.models import (
     granite_moe,
     helium,
     hunyuan,
+    hy_v3,
     hyperclovax,
     jais2,
     llama,
@@ -101,6 +102,7 @@ FAMILIES: dict[str, Family] = {
         olmoe,
         glm4_moe,
         minimax_m2,
+        hy_v3,
         ernie4_5_moe,
         deepseek,
     )

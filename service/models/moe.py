@@ -275,10 +275,13 @@ def load_moe_block(
     else:
         block.router_weight.copy_(take(prefix + router))
     if block.s.biased is not None and block.s.biased.correction:
-        bias = take.first(  # under the router, ERNIE's statistics, or the block (MiniMax-M2, EXAONE MoE)
-            prefix + "gate.e_score_correction_bias",
-            prefix + "moe_statics.e_score_correction_bias",
-            prefix + "e_score_correction_bias",
+        bias = (
+            take.first(  # under the router, ERNIE's statistics, or the block (MiniMax-M2, EXAONE MoE, HY V3)
+                prefix + "gate.e_score_correction_bias",
+                prefix + "moe_statics.e_score_correction_bias",
+                prefix + "e_score_correction_bias",
+                prefix + "expert_bias",  # HY V3's published name
+            )
         )
         block.score_bias.copy_(bias.reshape(-1))  # ERNIE's is [1, E]
     if take.has(prefix + "experts.gate_up_proj"):

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -398,6 +398,21 @@ CONFIGS = {
             head_dim=16,
         ),
     ),
+    # HY V3: MiniMax-M2's router (a block-level correction bias), scaled, beside a shared expert,
+    # per-head q/k norms, layer 0 dense
+    "hy_v3": (
+        "hy_v3",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            router_scaling_factor=2.5,
+            head_dim=16,
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -433,6 +448,7 @@ CONFIG_CLASSES = {
     "hunyuan_v1_moe": "HunYuanMoEV1Config",
     "minimax_m2": "MiniMaxM2Config",
     "exaone_moe": "ExaoneMoeConfig",
+    "hy_v3": "HYV3Config",
 }
 
 
@@ -550,6 +566,7 @@ LAYOUT_VARIANTS = (
     "hunyuan_v1_moe",
     "minimax_m2",
     "exaone_moe",
+    "hy_v3",
 )
 POOL_CHECKS = [name for name in CONFIGS if name not in LAYOUT_VARIANTS]
 
