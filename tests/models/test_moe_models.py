@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, Mellum 2, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -413,6 +413,25 @@ CONFIGS = {
             head_dim=16,
         ),
     ),
+    # Mellum 2: Qwen3-MoE's layer with sliding and full layers, a rope base each, layer 1 dense
+    "mellum": (
+        "mellum",
+        dict(
+            num_hidden_layers=3,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=6,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -449,6 +468,7 @@ CONFIG_CLASSES = {
     "minimax_m2": "MiniMaxM2Config",
     "exaone_moe": "ExaoneMoeConfig",
     "hy_v3": "HYV3Config",
+    "mellum": "MellumConfig",
 }
 
 
@@ -567,6 +587,7 @@ LAYOUT_VARIANTS = (
     "minimax_m2",
     "exaone_moe",
     "hy_v3",
+    "mellum",
 )
 POOL_CHECKS = [name for name in CONFIGS if name not in LAYOUT_VARIANTS]
 
