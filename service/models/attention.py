@@ -19,7 +19,7 @@ attends over each request's rows of the pool (`fb.kv_indices`).
   for extend;
 - soft-capped scores (Gemma-2): both kernels cap them; without them
   `eager_attention.py` does, as SDPA cannot;
-- ALiBi's biased scores (Bloom, MPT): `eager_attention.py` always.
+- ALiBi's biased scores (Bloom, MPT) and attention sinks (gpt-oss): `eager_attention.py` always.
 """
 
 from __future__ import annotations
@@ -227,8 +227,13 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: AttentionMeta,
         scale: float,
+        sinks: torch.Tensor | None = None,  # gpt-oss's: no kernel takes them
     ) -> torch.Tensor:
         fb = meta.fb
+        if sinks is not None:
+            return eager_attention(
+                q, k, v, k_cache, v_cache, fb, scale, meta.softcap, meta.sliding_window, meta.alibi, sinks
+            )
         if meta.use_kernel and cpu_kernels.has_kernel(q.dtype, q.shape[-1]):
             assert meta.kernel is not None
             out = meta.kernel(q, k_cache, v_cache, scale, k, v)

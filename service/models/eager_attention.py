@@ -1,5 +1,5 @@
 """Attention over the paged KV pool in plain torch ops, for scores SDPA cannot make: soft-capped
-(Gemma-2) or with ALiBi's linear bias (BLOOM, MPT).
+(Gemma-2), with ALiBi's linear bias (BLOOM, MPT), or with a sink per head in the softmax (gpt-oss).
 
 scores = q.k * scale, then cap * tanh(scores / cap) where capped, plus slope_h * kv_position
 where ALiBi (transformers adds slope_h * (kv_position - q_position); the difference is the same
@@ -53,15 +53,29 @@ def allowed(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int | None) -> to
     return mask
 
 
-def _attend(q, k, v, mask, scale: float, softcap: float | None, bias: torch.Tensor | None) -> torch.Tensor:
+def _attend(
+    q,
+    k,
+    v,
+    mask,
+    scale: float,
+    softcap: float | None,
+    bias: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [..., Hkv, g, n, D], k/v [..., Hkv, L, D], mask broadcastable to [..., Hkv, g, n, L];
-    bias (ALiBi's) broadcastable to the scores, or None."""
+    bias (ALiBi's) broadcastable to the scores, or None; sinks [Hkv, g, 1, 1]: a logit per head
+    that joins each softmax's denominator and weighs no value (gpt-oss)."""
     s = torch.matmul(q.float(), k.float().unsqueeze(-3).transpose(-1, -2)) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     if bias is not None:
         s = s + bias
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        p = torch.softmax(torch.cat([s, sinks.float().expand(*s.shape[:-1], 1)], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(p, v.float().unsqueeze(-3))
 
 
@@ -76,13 +90,15 @@ def eager_attention(
     softcap: float | None,
     window: int | None,
     alibi: torch.Tensor | None = None,  # [Hq] float32 slopes
+    sinks: torch.Tensor | None = None,  # [Hq]: gpt-oss's
 ) -> torch.Tensor:
     """Stores this step's K/V at fb.out_cache_loc, then attends: [T, Hq * D]."""
     k_cache[fb.out_cache_loc] = k
     v_cache[fb.out_cache_loc] = v
     hq, hkv, d = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    if softcap is None and alibi is not None:
+    sink = None if sinks is None else sinks.view(hkv, g, 1, 1)
+    if softcap is None and alibi is not None and sinks is None:
         return _alibi_attention(q, k_cache, v_cache, fb, scale, window, alibi.to(q.device))
     slopes = None if alibi is None else alibi.to(q.device).view(hkv, g, 1, 1)
     if fb.mode is ForwardMode.DECODE:
@@ -93,7 +109,7 @@ def eager_attention(
         kv_pos = torch.arange(length, device=q.device).view(1, -1)
         mask = allowed(fb.positions.view(-1, 1), kv_pos, window).view(bs, 1, 1, 1, length)
         bias = None if slopes is None else slopes * kv_pos.float()  # [Hkv, g, 1, L]
-        o = _attend(q.view(bs, hkv, g, 1, d), kp, vp, mask, scale, softcap, bias)
+        o = _attend(q.view(bs, hkv, g, 1, d), kp, vp, mask, scale, softcap, bias, sink)
         return o.to(q.dtype).reshape(bs, hq * d)
     out = torch.empty(q.shape[0], hq * d, dtype=q.dtype, device=q.device)
     for r, (length, n, start) in enumerate(extend_rows(fb)):
@@ -105,7 +121,7 @@ def eager_attention(
         kv_pos = torch.arange(length, device=q.device).view(1, -1)
         mask = allowed(q_pos, kv_pos, window)
         bias = None if slopes is None else slopes * kv_pos.float()
-        o = _attend(qr, kr, vr, mask, scale, softcap, bias)  # [Hkv, g, n, D]
+        o = _attend(qr, kr, vr, mask, scale, softcap, bias, sink)  # [Hkv, g, n, D]
         out[start : start + n] = o.permute(2, 0, 1, 3).reshape(n, hq * d).to(q.dtype)
     return out
 

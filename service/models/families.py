@@ -21,6 +21,7 @@ from service.models import (
     gpt_bigcode,
     gpt_neo,
     gpt_neox,
+    gpt_oss,
     gptj,
     granite,
     granite_moe,
@@ -103,6 +104,7 @@ FAMILIES: dict[str, Family] = {
         glm4_moe,
         minimax_m2,
         hy_v3,
+        gpt_oss,
         ernie4_5_moe,
         deepseek,
     )

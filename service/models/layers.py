@@ -125,6 +125,7 @@ class ModelShape:
     # `llama_4_scaling_beta` over `original_max_position_embeddings`)
     q_position_scale: tuple[float, int] | None = None
     qkv_clip: float | None = None  # q, k, v clamped to [-clip, clip] after the q/k norms (OLMo)
+    attn_sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     activation: str = "silu"
     attn_scale: float | None = None  # None: head_dim ** -0.5
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
@@ -278,6 +279,7 @@ class SelfAttention(nn.Module):
         elif s.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(q if s.qk_norm_whole else s.head_dim))
             self.k_norm = nn.Parameter(torch.ones(kv if s.qk_norm_whole else s.head_dim))
+        self.sinks = nn.Parameter(torch.zeros(s.num_q_heads)) if s.attn_sinks else None
 
     def forward(self, x, positions, cos, sin, k_cache, v_cache, meta, attn) -> torch.Tensor:
         s = self.s
@@ -298,6 +300,8 @@ class SelfAttention(nn.Module):
             k.copy_(add_rms_norm(k.reshape(-1, d), None, self.k_norm, s.norm_eps)[1].view(k.shape))
         if s.q_position_scale is not None:
             q = scale_by_position(q, positions, *s.q_position_scale)
+        if self.sinks is not None:
+            return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale, sinks=self.sinks))
         return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
 
 

@@ -21,7 +21,9 @@ graphs capture it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.models import cpu_kernels
-from service.models.ops import silu_mul
+from service.models.ops import clamped_swiglu, silu_mul
 
 # The native bf16 kernel streams each active expert's weights once per call: it wins while the
 # experts get few rows (decode steps, short chunks: 1.4-2.7x the torch matmuls at 1-16 rows per
@@ -50,6 +52,10 @@ class MoEShape:
     )
     shared_bias: bool = False  # the shared expert's projections have biases (ERNIE 4.5's `use_bias`)
     biased: BiasedRouting | None = None  # the choice made on scores plus a correction bias; None: softmax
+    router_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    expert_bias: bool = False  # each expert's gate_up and down have biases (gpt-oss)
+    # (alpha, limit): gpt-oss's clamped SwiGLU instead of SiLU(gate) * up (`ops.clamped_swiglu`)
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,16 +177,20 @@ def experts_torch(
     w_down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_mul,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: [T, H], in x's dtype.
-    One gate_up and one down matmul per expert that got a token."""
+    One gate_up and one down matmul per expert that got a token; `biases` (gate_up's [E, 2I],
+    down's [E, H]) and the activation where the family has its own (gpt-oss)."""
     groups = ExpertGroups.of(ids, w_gate_up.shape[0])
     token = groups.order % ids.shape[0]
     xs = x.index_select(0, token)
     out = torch.empty_like(xs)
     for e, start, n in groups.active():
         rows = slice(start, start + n)
-        out[rows] = F.linear(silu_mul(F.linear(xs[rows], w_gate_up[e])), w_down[e])
+        b_gate_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
+        out[rows] = F.linear(act(F.linear(xs[rows], w_gate_up[e], b_gate_up)), w_down[e], b_down)
     out.mul_(weights.t().reshape(-1)[groups.order].unsqueeze(1).to(out.dtype))
     return torch.zeros_like(x).index_add_(0, token, out)
 
@@ -208,13 +218,16 @@ class MoEBlock(nn.Module):
         self.s = s
         e, i, h = s.num_experts, s.intermediate_size, s.hidden_size
         if s.biased is None:
-            self.router = nn.Linear(h, e, bias=False)
+            self.router = nn.Linear(h, e, bias=s.router_bias)
         else:  # run in float32 as transformers does (kept so by the loader, not packed with the linears)
             self.router_weight = nn.Parameter(torch.zeros(e, h))
             if s.biased.correction:
                 self.score_bias = nn.Parameter(torch.zeros(e))  # on the scores the choice is made on
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.w_down = nn.Parameter(torch.empty(e, h, i))
+        if s.expert_bias:
+            self.b_gate_up = nn.Parameter(torch.zeros(e, 2 * i))
+            self.b_down = nn.Parameter(torch.zeros(e, h))
         self.shared: nn.ModuleDict | None = None
         if s.shared_intermediate_size:
             si = s.shared_intermediate_size
@@ -232,7 +245,16 @@ class MoEBlock(nn.Module):
             logits = F.linear(x.float(), self.router_weight)
             bias = self.score_bias if self.s.biased.correction else None
             weights, ids = route_biased(logits, bias, self.s.top_k, self.s.renormalize, self.s.biased)
-        y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
+        if self.s.expert_bias or self.s.clamped_swiglu is not None:  # the grouped torch form only
+            act = (
+                silu_mul
+                if self.s.clamped_swiglu is None
+                else partial(clamped_swiglu, alpha=self.s.clamped_swiglu[0], limit=self.s.clamped_swiglu[1])
+            )
+            biases = (self.b_gate_up, self.b_down) if self.s.expert_bias else None
+            y = experts_torch(x, self.w_gate_up, self.w_down, weights, ids, biases, act)
+        else:
+            y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared is not None:
             sh = self.shared
             shared = sh["down"](silu_mul(sh["gate_up"](x)))

@@ -43,6 +43,15 @@ def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)).to(x.dtype)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on [.., 2I] (gate, then up): gate clamped to at most `limit`,
+    up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def scale_by_position(q: torch.Tensor, positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
     """q [T, H, D] times 1 + beta * log(1 + floor(position / period)) (Llama 4's attention scale:
     Ministral 3, Mistral 4)."""

@@ -550,12 +550,13 @@ class TritonAttention:
         v_cache: torch.Tensor,
         meta: TritonMeta,
         scale: float,
+        sinks: torch.Tensor | None = None,  # gpt-oss's: the kernels take none
     ) -> torch.Tensor:
         fb = meta.fb
-        if meta.alibi is not None:  # the kernels add no bias
+        if meta.alibi is not None or sinks is not None:  # the kernels add no bias, take no sink
             window = meta.window or None
             return eager_attention(
-                q, k, v, k_cache, v_cache, fb, scale, meta.softcap or None, window, meta.alibi
+                q, k, v, k_cache, v_cache, fb, scale, meta.softcap or None, window, meta.alibi, sinks
             )
         store_kv(k, v, k_cache, v_cache, fb.out_cache_loc)
         if fb.mode is ForwardMode.DECODE:

@@ -1,4 +1,4 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, Mellum 2, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, Mellum 2, gpt-oss, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
@@ -432,6 +432,21 @@ CONFIGS = {
             },
         ),
     ),
+    # gpt-oss: attention sinks, sliding and full layers, biases on q/k/v/o; experts with biases and
+    # the clamped SwiGLU (a low limit: it clamps here), a router with a bias
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_hidden_layers=2,
+            intermediate_size=24,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=1.5,
+        ),
+    ),
     # Granite 4.0's hybrid layout, attention in every layer, no rotary (NoPE), experts and a shared MLP
     "granitemoehybrid-nope": (
         "granitemoehybrid",
@@ -469,6 +484,7 @@ CONFIG_CLASSES = {
     "exaone_moe": "ExaoneMoeConfig",
     "hy_v3": "HYV3Config",
     "mellum": "MellumConfig",
+    "gpt_oss": "GptOssConfig",
 }
 
 
@@ -634,7 +650,9 @@ def test_prefix_cache_hit_equals_miss_overlap_loop(moe_case):
 
 
 @pytest.mark.parametrize(
-    "moe_case", ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared", "deepseek_v2-lite"], indirect=True
+    "moe_case",
+    ["mixtral", "qwen3_moe", "qwen2_moe", "granitemoeshared", "deepseek_v2-lite", "gpt_oss"],
+    indirect=True,
 )
 def test_device_path_gives_transformers_tokens(moe_case):
     model_dir, refs, _ = moe_case
