@@ -15,6 +15,7 @@ from service.models.layers import (
     load_layer_norm,
     load_linear,
 )
+from service.models.phi import load_shared_qk_layer_norms
 
 ARCHITECTURES = ("PersimmonForCausalLM",)
 
@@ -48,8 +49,5 @@ def load(model: CausalLM, take: Checkpoint) -> None:
         load_linear(layer.attn.o, take, a + "dense")
         load_linear(layer.mlp.fc, take, p + "mlp.dense_h_to_4h")
         load_linear(layer.mlp.proj, take, p + "mlp.dense_4h_to_h")
-        if s.qk_norm:  # one norm for every head
-            attn = layer.attn
-            for n, w, b in (("q", attn.q_norm, attn.q_norm_bias), ("k", attn.k_norm, attn.k_norm_bias)):
-                w.copy_(take(f"{a}{n}_layernorm.weight").expand_as(w))
-                b.copy_(take(f"{a}{n}_layernorm.bias").expand_as(b))
+        if s.qk_norm:
+            load_shared_qk_layer_norms(layer, take, a)

@@ -49,8 +49,13 @@ def load(model: CausalLM, take: Checkpoint) -> None:
         load_linear(layer.attn.o, take, a + "dense")
         load_linear(layer.mlp.fc, take, p + "mlp.fc1")
         load_linear(layer.mlp.proj, take, p + "mlp.fc2")
-        if model.shape.qk_norm:  # one norm for every head
-            attn = layer.attn
-            for n, w, b in (("q", attn.q_norm, attn.q_norm_bias), ("k", attn.k_norm, attn.k_norm_bias)):
-                w.copy_(take(f"{p}self_attn.{n}_layernorm.weight").expand_as(w))
-                b.copy_(take(f"{p}self_attn.{n}_layernorm.bias").expand_as(b))
+        if model.shape.qk_norm:
+            load_shared_qk_layer_norms(layer, take, a)
+
+
+def load_shared_qk_layer_norms(layer, take: Checkpoint, a: str) -> None:
+    """`{a}q_layernorm` and `{a}k_layernorm`: one LayerNorm (weight and bias) for every head."""
+    attn = layer.attn
+    for n, w, b in (("q", attn.q_norm, attn.q_norm_bias), ("k", attn.k_norm, attn.k_norm_bias)):
+        w.copy_(take(f"{a}{n}_layernorm.weight").expand_as(w))
+        b.copy_(take(f"{a}{n}_layernorm.bias").expand_as(b))
