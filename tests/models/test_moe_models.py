@@ -619,11 +619,11 @@ def test_retraction_re_prefills_to_transformers_tokens(moe_case):
 
 @pytest.mark.parametrize(
     "moe_case",
-    list({family: name for name, (family, _) in reversed(CONFIGS.items())}.values()),
+    list({family: name for name, (family, _) in reversed(CONFIGS.items()) if name in POOL_CHECKS}.values()),
     indirect=True,
 )
 def test_constraints_hold_and_both_loops_agree(moe_case):
-    """One config per family: the masks meet its logits."""
+    """One config per family but the later layout variants: the masks meet its logits."""
     check_constraints(moe_case[0])
 
 
