@@ -189,8 +189,11 @@ def experts_torch(
     out = torch.empty_like(xs)
     for e, start, n in groups.active():
         rows = slice(start, start + n)
-        b_gate_up, b_down = (None, None) if biases is None else (biases[0][e], biases[1][e])
-        out[rows] = F.linear(act(F.linear(xs[rows], w_gate_up[e], b_gate_up)), w_down[e], b_down)
+        if biases is None:
+            out[rows] = F.linear(act(F.linear(xs[rows], w_gate_up[e])), w_down[e])
+        else:
+            b_gate_up, b_down = biases[0][e], biases[1][e]
+            out[rows] = F.linear(act(F.linear(xs[rows], w_gate_up[e], b_gate_up)), w_down[e], b_down)
     out.mul_(weights.t().reshape(-1)[groups.order].unsqueeze(1).to(out.dtype))
     return torch.zeros_like(x).index_add_(0, token, out)
 

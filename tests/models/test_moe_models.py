@@ -1,10 +1,11 @@
-"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, Mellum 2, gpt-oss, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, two configs each).
+"""Mixtral, Qwen3-MoE, Qwen2-MoE (a gated shared expert), Granite MoE (an ungated one), OLMoE, FlexOlmo, HunYuan MoE, MiniMax-M2, K-EXAONE, HY V3, Mellum 2, gpt-oss, GLM-4.5, dots.llm1 and Solar Open (DeepSeek-V3's grouped sigmoid routing), ERNIE 4.5 MoE (a biased softmax choice), DeepSeek-V2/V3, GLM-4.7-Flash and Mistral 4 (multi-head latent attention) end to end against transformers (fp32, random-init, one or two configs each).
 
 Greedy tokens (32, ignore_eos, prompts of different lengths in one batch) equal transformers'
 `generate(do_sample=False)`, and input/output logprobs are within 1e-4 of its log_softmax: in the
 normal loop with whole prompts, in the overlap loop with prompts cut in chunks of 7 (mixed with
 the decodes), and in the overlap loop with whole prompts, where the same prompts again hit the
-prefix cache and give the same tokens and logprobs. (Three engines per config: the suite's time.)
+prefix cache and give the same tokens and logprobs; the later router and layout variants of a
+family (`LAYOUT_VARIANTS`) run the normal loop's check only. (The suite's time.)
 """
 
 from __future__ import annotations
@@ -584,15 +585,10 @@ def test_greedy_and_logprobs_match_transformers_whole_prompts_normal_loop(moe_ca
     _check_against_reference(_run(model_dir, loop="normal"), refs, lps)
 
 
-def test_chunks_of_7_in_overlap_loop_match_transformers(moe_case):
-    model_dir, refs, lps = moe_case
-    outs = _run(model_dir, loop="overlap", chunked_prefill_size=7, enable_mixed_chunk=True)
-    _check_against_reference(outs, refs, lps)
-
-
-# Retraction and prefix hits work the pool, the same whatever the experts or the layer around them:
-# they run on the first configs and on latent attention (its pool heads differ); the later variants
-# of a router or a layer layout run tokens, logprobs, chunks and constraints only (the suite's time).
+# Chunked overlap batches, retraction and prefix hits work the scheduler and the pool, the same
+# whatever the experts or the layer around them: they run on the first configs, on latent attention
+# and on sinks (their pool use differs); the later variants of a router or a layer layout run
+# tokens and logprobs, and constraints per family (the suite's time).
 LAYOUT_VARIANTS = (
     "deepseek_v2-lite",
     "glm4_moe_lite",
@@ -606,6 +602,13 @@ LAYOUT_VARIANTS = (
     "mellum",
 )
 POOL_CHECKS = [name for name in CONFIGS if name not in LAYOUT_VARIANTS]
+
+
+@pytest.mark.parametrize("moe_case", POOL_CHECKS, indirect=True)
+def test_chunks_of_7_in_overlap_loop_match_transformers(moe_case):
+    model_dir, refs, lps = moe_case
+    outs = _run(model_dir, loop="overlap", chunked_prefill_size=7, enable_mixed_chunk=True)
+    _check_against_reference(outs, refs, lps)
 
 
 @pytest.mark.parametrize("moe_case", POOL_CHECKS, indirect=True)
