@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from service.core.device import Device
-from service.core.feature import Feature, OverlapSupport
+from service.core.feature import Feature, FeatureContext, OverlapSupport
 from service.core.request import FinishReason, Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.prefix_cache import RadixCache
@@ -266,3 +266,19 @@ class PrefixCacheFeature(Feature):
 
     def active_for(self, req: "Req") -> bool:
         return False
+
+    def unavailable_reason(self, model: FeatureContext | None) -> str | None:
+        """A model with recurrent layers (Qwen3-Next's, Qwen3.5's Gated DeltaNet): a cached prefix's
+        K/V rows say nothing of those layers' states after it, so every prompt is computed whole."""
+        if model is None:
+            return None
+        from service.models.families import model_shape
+        from service.models.vision import text_config
+
+        shape = model_shape(text_config(model.hf_config))
+        if shape.linear_attention is None:
+            return None
+        return (
+            f"{shape.architecture}'s recurrent (linear-attention) layers keep a state per request, "
+            "not per token: a cached prefix cannot restore it"
+        )

@@ -37,7 +37,7 @@ from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.chunking import PrefillChunker
 from service.engine.cpu_threads import AdaptiveTeam, cpu_grant
 from service.engine.cuda_graph import build_decode_graphs
-from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
+from service.engine.kv_cache import ReqToTokenPool, SlotStates, TokenToKVPool
 from service.engine.model_worker import ModelWorker
 from service.engine.modules import builtin_features
 from service.engine.prefix_cache import CacheObserver
@@ -233,8 +233,16 @@ class Engine:
         self.features.bind(self.feature_context)
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
         dev = self.device.device
+        specs = shape.state_specs(self.dtype)
         self.kv_pool = TokenToKVPool(
-            kv_tokens, shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, dev
+            kv_tokens,
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.head_dim,
+            self.dtype,
+            dev,
+            kv_layers=shape.kv_layers,
+            states=SlotStates(args.max_running_requests, specs, dev) if any(specs) else None,
         )
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, dev)
         self.timeline = Timeline(keep_trace=bool(args.trace_file))
@@ -248,7 +256,13 @@ class Engine:
             self.device,
             cpu_team=AdaptiveTeam(self.cpu_threads) if self.cpu_threads and args.adapt_cpu_team else None,
         )
-        if self.device.is_cuda and self.attention_backend == "triton" and not args.disable_cuda_graph:
+        graphs_fit = self.kv_pool.states is None  # recurrent layers' states: no graphs (yet)
+        if (
+            self.device.is_cuda
+            and self.attention_backend == "triton"
+            and not args.disable_cuda_graph
+            and graphs_fit
+        ):
             max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
             self.worker.graphs = build_decode_graphs(
                 self.model, self.kv_pool, self.worker.attention, dev, max_bs, self.context_length
@@ -258,6 +272,10 @@ class Engine:
     def _prefix_cache(self) -> PrefixCacheManager | None:
         """On unless --disable-prefix-cache (or --disable-feature prefix_cache)."""
         if self.args.disable_prefix_cache or not self.features.enabled.get("prefix_cache", False):
+            return None
+        why = self.features.features["prefix_cache"].unavailable_reason(self.feature_context)
+        if why is not None:
+            log.info("prefix cache off: %s", why)
             return None
         return PrefixCacheManager(self.req_pool, self.kv_pool, self.device)
 
@@ -287,12 +305,14 @@ class Engine:
 
     def _kv_tokens_from_memory(self) -> int:
         s = self.model.shape
-        per_token = TokenToKVPool.bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
+        per_token = TokenToKVPool.bytes_per_token(sum(s.kv_layers), s.num_kv_heads, s.head_dim, self.dtype)
         if self.device.is_cuda:
             memory = torch.cuda.mem_get_info(self.device.device)[0]
         else:
             memory = _host_memory_bytes()
-        tokens = int(memory * self.args.kv_mem_fraction) // per_token
+        # recurrent layers' states, one set per request slot, come out of the same share
+        states = self.args.max_running_requests * SlotStates.bytes_per_slot(s.state_specs(self.dtype))
+        tokens = max(0, int(memory * self.args.kv_mem_fraction) - states) // per_token
         return max(1, min(tokens, self.args.max_running_requests * self.context_length))
 
     # ---- requests ------------------------------------------------------------------

@@ -8,11 +8,17 @@ TokenToKVPool holds the K/V tensors per layer on the device, and the free
 list of rows on the host. Row 0 of the pool is never handed out: padded
 gathers point at it. Both are edited on the scheduler thread only; the forward
 reads snapshots (ForwardBatch.kv_indices) and writes K/V rows it was given.
+SlotStates holds what a recurrent layer (Gated DeltaNet) carries instead of K/V rows: its states
+per request slot, read and written by the forward only, in launch order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+StateSpec = list[tuple[tuple[int, ...], torch.dtype]]  # per slot: each state's shape and dtype
 
 
 class ReqToTokenPool:
@@ -61,8 +67,32 @@ class ReqToTokenPool:
         return self.table[:, :length].index_select(0, slots)
 
 
+class SlotStates:
+    """Per layer (None where a layer keeps K/V rows), its states for every request slot; a state's
+    row of a slot is what the layer left after the slot's last token."""
+
+    def __init__(self, num_slots: int, specs: Sequence[StateSpec | None], device: torch.device | str = "cpu"):
+        self.layers: list[list[torch.Tensor] | None] = [
+            None
+            if spec is None
+            else [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in spec]
+            for spec in specs
+        ]
+
+    @staticmethod
+    def bytes_per_slot(specs: Sequence[StateSpec | None]) -> int:
+        return sum(
+            torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            for spec in specs
+            if spec is not None
+            for shape, dtype in spec
+        )
+
+
 class TokenToKVPool:
-    """K and V rows for `size` tokens in every layer, and their free list."""
+    """K and V rows for `size` tokens in every layer that attends (`kv_layers`; default all: the
+    others get empty tensors), their free list, and the recurrent layers' `states` where the model
+    has such layers."""
 
     def __init__(
         self,
@@ -72,12 +102,16 @@ class TokenToKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_layers: Sequence[bool] | None = None,
+        states: SlotStates | None = None,
     ):
         self.size = size
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        kv_layers = kv_layers or [True] * num_layers
+        self.k = [torch.zeros(shape if kv else (0,), dtype=dtype, device=self.device) for kv in kv_layers]
+        self.v = [torch.zeros(shape if kv else (0,), dtype=dtype, device=self.device) for kv in kv_layers]
+        self.states = states
         self._free = torch.arange(1, size + 1, dtype=torch.int64)  # host
         self._free_len = size
 

@@ -46,6 +46,7 @@ from service.models import (
     phi3,
     qwen2_moe,
     qwen3,
+    qwen3_5,
     qwen3_moe,
     smollm3,
     stablelm,
@@ -107,6 +108,7 @@ FAMILIES: dict[str, Family] = {
         gpt_oss,
         ernie4_5_moe,
         deepseek,
+        qwen3_5,
     )
     for arch in module.ARCHITECTURES
 }

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.core.forward_batch import ForwardBatch
+from service.models.gated_delta import GatedDeltaNet, GatedDeltaShape, RecurrentRows
 from service.models.linear import fast_twin, pack_linear
 from service.models.mla import LatentAttention, MLAShape
 from service.models.moe import MoEBlock, MoEShape
@@ -153,6 +154,12 @@ class ModelShape:
     moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
     mla: MLAShape | None = None  # multi-head latent attention (DeepSeek-V2/V3) instead of SelfAttention
+    # attention's output times sigmoid(gate(x)) before o, a gate value per q dim (Qwen3-Next, Qwen3.5)
+    attn_output_gate: bool = False
+    # Gated DeltaNet (gated_delta.py) instead of attention in the layers `linear_layers` marks: they
+    # keep states per request slot, not K/V rows (Qwen3-Next, Qwen3.5)
+    linear_attention: GatedDeltaShape | None = None
+    linear_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mlp_gated and self.activation not in ACTIVATIONS:
@@ -165,6 +172,22 @@ class ModelShape:
     @property
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    @property
+    def kv_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether it keeps K/V rows (every layer but the recurrent ones)."""
+        return tuple(not self.is_recurrent(i) for i in range(self.num_layers))
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    def state_specs(self, dtype: torch.dtype) -> list:
+        """Per layer, the shapes and dtypes of its per-slot states (None: a layer with K/V rows)."""
+        assert self.linear_attention is None or self.linear_layers
+        return [
+            self.linear_attention.state_shapes(dtype) if self.is_recurrent(i) else None  # type: ignore[union-attr]
+            for i in range(self.num_layers)
+        ]
 
 
 def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
@@ -270,6 +293,7 @@ class SelfAttention(nn.Module):
         q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.qkv = nn.Linear(s.hidden_size, q + 2 * kv, bias=s.qkv_bias)
         self.o = nn.Linear(q, s.hidden_size, bias=s.o_bias)
+        self.gate = nn.Linear(s.hidden_size, q, bias=False) if s.attn_output_gate else None
         if s.qk_norm and s.qk_layer_norm:
             self.q_norm = nn.Parameter(torch.ones(s.num_q_heads, s.head_dim))
             self.k_norm = nn.Parameter(torch.ones(s.num_kv_heads, s.head_dim))
@@ -302,7 +326,10 @@ class SelfAttention(nn.Module):
             q = scale_by_position(q, positions, *s.q_position_scale)
         if self.sinks is not None:
             return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale, sinks=self.sinks))
-        return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale))
+        out = attn.forward(q, k, v, k_cache, v_cache, meta, s.scale)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(x))
+        return self.o(out)
 
 
 class GatedMLP(nn.Module):
@@ -329,11 +356,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, s: ModelShape, index: int = 0):
         super().__init__()
         self.s = s
-        self.attn = (
-            SelfAttention(s)
-            if s.mla is None
-            else LatentAttention(s.mla, s.hidden_size, s.num_q_heads, s.norm_eps, s.scale, s.q_position_scale)
-        )
+        self.attn: nn.Module
+        if s.is_recurrent(index):
+            self.attn = GatedDeltaNet(s.linear_attention, s.hidden_size)  # type: ignore[arg-type]
+        elif s.mla is None:
+            self.attn = SelfAttention(s)
+        else:
+            self.attn = LatentAttention(
+                s.mla, s.hidden_size, s.num_q_heads, s.norm_eps, s.scale, s.q_position_scale
+            )
         self.mlp: nn.Module = (
             MoEBlock(s.moe)
             if s.moe is not None and s.moe_layers[index]
@@ -511,7 +542,12 @@ class CausalLM(nn.Module):
             positions = torch.arange(pos3.shape[1], device=pos3.device)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         delta = None
+        rows = RecurrentRows.of(fb) if s.linear_attention is not None else None
         for i, layer in enumerate(self.layers):
+            if s.is_recurrent(i):  # its slot states where other layers take their K/V and metadata
+                conv_state, state = kv_pool.states.layers[i]
+                h, delta = layer(h, delta, positions, None, None, conv_state, state, rows, attn)
+                continue
             key = s.layer_rope[i]
             if key not in tables:
                 cos, sin = self.rope[key]

@@ -943,6 +943,28 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             video_token_id=2001, vision_start_token_id=2002, vision_end_token_id=2003,
             **({} if moe else {"tie_word_embeddings": False}),
         )  # fmt: skip
+    elif kind in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5 is published so only: hybrid layers, M-RoPE
+        prefix = "Qwen3_5Moe" if kind == "qwen3_5_moe" else "Qwen3_5"
+        hybrid = dict(
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        )  # fmt: skip
+        experts = dict(
+            moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2
+        )
+        text_cfg = getattr(transformers, prefix + "TextConfig")(
+            **hybrid, **(experts if kind == "qwen3_5_moe" else {}), **text
+        )
+        vision = getattr(transformers, prefix + "VisionConfig")(
+            depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14, out_hidden_size=64,
+            num_position_embeddings=16,
+        )  # fmt: skip
+        cfg = getattr(transformers, prefix + "Config")(
+            text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), image_token_id=2000,
+            video_token_id=2001, vision_start_token_id=2002, vision_end_token_id=2003,
+        )  # fmt: skip
     elif kind == "idefics3":
         text_cfg = transformers.LlamaConfig(**text)
         vision = transformers.Idefics3VisionConfig(
@@ -998,10 +1020,21 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
 
 
 @pytest.mark.parametrize(
-    "kind", ["gemma3", "mistral3", "ministral3", "mistral4", "idefics3", "qwen3_vl", "qwen3_vl_moe"]
+    "kind",
+    [
+        "gemma3",
+        "mistral3",
+        "ministral3",
+        "mistral4",
+        "idefics3",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+    ],
 )
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
-    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3, Mistral Small 4, SmolVLM and Qwen3-VL are published as vision-language checkpoints only:
+    """Gemma-3 4B and up, Mistral-Small-3.1, Ministral 3, Mistral Small 4, SmolVLM, Qwen3-VL and Qwen3.5 are published as vision-language checkpoints only:
     their language model is served for text (greedy tokens equal transformers' on text prompts),
     and an image is refused naming why."""
     from service.core.request import RequestError

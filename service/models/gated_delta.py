@@ -1,0 +1,254 @@
+"""Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5, over packed batches.
+
+A layer keeps, per request slot, two states instead of K/V rows: the last `conv_kernel - 1` inputs
+of its short causal convolution (the model's dtype) and the recurrent state S [v_heads, k_dim, v_dim]
+(float32). Per token t, with q and k L2-normalised and q scaled by k_dim ** -0.5:
+
+    S = exp(g_t) S;  S += k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
+
+where beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias). A decode step runs that update
+for every request at once (`recurrent_step`); the tokens of an extend batch run chunk by chunk
+(`chunked_rule`: the updates of a chunk of 64 condensed into triangular solves and matmuls), each
+request from its own state, or from zeros where its prompt starts in this batch. The output is
+RMSNorm(o) * weight * silu(z) per head, then the out projection.
+
+The states live in the engine's `SlotStates` (service/engine/kv_cache.py), indexed by the
+request's slot; the forward reads and writes them in launch order, so the overlap loop needs
+nothing more. A prefix cache cannot serve such a model: a cached prefix's K/V rows say nothing of
+the state after it (the engine turns the prefix cache off for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.core.forward_batch import ForwardBatch, ForwardMode
+
+CHUNK = 64  # tokens per chunk of the chunked rule
+
+
+@dataclass(frozen=True)
+class GatedDeltaShape:
+    """The numbers of a Gated DeltaNet layer (transformers' `linear_*` config fields)."""
+
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: each q/k head serves that many v heads
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    norm_eps: float
+
+    @property
+    def key_size(self) -> int:
+        return self.num_k_heads * self.k_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_v_heads * self.v_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per slot: the convolution's last inputs (model dtype), the recurrent state (float32)."""
+        return [
+            ((self.conv_kernel - 1, self.conv_channels), dtype),
+            ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
+        ]
+
+
+def gated_delta_shape(config) -> GatedDeltaShape:
+    return GatedDeltaShape(
+        num_k_heads=config.linear_num_key_heads,
+        num_v_heads=config.linear_num_value_heads,
+        k_dim=config.linear_key_head_dim,
+        v_dim=config.linear_value_head_dim,
+        conv_kernel=config.linear_conv_kernel_dim,
+        norm_eps=config.rms_norm_eps,
+    )
+
+
+@dataclass
+class RecurrentRows:
+    """Which slot's states each request of a batch reads and writes, and (an extend batch) where its
+    tokens are: built once per forward. Requests' tokens are laid out right-padded [bs, L]:
+    `packed` gives each padded position's packed row (a valid one for padding too), `valid` which
+    positions are real; `fresh` marks the requests whose prompt starts in this batch (their states
+    start from zeros)."""
+
+    slots: torch.Tensor  # [bs] int64
+    lens: torch.Tensor | None = None  # [bs] int64; None: a decode batch, one token each
+    packed: torch.Tensor | None = None  # [bs, L] int64
+    valid: torch.Tensor | None = None  # [bs, L] bool
+    fresh: torch.Tensor | None = None  # [bs] bool
+
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> RecurrentRows:
+        slots = fb.sampling.req_slots
+        if fb.mode is ForwardMode.DECODE:
+            return cls(slots)
+        assert fb.extend_lens is not None and fb.extend_prefix_lens_cpu is not None
+        lens = torch.tensor(fb.extend_lens)
+        starts = torch.cumsum(lens, 0) - lens
+        t = torch.arange(int(lens.max()))
+        valid = t.unsqueeze(0) < lens.unsqueeze(1)
+        packed = (starts.unsqueeze(1) + t).clamp(max=int(lens.sum()) - 1)
+        fresh = torch.tensor([p == 0 for p in fb.extend_prefix_lens_cpu])
+        lens, packed, valid, fresh = (x.to(slots.device) for x in (lens, packed, valid, fresh))
+        return cls(slots, lens, packed, valid, fresh)
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row. q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H] (float32), state [B, H, Dk, Dv]
+    -> (o [B, H, Dv], the new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
+    state = state + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def chunked_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several tokens per row, right-padded to L. q, k [B, H, L, Dk], v [B, H, L, Dv], g, beta
+    [B, H, L] (float32; padding has g = 0, beta = 0, which leaves the state as it was), state
+    [B, H, Dk, Dv] -> (o [B, H, L, Dv], the state after the last token).
+
+    Within a chunk, with G the cumulative log decay and D[i, j] = exp(G_i - G_j) for j <= i, the
+    chunk's corrected values U = (I + A)^-1 (beta v) and decayed keys W = (I + A)^-1 (beta k e^G),
+    A = strictly_lower((beta k) k^T * D), turn the chunk's sequential updates into
+    V' = U - W S,  o = (q e^G) S + ((q k^T) * D) V',  S <- e^G_last S + (k e^(G_last - G))^T V'."""
+    b, h, n, dk = k.shape
+    pad = (-n) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    m = (n + pad) // chunk
+    q, k, v = (x.reshape(b, h, m, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(b, h, m, chunk), beta.reshape(b, h, m, chunk)
+    cum = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_decayed = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(u)
+    for i in range(m):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + inner[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
+    return out.reshape(b, h, m * chunk, -1)[:, :, :n], state
+
+
+class GatedDeltaNet(nn.Module):
+    """in projections -> short causal conv (SiLU) -> gated delta rule per slot -> gated RMSNorm -> out.
+
+    `in_proj` fuses q, k, v (the conv's channels, in that order) and z; `in_ba` fuses b and a."""
+
+    float32_parameters = ("A_log", "dt_bias")
+
+    def __init__(self, s: GatedDeltaShape, hidden_size: int):
+        super().__init__()
+        self.s = s
+        self.in_proj = nn.Linear(hidden_size, s.conv_channels + s.value_size, bias=False)
+        self.in_ba = nn.Linear(hidden_size, 2 * s.num_v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(s.conv_channels, s.conv_kernel))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
+        self.norm = nn.Parameter(torch.ones(s.v_dim))
+        self.out = nn.Linear(s.value_size, hidden_size, bias=False)
+
+    def forward(self, x, positions, cos, sin, conv_state, state, rows: RecurrentRows, attn) -> torch.Tensor:
+        s = self.s
+        mixed, z = self.in_proj(x).split([s.conv_channels, s.value_size], dim=-1)
+        b, a = self.in_ba(x).float().chunk(2, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        if rows.lens is None:
+            mixed = self._conv_step(mixed, conv_state, rows.slots)
+            q, k, v = self._heads(mixed)
+            o, new = recurrent_step(q, k, v, g, beta, state.index_select(0, rows.slots))
+            state.index_copy_(0, rows.slots, new)
+        else:
+            o = self._extend(mixed, g, beta, conv_state, state, rows)
+        return self.out(self._gated_norm(o, z))
+
+    def _heads(self, mixed: torch.Tensor):
+        """[.., conv_channels] -> q, k [.., Hv, Dk] (float32, normalised, q scaled), v [.., Hv, Dv]."""
+        s = self.s
+        q, k, v = mixed.float().split([s.key_size, s.key_size, s.value_size], dim=-1)
+        q = q.unflatten(-1, (s.num_k_heads, s.k_dim))
+        k = k.unflatten(-1, (s.num_k_heads, s.k_dim))
+        group = s.num_v_heads // s.num_k_heads
+        if group > 1:
+            q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
+        q = l2_normalise(q) * s.k_dim**-0.5
+        return q, l2_normalise(k), v.unflatten(-1, (s.num_v_heads, s.v_dim))
+
+    def _conv_step(self, mixed: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One new input per row: the window (state, input) through the conv, the state moved on."""
+        window = torch.cat([conv_state.index_select(0, slots), mixed.unsqueeze(1)], dim=1)  # [B, K, C]
+        conv_state.index_copy_(0, slots, window[:, 1:])
+        out = (window.float() * self.conv_weight.float().t()).sum(1)
+        return F.silu(out).to(mixed.dtype)
+
+    def _extend(self, mixed, g, beta, conv_state, state, rows: RecurrentRows) -> torch.Tensor:
+        """Each request's new tokens from its slot's states (zeros where fresh), right-padded and run
+        together; the states written back."""
+        s = self.s
+        packed, valid = rows.packed, rows.valid
+        keep = ~rows.fresh.view(-1, 1, 1)
+        window = torch.cat(  # [bs, K-1+L, C]: each request's last inputs, then its new ones
+            [conv_state.index_select(0, rows.slots) * keep, mixed[packed] * valid.unsqueeze(-1)], dim=1
+        )
+        last = rows.lens.view(-1, 1, 1) + torch.arange(s.conv_kernel - 1, device=mixed.device).view(1, -1, 1)
+        conv_state.index_copy_(0, rows.slots, window.gather(1, last.expand(-1, -1, window.shape[-1])))
+        conv = F.conv1d(
+            window.float().transpose(1, 2), self.conv_weight.float().unsqueeze(1), groups=s.conv_channels
+        )
+        q, k, v = self._heads(F.silu(conv).to(mixed.dtype).transpose(1, 2))  # [bs, L, H, D]
+        g, beta = (x[packed] * valid.unsqueeze(-1) for x in (g, beta))  # padding: no decay, no update
+        o, new = chunked_rule(
+            *(x.transpose(1, 2) for x in (q, k, v, g, beta)),
+            state.index_select(0, rows.slots) * keep.unsqueeze(-1),
+        )
+        state.index_copy_(0, rows.slots, new)
+        return o.transpose(1, 2)[valid]  # [T, Hv, Dv], packed order
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head's output, times the weight, times silu(z); [T, Hv * Dv]."""
+        s = self.s
+        dtype = z.dtype
+        o = o.reshape(-1, s.num_v_heads, s.v_dim)
+        normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + s.norm_eps)).to(dtype) * self.norm
+        gate = F.silu(z.float()).view(-1, s.num_v_heads, s.v_dim)
+        return (normed * gate).to(dtype).flatten(1)
