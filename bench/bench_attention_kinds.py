@@ -28,7 +28,7 @@ def run(model_dir: Path, dtype: str, requests: int, prompt: int, new: int) -> tu
     from service.core.request import SamplingParams
     from service.engine.engine import SyncClient
 
-    client = SyncClient(ServerArgs(dtype=dtype, kv_cache_tokens=16384), model_dir)
+    client = SyncClient(ServerArgs(dtype=dtype, kv_cache_tokens=16384, disable_prefix_cache=True), model_dir)
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(5, 40000, (prompt,), generator=g).tolist() for _ in range(requests)]

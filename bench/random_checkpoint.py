@@ -44,6 +44,12 @@ SHAPES = {  # name: (transformers config class, the real model's layer shapes)
         dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16),
     ),
     "bloom-560m": ("BloomConfig", dict(hidden_size=1024, num_attention_heads=16)),
+    "qwen3.5-0.8b": (  # Gated DeltaNet in three layers of four, gated attention in the fourth
+        "Qwen3_5TextConfig",
+        dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+             linear_value_head_dim=128, tie_word_embeddings=True),
+    ),
     "youtu-1024": (  # DeepSeek-V3's latent attention (V2-Lite's head dims) on dense layers
         "YoutuConfig",
         dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16,

@@ -268,7 +268,7 @@ class PrefixCacheFeature(Feature):
         return False
 
     def unavailable_reason(self, model: FeatureContext | None) -> str | None:
-        """A model with recurrent layers (Qwen3-Next's, Qwen3.5's Gated DeltaNet): a cached prefix's
+        """A model with recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's conv): a cached prefix's
         K/V rows say nothing of those layers' states after it, so every prompt is computed whole."""
         if model is None:
             return None
@@ -276,9 +276,9 @@ class PrefixCacheFeature(Feature):
         from service.models.vision import text_config
 
         shape = model_shape(text_config(model.hf_config))
-        if shape.linear_attention is None:
+        if shape.recurrent is None:
             return None
         return (
-            f"{shape.architecture}'s recurrent (linear-attention) layers keep a state per request, "
-            "not per token: a cached prefix cannot restore it"
+            f"{shape.architecture}'s recurrent layers keep a state per request, not per token: "
+            "a cached prefix cannot restore it"
         )

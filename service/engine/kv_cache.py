@@ -8,8 +8,8 @@ TokenToKVPool holds the K/V tensors per layer on the device, and the free
 list of rows on the host. Row 0 of the pool is never handed out: padded
 gathers point at it. Both are edited on the scheduler thread only; the forward
 reads snapshots (ForwardBatch.kv_indices) and writes K/V rows it was given.
-SlotStates holds what a recurrent layer (Gated DeltaNet) carries instead of K/V rows: its states
-per request slot, read and written by the forward only, in launch order.
+SlotStates holds what a recurrent layer (service/models/recurrent.py) carries instead of K/V rows:
+its states per request slot, read and written by the forward only, in launch order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-StateSpec = list[tuple[tuple[int, ...], torch.dtype]]  # per slot: each state's shape and dtype
+from service.models.recurrent import StateSpec
 
 
 class ReqToTokenPool:

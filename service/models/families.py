@@ -30,6 +30,7 @@ from service.models import (
     hy_v3,
     hyperclovax,
     jais2,
+    lfm2,
     llama,
     minicpm3,
     minimax_m2,
@@ -109,6 +110,7 @@ FAMILIES: dict[str, Family] = {
         ernie4_5_moe,
         deepseek,
         qwen3_5,
+        lfm2,
     )
     for arch in module.ARCHITECTURES
 }

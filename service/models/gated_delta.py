@@ -12,10 +12,8 @@ for every request at once (`recurrent_step`); the tokens of an extend batch run 
 request from its own state, or from zeros where its prompt starts in this batch. The output is
 RMSNorm(o) * weight * silu(z) per head, then the out projection.
 
-The states live in the engine's `SlotStates` (service/engine/kv_cache.py), indexed by the
-request's slot; the forward reads and writes them in launch order, so the overlap loop needs
-nothing more. A prefix cache cannot serve such a model: a cached prefix's K/V rows say nothing of
-the state after it (the engine turns the prefix cache off for it).
+The states live in the engine's `SlotStates`, indexed by the request's slot (recurrent.py says how
+they get along with the loops and why a prefix cache cannot serve such a model).
 """
 
 from __future__ import annotations
@@ -26,7 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.core.forward_batch import ForwardBatch, ForwardMode
+from service.models.recurrent import (
+    ChunkRows,
+    RecurrentRows,
+    StateSpec,
+    StepRows,
+    conv_extend,
+    conv_step,
+    read_states,
+)
 
 CHUNK = 64  # tokens per chunk of the chunked rule
 
@@ -54,12 +60,15 @@ class GatedDeltaShape:
     def conv_channels(self) -> int:
         return 2 * self.key_size + self.value_size
 
-    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def state_shapes(self, dtype: torch.dtype) -> StateSpec:
         """Per slot: the convolution's last inputs (model dtype), the recurrent state (float32)."""
         return [
             ((self.conv_kernel - 1, self.conv_channels), dtype),
             ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
         ]
+
+    def build(self, hidden_size: int) -> GatedDeltaNet:
+        return GatedDeltaNet(self, hidden_size)
 
 
 def gated_delta_shape(config) -> GatedDeltaShape:
@@ -71,36 +80,6 @@ def gated_delta_shape(config) -> GatedDeltaShape:
         conv_kernel=config.linear_conv_kernel_dim,
         norm_eps=config.rms_norm_eps,
     )
-
-
-@dataclass
-class RecurrentRows:
-    """Which slot's states each request of a batch reads and writes, and (an extend batch) where its
-    tokens are: built once per forward. Requests' tokens are laid out right-padded [bs, L]:
-    `packed` gives each padded position's packed row (a valid one for padding too), `valid` which
-    positions are real; `fresh` marks the requests whose prompt starts in this batch (their states
-    start from zeros)."""
-
-    slots: torch.Tensor  # [bs] int64
-    lens: torch.Tensor | None = None  # [bs] int64; None: a decode batch, one token each
-    packed: torch.Tensor | None = None  # [bs, L] int64
-    valid: torch.Tensor | None = None  # [bs, L] bool
-    fresh: torch.Tensor | None = None  # [bs] bool
-
-    @classmethod
-    def of(cls, fb: ForwardBatch) -> RecurrentRows:
-        slots = fb.sampling.req_slots
-        if fb.mode is ForwardMode.DECODE:
-            return cls(slots)
-        assert fb.extend_lens is not None and fb.extend_prefix_lens_cpu is not None
-        lens = torch.tensor(fb.extend_lens)
-        starts = torch.cumsum(lens, 0) - lens
-        t = torch.arange(int(lens.max()))
-        valid = t.unsqueeze(0) < lens.unsqueeze(1)
-        packed = (starts.unsqueeze(1) + t).clamp(max=int(lens.sum()) - 1)
-        fresh = torch.tensor([p == 0 for p in fb.extend_prefix_lens_cpu])
-        lens, packed, valid, fresh = (x.to(slots.device) for x in (lens, packed, valid, fresh))
-        return cls(slots, lens, packed, valid, fresh)
 
 
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -153,9 +132,9 @@ def chunked_rule(
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
     k_beta = k * beta.unsqueeze(-1)
     system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=q.device)
-    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [v.shape[-1], dk], -1
     )
     inner = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp().unsqueeze(-1)
@@ -187,20 +166,32 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Parameter(torch.ones(s.v_dim))
         self.out = nn.Linear(s.value_size, hidden_size, bias=False)
 
-    def forward(self, x, positions, cos, sin, conv_state, state, rows: RecurrentRows, attn) -> torch.Tensor:
+    def forward(self, x, positions, cos, sin, states, unused, rows: RecurrentRows, attn) -> torch.Tensor:
         s = self.s
+        conv_state, state = states
         mixed, z = self.in_proj(x).split([s.conv_channels, s.value_size], dim=-1)
         b, a = self.in_ba(x).float().chunk(2, dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        if rows.lens is None:
-            mixed = self._conv_step(mixed, conv_state, rows.slots)
-            q, k, v = self._heads(mixed)
-            o, new = recurrent_step(q, k, v, g, beta, state.index_select(0, rows.slots))
-            state.index_copy_(0, rows.slots, new)
+        steps, chunks = rows.steps, rows.chunks
+        if chunks is None and steps is not None and steps.rows is None:  # a decode batch
+            o = self._step(mixed, g, beta, conv_state, state, steps)
         else:
-            o = self._extend(mixed, g, beta, conv_state, state, rows)
+            o = x.new_empty(x.shape[0], s.num_v_heads, s.v_dim, dtype=torch.float32)
+            if steps is not None:
+                i = steps.rows
+                o[i] = self._step(mixed[i], g[i], beta[i], conv_state, state, steps)
+            if chunks is not None:
+                o[chunks.rows] = self._chunks(mixed, g, beta, conv_state, state, chunks)
         return self.out(self._gated_norm(o, z))
+
+    def _step(self, mixed, g, beta, conv_state, state, rows: StepRows) -> torch.Tensor:
+        """One token per request: the conv and the rule a step on from each slot's states."""
+        conv = conv_step(mixed, conv_state, self.conv_weight, None, rows)
+        q, k, v = self._heads(F.silu(conv).to(mixed.dtype))
+        o, new = recurrent_step(q, k, v, g, beta, read_states(state, rows.slots, rows.keep))
+        state.index_copy_(0, rows.slots, new)
+        return o
 
     def _heads(self, mixed: torch.Tensor):
         """[.., conv_channels] -> q, k [.., Hv, Dk] (float32, normalised, q scaled), v [.., Hv, Dv]."""
@@ -214,35 +205,18 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalise(q) * s.k_dim**-0.5
         return q, l2_normalise(k), v.unflatten(-1, (s.num_v_heads, s.v_dim))
 
-    def _conv_step(self, mixed: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One new input per row: the window (state, input) through the conv, the state moved on."""
-        window = torch.cat([conv_state.index_select(0, slots), mixed.unsqueeze(1)], dim=1)  # [B, K, C]
-        conv_state.index_copy_(0, slots, window[:, 1:])
-        out = (window.float() * self.conv_weight.float().t()).sum(1)
-        return F.silu(out).to(mixed.dtype)
-
-    def _extend(self, mixed, g, beta, conv_state, state, rows: RecurrentRows) -> torch.Tensor:
-        """Each request's new tokens from its slot's states (zeros where fresh), right-padded and run
-        together; the states written back."""
-        s = self.s
-        packed, valid = rows.packed, rows.valid
-        keep = ~rows.fresh.view(-1, 1, 1)
-        window = torch.cat(  # [bs, K-1+L, C]: each request's last inputs, then its new ones
-            [conv_state.index_select(0, rows.slots) * keep, mixed[packed] * valid.unsqueeze(-1)], dim=1
-        )
-        last = rows.lens.view(-1, 1, 1) + torch.arange(s.conv_kernel - 1, device=mixed.device).view(1, -1, 1)
-        conv_state.index_copy_(0, rows.slots, window.gather(1, last.expand(-1, -1, window.shape[-1])))
-        conv = F.conv1d(
-            window.float().transpose(1, 2), self.conv_weight.float().unsqueeze(1), groups=s.conv_channels
-        )
-        q, k, v = self._heads(F.silu(conv).to(mixed.dtype).transpose(1, 2))  # [bs, L, H, D]
-        g, beta = (x[packed] * valid.unsqueeze(-1) for x in (g, beta))  # padding: no decay, no update
+    def _chunks(self, mixed, g, beta, conv_state, state, rows: ChunkRows) -> torch.Tensor:
+        """Several tokens per request, from each slot's states (zeros where it starts afresh),
+        right-padded and run together; the states written back. [tokens, Hv, Dv] in packed order."""
+        conv = conv_extend(mixed, conv_state, self.conv_weight, None, rows)
+        q, k, v = self._heads(F.silu(conv).to(mixed.dtype))  # [m, L, H, D]
+        valid = rows.valid.unsqueeze(-1)
+        g, beta = (x[rows.packed] * valid for x in (g, beta))  # padding: no decay, no update
         o, new = chunked_rule(
-            *(x.transpose(1, 2) for x in (q, k, v, g, beta)),
-            state.index_select(0, rows.slots) * keep.unsqueeze(-1),
+            *(x.transpose(1, 2) for x in (q, k, v, g, beta)), read_states(state, rows.slots, rows.keep)
         )
         state.index_copy_(0, rows.slots, new)
-        return o.transpose(1, 2)[valid]  # [T, Hv, Dv], packed order
+        return o.transpose(1, 2)[rows.valid]
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head's output, times the weight, times silu(z); [T, Hv * Dv]."""

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.core.forward_batch import ForwardBatch
-from service.models.gated_delta import GatedDeltaNet, GatedDeltaShape, RecurrentRows
 from service.models.linear import fast_twin, pack_linear
 from service.models.mla import LatentAttention, MLAShape
 from service.models.moe import MoEBlock, MoEShape
@@ -45,6 +44,7 @@ from service.models.ops import (
     soft_cap,
     split_qkv_rope,
 )
+from service.models.recurrent import RecurrentMixer, RecurrentRows
 from service.models.rope import DEFAULT_LAYER, mrope_cos_sin, mrope_section, rope_table, rotary_dim
 
 ACTIVATIONS = {
@@ -156,10 +156,10 @@ class ModelShape:
     mla: MLAShape | None = None  # multi-head latent attention (DeepSeek-V2/V3) instead of SelfAttention
     # attention's output times sigmoid(gate(x)) before o, a gate value per q dim (Qwen3-Next, Qwen3.5)
     attn_output_gate: bool = False
-    # Gated DeltaNet (gated_delta.py) instead of attention in the layers `linear_layers` marks: they
-    # keep states per request slot, not K/V rows (Qwen3-Next, Qwen3.5)
-    linear_attention: GatedDeltaShape | None = None
-    linear_layers: tuple[bool, ...] = ()
+    # a recurrent layer (recurrent.py) instead of attention in the layers `recurrent_layers` marks,
+    # with states per request slot, not K/V rows: Gated DeltaNet (Qwen3-Next, Qwen3.5), LFM2's conv
+    recurrent: RecurrentMixer | None = None
+    recurrent_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mlp_gated and self.activation not in ACTIVATIONS:
@@ -179,13 +179,13 @@ class ModelShape:
         return tuple(not self.is_recurrent(i) for i in range(self.num_layers))
 
     def is_recurrent(self, layer: int) -> bool:
-        return bool(self.linear_layers) and self.linear_layers[layer]
+        return bool(self.recurrent_layers) and self.recurrent_layers[layer]
 
     def state_specs(self, dtype: torch.dtype) -> list:
         """Per layer, the shapes and dtypes of its per-slot states (None: a layer with K/V rows)."""
-        assert self.linear_attention is None or self.linear_layers
+        assert self.recurrent is None or self.recurrent_layers
         return [
-            self.linear_attention.state_shapes(dtype) if self.is_recurrent(i) else None  # type: ignore[union-attr]
+            self.recurrent.state_shapes(dtype) if self.is_recurrent(i) else None  # type: ignore[union-attr]
             for i in range(self.num_layers)
         ]
 
@@ -358,7 +358,7 @@ class DecoderLayer(nn.Module):
         self.s = s
         self.attn: nn.Module
         if s.is_recurrent(index):
-            self.attn = GatedDeltaNet(s.linear_attention, s.hidden_size)  # type: ignore[arg-type]
+            self.attn = s.recurrent.build(s.hidden_size)  # type: ignore[union-attr]
         elif s.mla is None:
             self.attn = SelfAttention(s)
         else:
@@ -542,11 +542,10 @@ class CausalLM(nn.Module):
             positions = torch.arange(pos3.shape[1], device=pos3.device)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         delta = None
-        rows = RecurrentRows.of(fb) if s.linear_attention is not None else None
+        rows = RecurrentRows.of(fb) if s.recurrent is not None else None
         for i, layer in enumerate(self.layers):
             if s.is_recurrent(i):  # its slot states where other layers take their K/V and metadata
-                conv_state, state = kv_pool.states.layers[i]
-                h, delta = layer(h, delta, positions, None, None, conv_state, state, rows, attn)
+                h, delta = layer(h, delta, positions, None, None, kv_pool.states.layers[i], None, rows, attn)
                 continue
             key = s.layer_rope[i]
             if key not in tables:

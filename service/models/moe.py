@@ -70,7 +70,8 @@ class BiasedRouting:
     n_group: int = 1
     topk_group: int = 1
     scale: float = 1.0  # routed_scaling_factor
-    norm_floor: float | None = None  # renormalised w / max(sum, floor) (ERNIE); None: w / (sum + 1e-20)
+    norm_floor: float | None = None  # renormalised w / max(sum, floor) (ERNIE); None: w / (sum + norm_eps)
+    norm_eps: float = 1e-20  # LFM2-MoE's 1e-6: it matters where the bias chose experts of tiny scores
     correction: bool = True  # a per-expert bias on the scores the choice is made on (False: DeepSeek-V2)
     group_rank: str = "top2"  # a group's rank: the sum of its two best scores, or "max": its best
 
@@ -144,7 +145,7 @@ def route_biased(
     weights = scores.gather(1, ids)
     if renormalize:
         total = weights.sum(dim=-1, keepdim=True)
-        weights = weights / (total + 1e-20 if r.norm_floor is None else total.clamp(min=r.norm_floor))
+        weights = weights / (total + r.norm_eps if r.norm_floor is None else total.clamp(min=r.norm_floor))
     return weights * r.scale, ids
 
 

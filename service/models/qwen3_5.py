@@ -51,8 +51,8 @@ def shape(config) -> ModelShape:
         qkv_bias=bias,
         o_bias=bias,
         attn_output_gate=True,
-        linear_attention=gated_delta_shape(config),
-        linear_layers=tuple(t == "linear_attention" for t in types),
+        recurrent=gated_delta_shape(config),
+        recurrent_layers=tuple(t == "linear_attention" for t in types),
     )
     if arch == "Qwen3_5ForCausalLM":
         return s

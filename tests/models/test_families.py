@@ -965,6 +965,18 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
             text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), image_token_id=2000,
             video_token_id=2001, vision_start_token_id=2002, vision_end_token_id=2003,
         )  # fmt: skip
+    elif kind == "lfm2_vl":  # LFM2-VL: LFM2's short convolutions and attention
+        text_cfg = transformers.Lfm2Config(
+            layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5, conv_bias=False, **text
+        )
+        vision = transformers.Siglip2VisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+            num_patches=16,
+        )  # fmt: skip
+        cfg = transformers.Lfm2VlConfig(
+            text_config=text_cfg.to_dict(), vision_config=vision.to_dict(), image_token_id=2000,
+            projector_hidden_size=32,
+        )  # fmt: skip
     elif kind == "idefics3":
         text_cfg = transformers.LlamaConfig(**text)
         vision = transformers.Idefics3VisionConfig(
@@ -1031,6 +1043,7 @@ def vision_language_checkpoint(kind: str, smol: Path, out: Path):
         "qwen3_vl_moe",
         "qwen3_5",
         "qwen3_5_moe",
+        "lfm2_vl",
     ],
 )
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, smol_dir, tmp_path):
