@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from service.models import (
     apertus,
+    bamba,
     bloom,
     cohere,
     deepseek,
@@ -111,6 +112,7 @@ FAMILIES: dict[str, Family] = {
         deepseek,
         qwen3_5,
         lfm2,
+        bamba,
     )
     for arch in module.ARCHITECTURES
 }

@@ -2,11 +2,13 @@
 multipliers (`granite.py`) with routed experts in every layer: top `num_experts_per_tok` of
 `num_local_experts`, softmax over the chosen ones (the renormalised softmax, `moe.py`), experts
 of `intermediate_size`; the Shared variant adds a shared expert of `shared_intermediate_size`
-to their sum, without a gate. Granite 4.0's hybrid architecture is served where every layer is
-attention (`layer_types`, Granite-4.0-Micro): rotary where `position_embedding_type` is "rope",
-none otherwise, and with no experts (`num_local_experts` 0) the shared MLP alone, gated.
+to their sum, without a gate. Granite 4.0's hybrid architecture (GraniteMoeHybrid): Mamba-2 layers
+(`mamba2.py`) and attention as `layer_types` says (Granite-4.0-H; Granite-4.0-Micro has attention
+in every layer), rotary where `position_embedding_type` is "rope", none otherwise, and with no
+experts (`num_local_experts` 0) the shared MLP alone, gated.
 
-Checkpoint: as published, `block_sparse_moe.router.layer`, `block_sparse_moe.input_linear`
+Checkpoint: the Mamba layers under `mamba.` (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`,
+`out_proj`); as published, `block_sparse_moe.router.layer`, `block_sparse_moe.input_linear`
 ([E, 2I, H]: gate then up) and `output_linear` ([E, H, I]), `shared_mlp.input_linear` /
 `output_linear`; transformers' in-memory names (`router.weight`, `experts.gate_up_proj`,
 `experts.down_proj`) too."""
@@ -25,6 +27,7 @@ from service.models.layers import (
     load_common,
     load_split_attention,
 )
+from service.models.mamba2 import load_mamba2, mamba2_shape
 from service.models.rope import NO_ROPE
 
 ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM")
@@ -41,17 +44,23 @@ def shape(config) -> ModelShape:
     return dataclasses.replace(granite.shape(config), moe=moe, moe_layers=(True,) * config.num_hidden_layers)
 
 
+MAMBA = ("mamba", "linear_attention")  # the published name, and transformers'
+ATTENTION = ("attention", "full_attention")
+
+
 def hybrid_shape(config) -> ModelShape:
-    """Granite 4.0's layout with attention in every layer (its Mamba layers are not served)."""
-    others = sorted({t for t in config.layer_types if t not in ("attention", "full_attention")})
-    if others:  # transformers names the Mamba layers `linear_attention`
-        raise UnsupportedModel(
-            f"GraniteMoeHybridForCausalLM: Mamba layers ({', '.join(others)}) are not served; "
-            "configs with attention in every layer are"
-        )
+    """Granite 4.0's layout: Mamba-2 layers (mamba2.py) and attention as `layer_types` says."""
+    types = list(config.layer_types)
+    others = sorted(set(types) - set(MAMBA) - set(ATTENTION))
+    if others:
+        raise UnsupportedModel(f"GraniteMoeHybridForCausalLM: layer types {', '.join(others)} are not served")
     s = granite.shape(config)
     if config.position_embedding_type != "rope":
         s = dataclasses.replace(s, layer_rope=(NO_ROPE,) * s.num_layers)
+    if any(t in MAMBA for t in types):
+        s = dataclasses.replace(
+            s, recurrent=mamba2_shape(config), recurrent_layers=tuple(t in MAMBA for t in types)
+        )
     if not config.num_local_experts:  # the shared MLP alone: a gated MLP of its size
         return dataclasses.replace(s, intermediate_size=config.shared_intermediate_size)
     moe = dataclasses.replace(
@@ -67,7 +76,10 @@ def load(model: CausalLM, take: Checkpoint) -> None:
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q = p + "block_sparse_moe."
-        load_split_attention(layer, take, p)
+        if model.shape.is_recurrent(i):
+            load_mamba2(layer.attn, take, p + "mamba.")
+        else:
+            load_split_attention(layer, take, p)
         layer.input_norm.copy_(take(p + "input_layernorm.weight"))
         layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
         if model.shape.moe is None:  # Granite 4.0 without experts: the shared MLP alone

@@ -758,11 +758,11 @@ REFUSED_SHAPES = {  # a served config with these fields: what the refusal says (
         {"hidden_act": "xielu"},
         "a gated MLP with 'xielu'",
     ),
-    "granite4-mamba": (
+    "granite4-sliding": (
         "granite4-attention-only-dense",
         "GraniteMoeHybridForCausalLM",
-        {"layer_types": ["mamba", "attention"]},
-        r"Mamba layers \(linear_attention\) are not served",
+        {"layer_types": ["mamba", "sliding_attention"]},
+        r"layer types sliding_attention are not served",
     ),
     "falcon-alibi": ("falcon-sequential-mha", "FalconForCausalLM", {"alibi": True}, "ALiBi"),
     "bloom-residual-after-the-norm": (

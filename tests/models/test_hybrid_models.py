@@ -83,6 +83,62 @@ CONFIGS = {
             tie_word_embeddings=False,
         ),
     ),  # fmt: skip
+    # Granite 4.0-H: Mamba-2 (8 heads of 16 in 2 groups, d_state 16, conv biases) beside NoPE attention,
+    # Granite's multipliers, the shared MLP alone
+    "granite4_h": (
+        "GraniteMoeHybridConfig",
+        dict(
+            intermediate_size=96,
+            shared_intermediate_size=80,
+            num_local_experts=0,
+            position_embedding_type="nope",
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_expand=2,
+            mamba_d_conv=4,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.03,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+        ),
+    ),  # fmt: skip
+    # ... with routed experts beside the shared MLP, rotary, one group, projection biases
+    "granite4_h_moe": (
+        "GraniteMoeHybridConfig",
+        dict(
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            position_embedding_type="rope",
+            layer_types=["attention", "mamba", "mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_n_groups=1,
+            mamba_d_state=24,
+            mamba_expand=1,
+            mamba_proj_bias=True,
+            embedding_multiplier=6.0,
+            attention_multiplier=0.05,
+            residual_multiplier=0.3,
+            logits_scaling=4.0,
+        ),
+    ),  # fmt: skip
+    # Bamba: Mamba-2 and attention with rotary on half of each head, MLP biases
+    "bamba": (
+        "BambaConfig",
+        dict(
+            intermediate_size=96,
+            attn_layer_indices=[2],
+            mamba_n_heads=8,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_expand=2,
+            layer_types=None,  # Bamba's come from attn_layer_indices
+            mlp_bias=True,
+        ),
+    ),  # fmt: skip
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
@@ -101,18 +157,18 @@ CONFIGS = {
 
 
 def perturb(model) -> None:
-    """Routers sharp enough that the choice of experts matters; norms off 1 (LFM2's plain ones) or
-    off 0 (Qwen's zero-centred ones); decays, time steps and biases spread."""
-    plain_norms = type(model).__name__.startswith("Lfm2")
+    """Routers sharp enough that the choice of experts matters; norms off 1 (plain ones) or off 0
+    (Qwen's zero-centred ones); decays, time steps, skips and biases spread."""
+    plain_norms = not type(model).__name__.startswith("Qwen")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(".gate.weight"):
                 p.normal_(0, 1.0)
             elif n.endswith("norm.weight"):
                 p.normal_(1.0 if plain_norms else 0.0, 0.3)
-            elif n.endswith(("A_log", "dt_bias")):
+            elif n.endswith(("A_log", "dt_bias", ".D")):
                 p.normal_(0, 0.3)
-            elif n.endswith(("conv.bias", "proj.bias")):
+            elif n.endswith(("conv.bias", "conv1d.bias", "proj.bias")):
                 p.normal_(0, 0.1)
         for n, b in list(model.named_parameters()) + list(model.named_buffers()):
             if n.endswith("expert_bias"):
@@ -124,7 +180,9 @@ def make_tiny_hybrid(smol: Path, out: Path, name: str):
 
     config_class, extra = CONFIGS[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**{**COMMON, **extra})
+    config = getattr(transformers, config_class)(
+        **{k: v for k, v in {**COMMON, **extra}.items() if v is not None}
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     perturb(model)
     model.save_pretrained(out)
