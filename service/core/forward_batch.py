@@ -113,6 +113,8 @@ class ForwardBatch:
     # Host copies the scheduler thread may read without touching the device.
     extend_prefix_lens_cpu: list[int] | None = None
     extend_start_loc_cpu: list[int] | None = None
+    # EXTEND: per request, whether its one token continues the output (a decode in a mixed batch)
+    extend_decodes_cpu: list[bool] | None = None
     # EXTEND: (slot, token) pairs of the new requests' prompts (sampler penalty state, device).
     new_prompt_slots: torch.Tensor | None = None
     new_prompt_tokens: torch.Tensor | None = None

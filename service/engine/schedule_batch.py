@@ -222,6 +222,7 @@ def build_extend_batch(
         max_extend_len=lq,
         extend_prefix_lens_cpu=prefix,
         extend_start_loc_cpu=starts.tolist(),
+        extend_decodes_cpu=[row.decodes for row in rows],
         new_prompt_slots=d["prompt_slots"],
         new_prompt_tokens=d["prompt_tokens"],
     )

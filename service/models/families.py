@@ -39,6 +39,7 @@ from service.models import (
     mpt,
     nanochat,
     nemotron,
+    nemotron_h,
     olmo,
     olmo2,
     olmoe,
@@ -113,6 +114,7 @@ FAMILIES: dict[str, Family] = {
         qwen3_5,
         lfm2,
         bamba,
+        nemotron_h,
     )
     for arch in module.ARCHITECTURES
 }

@@ -160,6 +160,9 @@ class ModelShape:
     # with states per request slot, not K/V rows: Gated DeltaNet (Qwen3-Next, Qwen3.5), LFM2's conv
     recurrent: RecurrentMixer | None = None
     recurrent_layers: tuple[bool, ...] = ()
+    # per layer, its one block where each layer is one pre-norm block ("attention", "recurrent" or
+    # "mlp": Nemotron-H's `BlockLayer`); () where each layer has attention and an MLP
+    layer_blocks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mlp_gated and self.activation not in ACTIVATIONS:
@@ -175,8 +178,11 @@ class ModelShape:
 
     @property
     def kv_layers(self) -> tuple[bool, ...]:
-        """Per layer: whether it keeps K/V rows (every layer but the recurrent ones)."""
-        return tuple(not self.is_recurrent(i) for i in range(self.num_layers))
+        """Per layer: whether it keeps K/V rows (every layer with attention)."""
+        return tuple(
+            not self.is_recurrent(i) and (not self.layer_blocks or self.layer_blocks[i] == "attention")
+            for i in range(self.num_layers)
+        )
 
     def is_recurrent(self, layer: int) -> bool:
         return bool(self.recurrent_layers) and self.recurrent_layers[layer]
@@ -465,6 +471,31 @@ class LayerNormDecoderLayer(nn.Module):
         return h, self.mlp(self.post_norm(h))
 
 
+class BlockLayer(nn.Module):
+    """One pre-norm block per layer (Nemotron-H): attention, a recurrent layer or an MLP, as
+    `layer_blocks` says. (h, delta) -> the next layer's (h, delta), as DecoderLayer's."""
+
+    def __init__(self, s: ModelShape, index: int = 0):
+        super().__init__()
+        self.s = s
+        kind = s.layer_blocks[index]
+        self.attn: nn.Module | None = None
+        self.mlp: nn.Module | None = None
+        if kind == "attention":
+            self.attn = SelfAttention(s)
+        elif kind == "recurrent":
+            self.attn = s.recurrent.build(s.hidden_size)  # type: ignore[union-attr]
+        else:
+            self.mlp = GatedMLP(s) if s.mlp_gated else PlainMLP(s)
+        self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
+
+    def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
+        h, x = add_rms_norm(h, delta, self.input_norm, self.s.norm_eps)
+        if self.attn is not None:
+            return h, self.attn(x, positions, cos, sin, k_cache, v_cache, meta, attn)
+        return h, self.mlp(x)  # type: ignore[misc]
+
+
 def pack_linears(module: nn.Module) -> None:
     """Replace each nn.Linear below `module` by its packed twin where there is one (service/models/linear.py)."""
     for name, child in module.named_children():
@@ -487,7 +518,7 @@ class CausalLM(nn.Module):
             if s.learned_positions is None
             else nn.Embedding(s.max_position_embeddings + s.learned_positions, s.hidden_size)
         )
-        layer = DecoderLayer if s.norm == "rms" else LayerNormDecoderLayer
+        layer = BlockLayer if s.layer_blocks else DecoderLayer if s.norm == "rms" else LayerNormDecoderLayer
         self.layers = nn.ModuleList(layer(s, i) for i in range(s.num_layers))
         self.norm: nn.Module | nn.Parameter = (
             nn.Parameter(torch.ones(s.hidden_size))

@@ -2,13 +2,13 @@
 (recurrent.py) with two states per request slot: its conv's last `d_conv - 1` inputs (the model's
 dtype) and the SSM state S [heads, head_dim, d_state] (float32).
 
-    z, xBC, dt = in_proj(h);  x, B, C = silu(conv(xBC));  dt = softplus(dt + dt_bias), clamped
+    z, xBC, dt = in_proj(h);  x, B, C = silu(conv(xBC));  dt = softplus(dt + dt_bias)
     per token: S = exp(dt A) S + dt x B^T;  y = S C + D x     (A = -exp(A_log), B and C per group)
     out_proj(RMSNorm per group(y * silu(z)))
 
 A decode step runs that update for every request at once; an extend's tokens run chunk by chunk
-(`chunked_scan`), each request from its own state, right-padded together (padding has dt = 0: no
-decay, no update)."""
+(`chunked_scan`, dt clamped to `time_step_limit` there only, as transformers and mamba_ssm do), each
+request from its own state, right-padded together (padding has dt = 0: no decay, no update)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class Mamba2(nn.Module):
         s = self.s
         conv_state, state = states
         z, xbc, dt = self.in_proj(x).split([s.inner, s.conv_channels, s.heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.dt_limit)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
         steps, chunks = rows.steps, rows.chunks
         if chunks is None and steps is not None and steps.rows is None:  # a decode batch
             y = self._step(xbc, dt, conv_state, state, steps)
@@ -148,7 +148,9 @@ class Mamba2(nn.Module):
     def _chunks(self, xbc, dt, conv_state, state, rows: ChunkRows) -> torch.Tensor:
         conv = conv_extend(xbc, conv_state, self.conv_weight, self.conv_bias, rows)
         xs, b, c = self._split(conv.to(xbc.dtype).float())  # [m, L, ...]
-        dt = dt[rows.packed] * rows.valid.unsqueeze(-1)
+        # the chunked form's floor and ceiling on dt (`time_step_limit`); the step has none, as in
+        # transformers and mamba_ssm (a one-token prompt chunk runs as a step: unclamped)
+        dt = dt[rows.packed].clamp(*self.s.dt_limit) * rows.valid.unsqueeze(-1)
         y, new = chunked_scan(
             xs, dt, -self.A_log.float().exp(), b, c, read_states(state, rows.slots, rows.keep)
         )

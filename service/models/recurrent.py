@@ -36,9 +36,9 @@ class RecurrentMixer(Protocol):
 
 @dataclass
 class StepRows:
-    """The requests with one token in a batch (every request of a decode batch): their slots, their
-    tokens' packed rows (None: rows 0..n-1, a decode batch), and which continue their slot's states
-    (None: all; else a bool per request, False where the prompt starts with this token)."""
+    """The decodes of a batch (every request of a decode batch, the decodes riding in a mixed one):
+    their slots, their tokens' packed rows (None: rows 0..n-1, a decode batch), and which continue
+    their slot's states (None: all)."""
 
     slots: torch.Tensor  # [n] int64
     rows: torch.Tensor | None = None  # [n] int64
@@ -62,9 +62,9 @@ class ChunkRows:
 @dataclass
 class RecurrentRows:
     """Which slot's states each request of a batch reads and writes, and where its tokens are: built
-    once per forward. One-token requests (decodes, also those riding in a mixed batch) run the
-    recurrence a step for all at once; the others run it chunked, right-padded together (a decode
-    padded to a prompt chunk's length would cost that chunk's work)."""
+    once per forward. Decodes (also those riding in a mixed batch) run the recurrence a step for all
+    at once; prompt tokens run it chunked, right-padded together (a decode padded to a prompt
+    chunk's length would cost that chunk's work)."""
 
     steps: StepRows | None = None
     chunks: ChunkRows | None = None
@@ -79,7 +79,9 @@ class RecurrentRows:
         lens = torch.tensor(fb.extend_lens)
         starts = torch.cumsum(lens, 0) - lens
         keep = torch.tensor([p > 0 for p in fb.extend_prefix_lens_cpu])
-        one = lens == 1
+        # decodes riding in the batch step; prompt tokens run chunked, even one (a layer may differ
+        # between the forms: Mamba-2 clamps dt in the chunked one only, as transformers does)
+        one = torch.tensor(fb.extend_decodes_cpu or [False] * len(fb.extend_lens)) & (lens == 1)
         steps = chunks = None
         if bool(one.any()):
             i = one.nonzero().flatten()

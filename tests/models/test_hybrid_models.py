@@ -30,7 +30,7 @@ N_NEW = 24
 TOL = 3e-4  # see above
 PROMPTS = [[5 + 13 * i + 7 * j for j in range(3 + 11 * i)] for i in range(4)] + [
     [7 + 3 * j for j in range(150)],
-    [9],  # a prompt of one token: it starts its slot's states in a step, not a chunk
+    [9],  # a prompt of one token: a chunk of one, from zeroed states
 ]
 
 COMMON = dict(
@@ -139,6 +139,23 @@ CONFIGS = {
             mlp_bias=True,
         ),
     ),  # fmt: skip
+    # Nemotron-H: one block per layer, Mamba-2, NoPE attention and ReLU-squared MLPs
+    "nemotron_h": (
+        "NemotronHConfig",
+        dict(
+            layer_types=None,
+            num_hidden_layers=None,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
+            intermediate_size=96,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            use_bias=True,
+            mlp_bias=True,
+            time_step_min=0.5,  # the chunked form's floor on dt (the step has none): reached here
+        ),
+    ),
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
