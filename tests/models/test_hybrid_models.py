@@ -307,7 +307,7 @@ def test_constraints_hold_and_both_loops_agree(hybrid_case):
     check_constraints(hybrid_case[0])
 
 
-@pytest.mark.parametrize("hybrid_case", ["qwen3_5"], indirect=True)
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5", "granite4_h", "lfm2"], indirect=True)
 def test_bf16_engine_tracks_transformers_and_both_loops_agree(hybrid_case):
     """bf16 weights and activations (states float32, as transformers keeps them): the prompts'
     logprobs stay within bf16's reach of transformers' float32 ones, on average no further than
@@ -356,4 +356,30 @@ def test_the_chunked_rule_equals_the_step_by_step_rule():
             if t < m:
                 torch.testing.assert_close(out[i, :, t], o[i], rtol=1e-9, atol=1e-9)
             if t == m - 1:
+                torch.testing.assert_close(final[i], state[i], rtol=1e-9, atol=1e-9)
+
+
+def test_the_chunked_scan_equals_the_step_by_step_scan():
+    """Mamba-2's chunked form against its step: padded rows, a starting state, several chunks, heads
+    sharing B and C by group (repeated), as test_the_chunked_rule_equals_the_step_by_step_rule."""
+    from service.models.mamba2 import chunked_scan, ssm_step
+
+    torch.manual_seed(0)
+    m, n, h, p, k = 3, 150, 4, 6, 5
+    x = torch.randn(m, n, h, p, dtype=torch.float64)
+    dt = torch.rand(m, n, h, dtype=torch.float64)
+    a = -torch.rand(h, dtype=torch.float64) - 0.1
+    b, c = (torch.randn(m, n, 2, k, dtype=torch.float64).repeat_interleave(2, dim=2) for _ in range(2))
+    lens = [150, 70, 1]
+    for i, ln in enumerate(lens):  # right padding: dt 0, no decay, no update
+        dt[i, ln:] = 0
+    start = torch.randn(m, h, p, k, dtype=torch.float64)
+    out, final = chunked_scan(x, dt, a, b, c, start.clone(), chunk=64)
+    state = start.clone()
+    for t in range(n):
+        y, state = ssm_step(x[:, t], dt[:, t], a, b[:, t], c[:, t], state)
+        for i, ln in enumerate(lens):
+            if t < ln:
+                torch.testing.assert_close(out[i, t], y[i], rtol=1e-9, atol=1e-9)
+            if t == ln - 1:
                 torch.testing.assert_close(final[i], state[i], rtol=1e-9, atol=1e-9)
