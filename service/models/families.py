@@ -15,6 +15,7 @@ from service.models import (
     ernie4_5_moe,
     exaone4,
     falcon,
+    falcon_h1,
     gemma,
     glm,
     glm4_moe,
@@ -115,6 +116,7 @@ FAMILIES: dict[str, Family] = {
         lfm2,
         bamba,
         nemotron_h,
+        falcon_h1,
     )
     for arch in module.ARCHITECTURES
 }

@@ -163,6 +163,9 @@ class ModelShape:
     # per layer, its one block where each layer is one pre-norm block ("attention", "recurrent" or
     # "mlp": Nemotron-H's `BlockLayer`); () where each layer has attention and an MLP
     layer_blocks: tuple[str, ...] = ()
+    # every layer's recurrent layer runs beside its attention on the same normed input, their outputs
+    # summed (Falcon-H1); the layer keeps K/V rows and states
+    parallel_recurrent: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp_gated and self.activation not in ACTIVATIONS:
@@ -189,9 +192,11 @@ class ModelShape:
 
     def state_specs(self, dtype: torch.dtype) -> list:
         """Per layer, the shapes and dtypes of its per-slot states (None: a layer with K/V rows)."""
-        assert self.recurrent is None or self.recurrent_layers
+        assert self.recurrent is None or self.recurrent_layers or self.parallel_recurrent
         return [
-            self.recurrent.state_shapes(dtype) if self.is_recurrent(i) else None  # type: ignore[union-attr]
+            self.recurrent.state_shapes(dtype)  # type: ignore[union-attr]
+            if self.is_recurrent(i) or self.parallel_recurrent
+            else None
             for i in range(self.num_layers)
         ]
 
@@ -371,6 +376,7 @@ class DecoderLayer(nn.Module):
             self.attn = LatentAttention(
                 s.mla, s.hidden_size, s.num_q_heads, s.norm_eps, s.scale, s.q_position_scale
             )
+        self.beside = s.recurrent.build(s.hidden_size) if s.parallel_recurrent else None  # type: ignore[union-attr]
         self.mlp: nn.Module = (
             MoEBlock(s.moe)
             if s.moe is not None and s.moe_layers[index]
@@ -388,7 +394,8 @@ class DecoderLayer(nn.Module):
         if s.sandwich_norms or s.post_norms:
             self.post_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
 
-    def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn):
+    def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn, beside=None):
+        """`beside`: the states and RecurrentRows of the recurrent layer beside attention (Falcon-H1)."""
         eps = self.s.norm_eps
         if self.s.post_norms:
             h = h if delta is None else h + delta
@@ -399,6 +406,9 @@ class DecoderLayer(nn.Module):
             return h, add_rms_norm(self.mlp(h), None, self.post_mlp_norm, eps)[1]
         h, x = add_rms_norm(h, delta, self.input_norm, eps)
         a = self.attn(x, positions, cos, sin, k_cache, v_cache, meta, attn)
+        if self.beside is not None:
+            states, rows = beside
+            a = a + self.beside(x, positions, cos, sin, states, None, rows, attn)
         if not self.s.sandwich_norms:
             scale = self.s.residual_scale
             h, x = add_rms_norm(h, a if scale is None else a * scale, self.post_norm, eps)
@@ -584,6 +594,12 @@ class CausalLM(nn.Module):
                 tables[key] = (cos, sin) if pos3 is None else mrope_cos_sin(cos, sin, pos3, self.mrope)
             cos, sin = tables[key]
             meta = metas[s.layer_attention[i]]
+            if s.parallel_recurrent:
+                beside = (kv_pool.states.layers[i], rows)
+                h, delta = layer(
+                    h, delta, positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn, beside
+                )
+                continue
             h, delta = layer(h, delta, positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn)
         rows = (
             fb.logits_index

@@ -42,9 +42,16 @@ class Mamba2Shape:
     d_state: int
     conv_kernel: int
     conv_bias: bool
-    proj_bias: bool
+    proj_bias: bool  # on in_proj (and on out_proj unless out_bias says otherwise)
     norm_eps: float
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # how z gates y before out_proj: "gate_norm" RMSNorm per group of y * silu(z) (Granite, Bamba,
+    # Nemotron-H); "norm_gate" RMSNorm per group of y, then times silu(z); "gate" y * silu(z), no norm
+    # (Falcon-H1 by `mamba_rms_norm` and `mamba_norm_before_gate`)
+    gating: str = "gate_norm"
+    out_bias: bool | None = (
+        None  # out_proj's bias where it differs from in_proj's (Falcon-H1's `projectors_bias`)
+    )
 
     @property
     def conv_channels(self) -> int:
@@ -111,7 +118,7 @@ class Mamba2(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.heads))
         self.D = nn.Parameter(torch.ones(s.heads))
         self.norm = nn.Parameter(torch.ones(s.inner))
-        self.out = nn.Linear(s.inner, s.hidden_size, bias=s.proj_bias)
+        self.out = nn.Linear(s.inner, s.hidden_size, bias=s.proj_bias if s.out_bias is None else s.out_bias)
 
     def forward(self, x, positions, cos, sin, states, unused, rows: RecurrentRows, attn) -> torch.Tensor:
         s = self.s
@@ -158,11 +165,16 @@ class Mamba2(nn.Module):
         return (y + self.D.float().unsqueeze(-1) * xs)[rows.valid]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over each group of y * silu(z) (float32), back in the model's dtype, times the weight."""
+        """y gated by z as `gating` says (float32), back in the model's dtype."""
         s = self.s
-        g = (y * F.silu(z.float())).unflatten(-1, (s.groups, -1))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)
-        return self.norm * g.flatten(-2).to(z.dtype)
+        gate = F.silu(z.float())
+        if s.gating == "gate":
+            return (y * gate).to(z.dtype)
+        g = (y * gate if s.gating == "gate_norm" else y).unflatten(-1, (s.groups, -1))
+        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.norm_eps)).flatten(-2)
+        if s.gating == "gate_norm":
+            return self.norm * g.to(z.dtype)
+        return (self.norm.float() * g * gate).to(z.dtype)
 
 
 def mamba2_shape(config) -> Mamba2Shape:
@@ -196,4 +208,5 @@ def load_mamba2(m: Mamba2, take: Any, a: str) -> None:
         m.conv_bias.copy_(take(a + "conv1d.bias"))
     for name in ("dt_bias", "A_log", "D"):
         getattr(m, name).copy_(take(a + name))
-    m.norm.copy_(take(a + "norm.weight"))
+    if s.gating != "gate":
+        m.norm.copy_(take(a + "norm.weight"))

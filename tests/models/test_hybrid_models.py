@@ -156,6 +156,48 @@ CONFIGS = {
             time_step_min=0.5,  # the chunked form's floor on dt (the step has none): reached here
         ),
     ),
+    # Falcon-H1: Mamba-2 beside attention in every layer, muP multipliers everywhere, the Mamba's
+    # norm before its gate; and without a norm, biases on
+    "falcon_h1": (
+        "FalconH1Config",
+        dict(
+            layer_types=None,
+            intermediate_size=96,
+            mamba_d_ssm=96,
+            mamba_n_heads=6,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            embedding_multiplier=3.0,
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.8, 1.3],
+            key_multiplier=0.7,
+            attention_in_multiplier=1.2,
+            attention_out_multiplier=0.9,
+            ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.5],
+            ssm_in_multiplier=0.6,
+            ssm_out_multiplier=1.4,
+        ),
+    ),  # fmt: skip
+    "falcon_h1-no-norm": (
+        "FalconH1Config",
+        dict(
+            layer_types=None,
+            num_hidden_layers=2,
+            intermediate_size=96,
+            mamba_n_heads=4,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_rms_norm=False,
+            mamba_proj_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            mamba_expand=1,
+            key_multiplier=0.5,
+            ssm_multipliers=[0.5, 2.0, 1.0, 1.0, 0.7],
+        ),
+    ),  # fmt: skip
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
