@@ -425,3 +425,47 @@ def test_the_chunked_scan_equals_the_step_by_step_scan():
                 torch.testing.assert_close(out[i, t], y[i], rtol=1e-9, atol=1e-9)
             if t == ln - 1:
                 torch.testing.assert_close(final[i], state[i], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("hybrid_case", ["qwen3_next"], indirect=True)
+def test_served_over_grpc_both_contracts(hybrid_case):
+    """The server on a hybrid model: the SMG worker contract's Generate and zerogap.v1's give
+    transformers' tokens, and the KV event stream (cache-aware routing's) is refused naming why."""
+    import grpc
+    from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+    from service.server import BackgroundServer
+    from zerogap.v1 import generation_pb2 as pb2
+    from zerogap.v1 import generation_pb2_grpc as pb2_grpc
+
+    model_dir, refs = hybrid_case
+    prompt, want = PROMPTS[3], refs[3][0][:8]
+    srv = BackgroundServer(ServerArgs(model=str(model_dir), port=0, dtype="float32", kv_cache_tokens=2048))
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+            req = vpb.GenerateRequest(
+                request_id="h1",
+                tokenized=vpb.TokenizedInput(input_ids=prompt),
+                sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            )
+            got = [
+                t for r in vllm.Generate(req, timeout=60) for t in r.chunk.token_ids or r.complete.output_ids
+            ]
+            assert got[:8] == want
+            out = pb2_grpc.GenerationStub(ch).Generate(
+                pb2.GenerateRequest(
+                    token_ids=pb2.TokenIds(ids=prompt),
+                    sampling=pb2.SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True),
+                ),
+                timeout=60,
+            )
+            assert list(out.token_ids) == want
+            with pytest.raises(grpc.RpcError) as e:
+                next(vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0)))
+            assert (
+                e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "prefix cache is off" in e.value.details()
+            )
+    finally:
+        srv.stop()
