@@ -305,7 +305,10 @@ class Engine:
 
     def _kv_tokens_from_memory(self) -> int:
         s = self.model.shape
-        per_token = TokenToKVPool.bytes_per_token(sum(s.kv_layers), s.num_kv_heads, s.head_dim, self.dtype)
+        # (a model without attention keeps no K/V rows: its pool holds only token bookkeeping)
+        per_token = max(
+            1, TokenToKVPool.bytes_per_token(sum(s.kv_layers), s.num_kv_heads, s.head_dim, self.dtype)
+        )
         if self.device.is_cuda:
             memory = torch.cuda.mem_get_info(self.device.device)[0]
         else:

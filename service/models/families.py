@@ -34,6 +34,7 @@ from service.models import (
     jais2,
     lfm2,
     llama,
+    mamba2_lm,
     minicpm3,
     minimax_m2,
     mixtral,
@@ -117,6 +118,7 @@ FAMILIES: dict[str, Family] = {
         bamba,
         nemotron_h,
         falcon_h1,
+        mamba2_lm,
     )
     for arch in module.ARCHITECTURES
 }

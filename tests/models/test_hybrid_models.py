@@ -198,6 +198,11 @@ CONFIGS = {
             ssm_multipliers=[0.5, 2.0, 1.0, 1.0, 0.7],
         ),
     ),  # fmt: skip
+    # Mamba-2 alone (Codestral Mamba's layout): no attention at all
+    "mamba2": (
+        "Mamba2Config",
+        dict(layer_types=None, num_heads=8, head_dim=16, n_groups=2, state_size=16, expand=2, use_bias=True),
+    ),
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",

@@ -1,0 +1,57 @@
+"""Mamba-2 language models (`Mamba2ForCausalLM`: Codestral Mamba, the state-spaces checkpoints):
+every layer one pre-norm Mamba-2 block (mamba2.py, `layers.py` `BlockLayer`), no attention; norms
+`norm` per block and `norm_f` at the end. The engine's KV pool keeps no K/V rows for it, only its
+token bookkeeping; each request's state is its slots' (recurrent.py).
+
+Checkpoint: `backbone.embeddings`, `backbone.layers.{i}.mixer.*`, `backbone.norm_f`, `lm_head`."""
+
+from __future__ import annotations
+
+from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape
+from service.models.mamba2 import Mamba2Shape, load_mamba2
+
+ARCHITECTURES = ("Mamba2ForCausalLM",)
+
+
+def shape(config) -> ModelShape:
+    inner = int(config.expand * config.hidden_size)
+    limit = getattr(config, "time_step_limit", None)
+    n = config.num_hidden_layers
+    heads = config.num_heads
+    return base_shape(
+        config,
+        num_q_heads=1,  # no attention: the KV pool's shape is never used for rows
+        num_kv_heads=1,
+        head_dim=1,
+        intermediate_size=0,
+        norm_eps=config.layer_norm_epsilon,
+        layer_blocks=("recurrent",) * n,
+        recurrent=Mamba2Shape(
+            hidden_size=config.hidden_size,
+            inner=inner,
+            heads=heads,
+            head_dim=config.head_dim,
+            groups=config.n_groups,
+            d_state=config.state_size,
+            conv_kernel=config.conv_kernel,
+            conv_bias=bool(config.use_conv_bias),
+            proj_bias=bool(config.use_bias),
+            norm_eps=config.layer_norm_epsilon,
+            dt_limit=(float(limit[0]), float(limit[1])) if limit else (0.0, float("inf")),
+        ),
+        recurrent_layers=(True,) * n,
+    )
+
+
+def load(model: CausalLM, tensors: Checkpoint) -> None:
+    take = Checkpoint(
+        {"model." + k[9:] if k.startswith("backbone.") else k: v for k, v in tensors.tensors.items()}
+    )
+    model.embed.weight.copy_(take("model.embeddings.weight"))
+    model.norm.copy_(take("model.norm_f.weight"))
+    if model.lm_head is not None:
+        model.lm_head.weight.copy_(take("lm_head.weight"))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        load_mamba2(layer.attn, take, p + "mixer.")
+        layer.input_norm.copy_(take(p + "norm.weight"))
