@@ -154,8 +154,10 @@ class ModelShape:
     moe: MoEShape | None = None  # routed experts (Mixtral, Qwen3-MoE) in the layers `moe_layers` marks
     moe_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense GatedMLP
     mla: MLAShape | None = None  # multi-head latent attention (DeepSeek-V2/V3) instead of SelfAttention
-    # attention's output times sigmoid(gate(x)) before o, a gate value per q dim (Qwen3-Next, Qwen3.5)
+    # attention's output times sigmoid(gate(x)) before o, a gate value per q dim (Qwen3-Next, Qwen3.5),
+    # or per head with `attn_gate_per_head` (LFM3)
     attn_output_gate: bool = False
+    attn_gate_per_head: bool = False
     # a recurrent layer (recurrent.py) instead of attention in the layers `recurrent_layers` marks,
     # with states per request slot, not K/V rows: Gated DeltaNet (Qwen3-Next, Qwen3.5), LFM2's conv
     recurrent: RecurrentMixer | None = None
@@ -304,7 +306,8 @@ class SelfAttention(nn.Module):
         q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.qkv = nn.Linear(s.hidden_size, q + 2 * kv, bias=s.qkv_bias)
         self.o = nn.Linear(q, s.hidden_size, bias=s.o_bias)
-        self.gate = nn.Linear(s.hidden_size, q, bias=False) if s.attn_output_gate else None
+        gates = s.num_q_heads if s.attn_gate_per_head else q
+        self.gate = nn.Linear(s.hidden_size, gates, bias=False) if s.attn_output_gate else None
         if s.qk_norm and s.qk_layer_norm:
             self.q_norm = nn.Parameter(torch.ones(s.num_q_heads, s.head_dim))
             self.k_norm = nn.Parameter(torch.ones(s.num_kv_heads, s.head_dim))
@@ -339,7 +342,8 @@ class SelfAttention(nn.Module):
             return self.o(attn.forward(q, k, v, k_cache, v_cache, meta, s.scale, sinks=self.sinks))
         out = attn.forward(q, k, v, k_cache, v_cache, meta, s.scale)
         if self.gate is not None:
-            out = out * torch.sigmoid(self.gate(x))
+            g = torch.sigmoid(self.gate(x))
+            out = out * (g.repeat_interleave(s.head_dim, dim=-1) if s.attn_gate_per_head else g)
         return self.o(out)
 
 

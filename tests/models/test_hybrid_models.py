@@ -203,6 +203,19 @@ CONFIGS = {
         "Mamba2Config",
         dict(layer_types=None, num_heads=8, head_dim=16, n_groups=2, state_size=16, expand=2, use_bias=True),
     ),
+    # LFM3: sliding (window 8) and full attention with a rope each (proportional, half the head, on
+    # the full ones), a gate per head, sandwich norms, a conv of 7 taps
+    "lfm3": (
+        "Lfm3Config",
+        dict(
+            intermediate_size=96,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv"],
+            sliding_window=8,
+            conv_L_cache=7,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+        ),
+    ),  # fmt: skip
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
@@ -228,7 +241,7 @@ def perturb(model) -> None:
         for n, p in model.named_parameters():
             if n.endswith(".gate.weight"):
                 p.normal_(0, 1.0)
-            elif n.endswith("norm.weight"):
+            elif n.endswith(("norm.weight", "norm.gate")) and p.dim() == 1:
                 p.normal_(1.0 if plain_norms else 0.0, 0.3)
             elif n.endswith(("A_log", "dt_bias", ".D")):
                 p.normal_(0, 0.3)
