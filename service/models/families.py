@@ -44,6 +44,7 @@ from service.models import (
     nemotron_h,
     olmo,
     olmo2,
+    olmo_hybrid,
     olmoe,
     opt,
     persimmon,
@@ -119,6 +120,7 @@ FAMILIES: dict[str, Family] = {
         nemotron_h,
         falcon_h1,
         mamba2_lm,
+        olmo_hybrid,
     )
     for arch in module.ARCHITECTURES
 }

@@ -47,6 +47,9 @@ class GatedDeltaShape:
     v_dim: int
     conv_kernel: int
     norm_eps: float
+    beta_scale: float = (
+        1.0  # beta = scale * sigmoid(b): 2 lets the update's eigenvalues go negative (OLMo hybrid)
+    )
 
     @property
     def key_size(self) -> int:
@@ -171,7 +174,7 @@ class GatedDeltaNet(nn.Module):
         conv_state, state = states
         mixed, z = self.in_proj(x).split([s.conv_channels, s.value_size], dim=-1)
         b, a = self.in_ba(x).float().chunk(2, dim=-1)
-        beta = b.sigmoid()
+        beta = b.sigmoid() * s.beta_scale if s.beta_scale != 1.0 else b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         steps, chunks = rows.steps, rows.chunks
         if chunks is None and steps is not None and steps.rows is None:  # a decode batch

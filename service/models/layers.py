@@ -139,6 +139,7 @@ class ModelShape:
     logits_scale: float | None = None  # logits times this (Cohere's logit_scale)
     sandwich_norms: bool = False  # norms after attention and the MLP too (Gemma-2/3)
     post_norms: bool = False  # norms only after attention and the MLP, none before (OLMo-2)
+    post_norm_layers: tuple[bool, ...] = ()  # ... per layer where it differs between them (OLMo hybrid)
     mlp_bias: bool = False  # biases on gate, up and down (Llama's `mlp_bias`), or fc and proj
     # The GPT lineage (GPT-2, GPT-NeoX, OPT, Phi-2, StarCoder2): LayerNorms with biases, plain MLPs,
     # blocks side by side, learned absolute positions.
@@ -388,20 +389,21 @@ class DecoderLayer(nn.Module):
             if s.mlp_gated
             else PlainMLP(s)
         )
-        if not s.post_norms:
+        self.post_norms = s.post_norm_layers[index] if s.post_norm_layers else s.post_norms
+        if not self.post_norms:
             self.input_norm = nn.Parameter(torch.ones(s.hidden_size))
         self.post_norm = nn.Parameter(
             torch.ones(s.hidden_size)
         )  # after attention (pre-MLP when pre-norm only)
         if s.sandwich_norms:
             self.pre_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
-        if s.sandwich_norms or s.post_norms:
+        if s.sandwich_norms or self.post_norms:
             self.post_mlp_norm = nn.Parameter(torch.ones(s.hidden_size))
 
     def forward(self, h, delta, positions, cos, sin, k_cache, v_cache, meta, attn, beside=None):
         """`beside`: the states and RecurrentRows of the recurrent layer beside attention (Falcon-H1)."""
         eps = self.s.norm_eps
-        if self.s.post_norms:
+        if self.post_norms:
             h = h if delta is None else h + delta
             _, a = add_rms_norm(
                 self.attn(h, positions, cos, sin, k_cache, v_cache, meta, attn), None, self.post_norm, eps

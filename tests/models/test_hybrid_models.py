@@ -216,6 +216,21 @@ CONFIGS = {
             pad_token_id=0,
         ),
     ),  # fmt: skip
+    # OLMo hybrid: Gated DeltaNet (beta doubled) pre-norm, OLMo-2's attention post-norm, no rotary as
+    # released
+    "olmo_hybrid": ("OlmoHybridConfig", dict(intermediate_size=96, pad_token_id=0)),
+    # ... with rotary, beta as is
+    "olmo_hybrid-rope": (
+        "OlmoHybridConfig",
+        dict(
+            intermediate_size=96,
+            pad_token_id=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            linear_allow_neg_eigval=False,
+            num_hidden_layers=2,
+            layer_types=["full_attention", "linear_attention"],
+        ),
+    ),  # fmt: skip
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
