@@ -71,6 +71,29 @@ def need_triton() -> None:
         pytest.skip("no GPU and TRITON_INTERPRET is not set")
 
 
+def greedy_with_logprobs(model_dir: Path, prompts: list[list[int]], n_new: int, **args) -> tuple[list, int]:
+    """In process (fp32, 2048 KV tokens, 8 slots unless `args` say otherwise): each prompt's outputs,
+    greedy, `n_new` tokens, input and output logprobs; and the run's retractions. Every KV row is
+    free again at the end."""
+    from service.core.request import SamplingParams
+    from service.engine.engine import SyncClient
+
+    client = SyncClient(
+        ServerArgs(**dict(dict(dtype="float32", kv_cache_tokens=2048, max_running_requests=8), **args)),
+        model_dir,
+    )
+    try:
+        outs = client.generate(
+            prompts,
+            SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True),
+            [{"logprobs": dict(return_logprob=True, logprob_start_len=0)}] * len(prompts),
+        )
+        assert client.engine.kv_all_free()
+        return outs, client.engine.stats().retractions
+    finally:
+        client.close()
+
+
 def wait_until(pred, timeout: float = 30.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -9,6 +9,7 @@ from service.models.layers import (
     Checkpoint,
     ModelShape,
     base_shape,
+    load_common,
     load_linear,
     load_split_attention,
 )
@@ -30,10 +31,7 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    model.norm.copy_(take("model.final_layernorm.weight"))
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    load_common(model, take, norm="model.final_layernorm")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         if model.shape.is_recurrent(i):

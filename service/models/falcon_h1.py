@@ -14,34 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape, load_linear
-from service.models.mamba2 import Mamba2Shape, load_mamba2
+from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape, load_common, load_linear
+from service.models.mamba2 import load_mamba2, mamba2_shape
 
 ARCHITECTURES = ("FalconH1ForCausalLM",)
 
 
 def shape(config) -> ModelShape:
-    inner = config.mamba_d_ssm or int(config.mamba_expand * config.hidden_size)
-    limit = getattr(config, "time_step_limit", None)
     if not config.mamba_rms_norm:
         gating = "gate"
     else:
         gating = "norm_gate" if config.mamba_norm_before_gate else "gate_norm"
-    mamba = Mamba2Shape(
-        hidden_size=config.hidden_size,
-        inner=inner,
-        heads=config.mamba_n_heads,
-        head_dim=inner // config.mamba_n_heads,
-        groups=config.mamba_n_groups,
-        d_state=config.mamba_d_state,
-        conv_kernel=config.mamba_d_conv,
-        conv_bias=bool(config.mamba_conv_bias),
-        proj_bias=bool(config.mamba_proj_bias),
-        out_bias=bool(config.projectors_bias),
-        norm_eps=config.rms_norm_eps,
-        dt_limit=(float(limit[0]), float(limit[1])) if limit else (0.0, float("inf")),
-        gating=gating,
-    )
+    mamba = mamba2_shape(config, out_bias=bool(config.projectors_bias), gating=gating)
     bias = bool(getattr(config, "attention_bias", False))
     return base_shape(
         config,
@@ -57,10 +41,7 @@ def shape(config) -> ModelShape:
 @torch.no_grad()
 def load(model: CausalLM, take: Checkpoint) -> None:
     c, s = model.config, model.shape
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    model.norm.copy_(take("model.final_layernorm.weight"))
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    load_common(model, take, norm="model.final_layernorm")
     q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
     m = s.recurrent
     gn = m.groups * m.d_state

@@ -22,10 +22,10 @@ from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
-    UnsupportedModel,
     architecture,
     load_common,
     load_split_attention,
+    served_layer_types,
 )
 from service.models.mamba2 import load_mamba2, mamba2_shape
 from service.models.rope import NO_ROPE
@@ -50,10 +50,7 @@ ATTENTION = ("attention", "full_attention")
 
 def hybrid_shape(config) -> ModelShape:
     """Granite 4.0's layout: Mamba-2 layers (mamba2.py) and attention as `layer_types` says."""
-    types = list(config.layer_types)
-    others = sorted(set(types) - set(MAMBA) - set(ATTENTION))
-    if others:
-        raise UnsupportedModel(f"GraniteMoeHybridForCausalLM: layer types {', '.join(others)} are not served")
+    types = served_layer_types(config, MAMBA + ATTENTION)
     s = granite.shape(config)
     if config.position_embedding_type != "rope":
         s = dataclasses.replace(s, layer_rope=(NO_ROPE,) * s.num_layers)

@@ -204,6 +204,15 @@ class ModelShape:
         ]
 
 
+def served_layer_types(config, served: tuple[str, ...]) -> list[str]:
+    """config.layer_types, refused naming those a family does not serve."""
+    types = list(config.layer_types)
+    other = sorted(set(types) - set(served))
+    if other:
+        raise UnsupportedModel(f"{architecture(config)}: layer types {', '.join(other)} are not served")
+    return types
+
+
 def layer_rope_keys(config, num_layers: int) -> tuple[str, ...]:
     """Per layer, its rope table's key: its layer type where the config gives a rope per type
     (Gemma-3's local and global bases, OLMo-3's), else the model's one rope."""
@@ -657,6 +666,11 @@ class Checkpoint:
     def cat(self, *names: str) -> torch.Tensor:
         return torch.cat([self(n) for n in names])
 
+    def renamed(self, prefix: str, to: str) -> Checkpoint:
+        """The same tensors with names under `prefix` moved under `to` (Mamba's `backbone.` -> `model.`)."""
+        n = len(prefix)
+        return Checkpoint({to + k[n:] if k.startswith(prefix) else k: v for k, v in self.tensors.items()})
+
     def first(self, *names: str) -> torch.Tensor:
         """The first of `names` the checkpoint has (a tensor published under different names)."""
         for n in names:
@@ -679,14 +693,20 @@ def load_linear(linear: nn.Module, take: Checkpoint, name: str) -> None:
         linear.bias.copy_(take(name + ".bias"))
 
 
-def load_common(model: CausalLM, take: Checkpoint, norm_offset: float = 0.0) -> None:
+def load_common(
+    model: CausalLM,
+    take: Checkpoint,
+    norm_offset: float = 0.0,
+    embed: str = "model.embed_tokens",
+    norm: str = "model.norm",
+) -> None:
     """Embedding, final norm (RMSNorm or LayerNorm) and (untied) LM head under transformers'
-    names. norm_offset 1: Gemma's (1 + w) norms, stored as 1 + w."""
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
+    names (a family's own: `embed`, `norm`). norm_offset 1: Gemma's (1 + w) norms, stored as 1 + w."""
+    model.embed.weight.copy_(take(embed + ".weight"))
     if isinstance(model.norm, nn.LayerNorm):
-        load_layer_norm(model.norm, take, "model.norm")
+        load_layer_norm(model.norm, take, norm)
     else:
-        model.norm.copy_(take("model.norm.weight") + norm_offset)
+        model.norm.copy_(take(norm + ".weight") + norm_offset)
     if model.lm_head is not None:
         model.lm_head.weight.copy_(take("lm_head.weight"))
 

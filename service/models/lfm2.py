@@ -22,10 +22,11 @@ from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
-    UnsupportedModel,
     architecture,
     base_shape,
+    load_common,
     load_linear,
+    served_layer_types,
 )
 from service.models.moe import BiasedRouting, MoEShape, load_moe_block
 from service.models.short_conv import ShortConv, ShortConvShape
@@ -48,10 +49,7 @@ def mlp_width(config) -> int:
 
 def shape(config) -> ModelShape:
     arch = architecture(config)
-    types = list(config.layer_types)
-    other = sorted(set(types) - set(MIXERS))
-    if other:
-        raise UnsupportedModel(f"{arch}: layer types {', '.join(other)} are not served")
+    types = served_layer_types(config, MIXERS)
     s = base_shape(
         config,
         norm_eps=config.norm_eps,
@@ -89,10 +87,7 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, take: Checkpoint) -> None:
-    model.embed.weight.copy_(take("model.embed_tokens.weight"))
-    model.norm.copy_(take("model.embedding_norm.weight"))
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    load_common(model, take, norm="model.embedding_norm")
     s = model.shape
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."

@@ -177,11 +177,12 @@ class Mamba2(nn.Module):
         return (self.norm.float() * g * gate).to(z.dtype)
 
 
-def mamba2_shape(config) -> Mamba2Shape:
-    """From transformers' `mamba_*` fields (GraniteMoeHybrid's and Bamba's)."""
-    inner = int(config.mamba_expand * config.hidden_size)
+def mamba2_shape(config, **overrides: Any) -> Mamba2Shape:
+    """From transformers' `mamba_*` fields (GraniteMoeHybrid's, Bamba's, Falcon-H1's: its width
+    `mamba_d_ssm` where given), then a family's own."""
+    inner = getattr(config, "mamba_d_ssm", None) or int(config.mamba_expand * config.hidden_size)
     limit = getattr(config, "time_step_limit", None)
-    return Mamba2Shape(
+    fields = dict(
         hidden_size=config.hidden_size,
         inner=inner,
         heads=config.mamba_n_heads,
@@ -194,6 +195,7 @@ def mamba2_shape(config) -> Mamba2Shape:
         norm_eps=config.rms_norm_eps,
         dt_limit=(float(limit[0]), float(limit[1])) if limit else (0.0, float("inf")),
     )
+    return Mamba2Shape(**{**fields, **overrides})
 
 
 def load_mamba2(m: Mamba2, take: Any, a: str) -> None:

@@ -7,7 +7,7 @@ Checkpoint: `backbone.embeddings`, `backbone.layers.{i}.mixer.*`, `backbone.norm
 
 from __future__ import annotations
 
-from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape
+from service.models.layers import CausalLM, Checkpoint, ModelShape, base_shape, load_common
 from service.models.mamba2 import Mamba2Shape, load_mamba2
 
 ARCHITECTURES = ("Mamba2ForCausalLM",)
@@ -44,13 +44,8 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, tensors: Checkpoint) -> None:
-    take = Checkpoint(
-        {"model." + k[9:] if k.startswith("backbone.") else k: v for k, v in tensors.tensors.items()}
-    )
-    model.embed.weight.copy_(take("model.embeddings.weight"))
-    model.norm.copy_(take("model.norm_f.weight"))
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    take = tensors.renamed("backbone.", "model.")
+    load_common(model, take, embed="model.embeddings", norm="model.norm_f")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         load_mamba2(layer.attn, take, p + "mixer.")

@@ -17,6 +17,7 @@ from service.models.layers import (
     ModelShape,
     UnsupportedModel,
     base_shape,
+    load_common,
     load_linear,
 )
 from service.models.mamba2 import Mamba2Shape, load_mamba2
@@ -67,13 +68,8 @@ def shape(config) -> ModelShape:
 
 
 def load(model: CausalLM, tensors: Checkpoint) -> None:
-    take = Checkpoint(
-        {"model." + k[9:] if k.startswith("backbone.") else k: v for k, v in tensors.tensors.items()}
-    )
-    model.embed.weight.copy_(take("model.embeddings.weight"))
-    model.norm.copy_(take("model.norm_f.weight"))
-    if model.lm_head is not None:
-        model.lm_head.weight.copy_(take("lm_head.weight"))
+    take = tensors.renamed("backbone.", "model.")
+    load_common(model, take, embed="model.embeddings", norm="model.norm_f")
     for i, (layer, kind) in enumerate(zip(model.layers, model.shape.layer_blocks)):
         p = f"model.layers.{i}."
         if kind == "recurrent":

@@ -17,11 +17,11 @@ from service.models.layers import (
     CausalLM,
     Checkpoint,
     ModelShape,
-    UnsupportedModel,
     base_shape,
     load_common,
     load_split_mlp,
     load_split_projections,
+    served_layer_types,
 )
 from service.models.rope import NO_ROPE
 
@@ -29,10 +29,7 @@ ARCHITECTURES = ("OlmoHybridForCausalLM",)
 
 
 def shape(config) -> ModelShape:
-    types = list(config.layer_types)
-    other = sorted(set(types) - {"linear_attention", "full_attention"})
-    if other:
-        raise UnsupportedModel(f"OlmoHybridForCausalLM: layer types {', '.join(other)} are not served")
+    types = served_layer_types(config, ("linear_attention", "full_attention"))
     linear = tuple(t == "linear_attention" for t in types)
     params = getattr(config, "rope_parameters", None) or {}
     delta = dataclasses.replace(

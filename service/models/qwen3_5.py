@@ -29,6 +29,7 @@ from service.models.layers import (
     base_shape,
     load_common,
     load_split_mlp,
+    served_layer_types,
 )
 from service.models.moe import load_moe_block, sparse_layers
 
@@ -38,10 +39,7 @@ MIXERS = ("linear_attention", "full_attention")
 
 def shape(config) -> ModelShape:
     arch = architecture(config)
-    types = list(config.layer_types)
-    other = sorted(set(types) - set(MIXERS))
-    if other:
-        raise UnsupportedModel(f"{arch}: layer types {', '.join(other)} are not served")
+    types = served_layer_types(config, MIXERS)
     if config.linear_num_value_heads % config.linear_num_key_heads:
         raise UnsupportedModel(f"{arch}: linear_num_value_heads is not a multiple of linear_num_key_heads")
     bias = bool(getattr(config, "attention_bias", False))

@@ -24,6 +24,7 @@ from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES
+from tests.helpers import greedy_with_logprobs
 from tests.models.test_families import check_constraints
 
 N_NEW = 24
@@ -313,20 +314,7 @@ def hybrid_case(request, smol_dir, tmp_path_factory):
 
 def _run(model_dir: Path, prompts=PROMPTS, **args) -> tuple[list, int]:
     """Each prompt's outputs, and the run's retractions."""
-    client = SyncClient(
-        ServerArgs(**dict(dict(dtype="float32", kv_cache_tokens=2048, max_running_requests=8), **args)),
-        model_dir,
-    )
-    try:
-        outs = client.generate(
-            prompts,
-            SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True),
-            [{"logprobs": dict(return_logprob=True, logprob_start_len=0)}] * len(prompts),
-        )
-        assert client.engine.kv_all_free()
-        return outs, client.engine.stats().retractions
-    finally:
-        client.close()
+    return greedy_with_logprobs(model_dir, prompts, N_NEW, **args)
 
 
 def _check(outs_per_request, refs) -> None:

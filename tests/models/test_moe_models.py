@@ -20,6 +20,7 @@ from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
 from tests.conftest import TOKENIZER_FILES, hf_greedy
+from tests.helpers import greedy_with_logprobs
 from tests.models.test_families import DEVICE_NEW, check_constraints, device_path_tokens
 
 N_NEW = 32
@@ -543,21 +544,9 @@ def moe_case(request, smol_dir, tmp_path_factory):
 
 def _run(model_dir: Path, prompts=PROMPTS, retracts: bool = False, **args) -> list:
     """retracts: the run must retract some request (a pool too small for every output)."""
-    client = SyncClient(
-        ServerArgs(**dict(dict(dtype="float32", kv_cache_tokens=2048, max_running_requests=8), **args)),
-        model_dir,
-    )
-    try:
-        outs = client.generate(
-            prompts,
-            SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True),
-            [{"logprobs": dict(return_logprob=True, logprob_start_len=0)}] * len(prompts),
-        )
-        assert client.engine.kv_all_free()
-        assert (client.engine.stats().retractions > 0) == retracts
-        return outs
-    finally:
-        client.close()
+    outs, retractions = greedy_with_logprobs(model_dir, prompts, N_NEW, **args)
+    assert (retractions > 0) == retracts
+    return outs
 
 
 def _logprobs(outs) -> tuple[list[float], list[float]]:
