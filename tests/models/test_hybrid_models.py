@@ -232,6 +232,20 @@ CONFIGS = {
             layer_types=["full_attention", "linear_attention"],
         ),
     ),  # fmt: skip
+    # Mamba (the first): a selective scan per channel and state, dt of rank 5
+    "mamba": (
+        "MambaConfig",
+        dict(
+            layer_types=None,
+            state_size=8,
+            expand=2,
+            time_step_rank=5,
+            use_bias=True,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # FalconMamba: B, C and dt RMS-normed
+    "falcon_mamba": ("FalconMambaConfig", dict(layer_types=None, state_size=8, expand=2, mixer_rms_eps=1e-6)),
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
@@ -259,7 +273,7 @@ def perturb(model) -> None:
                 p.normal_(0, 1.0)
             elif n.endswith(("norm.weight", "norm.gate")) and p.dim() == 1:
                 p.normal_(1.0 if plain_norms else 0.0, 0.3)
-            elif n.endswith(("A_log", "dt_bias", ".D")):
+            elif n.endswith(("A_log", "dt_bias", ".D", "dt_proj.bias")):
                 p.normal_(0, 0.3)
             elif n.endswith(("conv.bias", "conv1d.bias", "proj.bias")):
                 p.normal_(0, 0.1)
