@@ -32,6 +32,7 @@ from service.models import (
     hy_v3,
     hyperclovax,
     jais2,
+    jamba,
     lfm2,
     llama,
     mamba2_lm,
@@ -121,6 +122,7 @@ FAMILIES: dict[str, Family] = {
         falcon_h1,
         mamba2_lm,
         olmo_hybrid,
+        jamba,
     )
     for arch in module.ARCHITECTURES
 }

@@ -39,7 +39,10 @@ class Mamba1Shape:
     conv_kernel: int
     conv_bias: bool
     proj_bias: bool  # in_proj's and out_proj's
-    bcdt_norm_eps: float | None = None  # FalconMamba: B, C and dt RMS-normed (no weights) with this eps
+    bcdt_norm_eps: float | None = None  # FalconMamba, Jamba: B, C and dt RMS-normed with this eps
+    bcdt_norm_weights: bool = (
+        False  # ... times weights (Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`)
+    )
 
     def state_shapes(self, dtype: torch.dtype) -> StateSpec:
         return [((self.conv_kernel - 1, self.inner), dtype), ((self.inner, self.d_state), torch.float32)]
@@ -49,7 +52,10 @@ class Mamba1Shape:
 
 
 def mamba1_shape(config, **overrides: Any) -> Mamba1Shape:
-    """From transformers' Mamba config fields (`intermediate_size`, `state_size`, `time_step_rank`, ...)."""
+    """From transformers' Mamba config fields (`intermediate_size`, `state_size`, `time_step_rank`, ...;
+    a family with other names gives every field in `overrides`)."""
+    if {"inner", "d_state", "dt_rank", "conv_kernel", "conv_bias", "proj_bias"} <= set(overrides):
+        return Mamba1Shape(hidden_size=config.hidden_size, **overrides)
     fields = dict(
         hidden_size=config.hidden_size,
         inner=config.intermediate_size,
@@ -83,6 +89,10 @@ class Mamba1(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.inner, s.d_state))
         self.D = nn.Parameter(torch.ones(s.inner))
         self.out = nn.Linear(s.inner, s.hidden_size, bias=s.proj_bias)
+        if s.bcdt_norm_weights:
+            self.dt_norm = nn.Parameter(torch.ones(s.dt_rank))
+            self.b_norm = nn.Parameter(torch.ones(s.d_state))
+            self.c_norm = nn.Parameter(torch.ones(s.d_state))
 
     def forward(self, x, positions, cos, sin, states, unused, rows: RecurrentRows, attn) -> torch.Tensor:
         s = self.s
@@ -106,9 +116,13 @@ class Mamba1(nn.Module):
         dt, b, c = self.x_proj(u).split([s.dt_rank, s.d_state, s.d_state], dim=-1)
         if s.bcdt_norm_eps is not None:
             dt, b, c = (
-                t * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + s.bcdt_norm_eps).to(t.dtype)
+                (t.float() * torch.rsqrt(t.float().pow(2).mean(-1, keepdim=True) + s.bcdt_norm_eps)).to(
+                    t.dtype
+                )
                 for t in (dt, b, c)
             )
+            if s.bcdt_norm_weights:
+                dt, b, c = dt * self.dt_norm, b * self.b_norm, c * self.c_norm
         dt = F.softplus(self.dt_proj(dt).float())
         return u.float(), dt, b.float(), c.float()
 
@@ -149,3 +163,10 @@ def load_mamba1(m: Mamba1, take: Any, a: str) -> None:
         m.conv_bias.copy_(take(a + "conv1d.bias"))
     m.A_log.copy_(take(a + "A_log"))
     m.D.copy_(take(a + "D"))
+    if m.s.bcdt_norm_weights:
+        for param, name in (
+            (m.dt_norm, "dt_layernorm"),
+            (m.b_norm, "b_layernorm"),
+            (m.c_norm, "c_layernorm"),
+        ):
+            param.copy_(take(a + name + ".weight"))

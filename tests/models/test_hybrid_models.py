@@ -246,6 +246,24 @@ CONFIGS = {
     ),
     # FalconMamba: B, C and dt RMS-normed
     "falcon_mamba": ("FalconMambaConfig", dict(layer_types=None, state_size=8, expand=2, mixer_rms_eps=1e-6)),
+    # Jamba: Mamba with weighted dt/B/C norms, attention without positions at layer 2, experts at
+    # the odd layers (softmax top-2 of 4, not renormalised)
+    "jamba": (
+        "JambaConfig",
+        dict(
+            layer_types=None,
+            intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=4,
+            attn_layer_offset=2,
+            mamba_d_state=8,
+            mamba_expand=2,
+            use_mamba_kernels=False,
+        ),
+    ),  # fmt: skip
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
@@ -273,7 +291,7 @@ def perturb(model) -> None:
                 p.normal_(0, 1.0)
             elif n.endswith(("norm.weight", "norm.gate")) and p.dim() == 1:
                 p.normal_(1.0 if plain_norms else 0.0, 0.3)
-            elif n.endswith(("A_log", "dt_bias", ".D", "dt_proj.bias")):
+            elif n.endswith(("A_log", "dt_bias", ".D", "dt_proj.bias", "dt_layernorm.weight")):
                 p.normal_(0, 0.3)
             elif n.endswith(("conv.bias", "conv1d.bias", "proj.bias")):
                 p.normal_(0, 0.1)
