@@ -163,8 +163,8 @@ class ModelShape:
     # with states per request slot, not K/V rows: Gated DeltaNet (Qwen3-Next, Qwen3.5), LFM2's conv
     recurrent: RecurrentMixer | None = None
     recurrent_layers: tuple[bool, ...] = ()
-    # per layer, its one block where each layer is one pre-norm block ("attention", "recurrent" or
-    # "mlp": Nemotron-H's `BlockLayer`); () where each layer has attention and an MLP
+    # per layer, its one block where each layer is one pre-norm block ("attention", "recurrent", "mlp"
+    # or "moe": Nemotron-H's `BlockLayer`); () where each layer has attention and an MLP
     layer_blocks: tuple[str, ...] = ()
     # every layer's recurrent layer runs beside its attention on the same normed input, their outputs
     # summed (Falcon-H1); the layer keeps K/V rows and states
@@ -173,7 +173,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         if self.mlp_gated and self.activation not in ACTIVATIONS:
             raise UnsupportedModel(f"{self.architecture}: a gated MLP with {self.activation!r} is not served")
-        if self.moe is not None and self.activation != "silu":
+        if self.moe is not None and self.moe.ungated_act is None and self.activation != "silu":
             raise UnsupportedModel(
                 f"{self.architecture}: routed experts run SiLU only, the config asks for {self.activation!r}"
             )
@@ -510,6 +510,8 @@ class BlockLayer(nn.Module):
             self.attn = SelfAttention(s)
         elif kind == "recurrent":
             self.attn = s.recurrent.build(s.hidden_size)  # type: ignore[union-attr]
+        elif kind == "moe":
+            self.mlp = MoEBlock(s.moe)  # type: ignore[arg-type]
         else:
             self.mlp = GatedMLP(s) if s.mlp_gated else PlainMLP(s)
         self.input_norm = nn.Parameter(torch.ones(s.hidden_size))

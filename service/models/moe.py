@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.models import cpu_kernels
-from service.models.ops import clamped_swiglu, silu_mul
+from service.models.ops import clamped_swiglu, relu2, silu_mul
 
 # The native bf16 kernel streams each active expert's weights once per call: it wins while the
 # experts get few rows (decode steps, short chunks: 1.4-2.7x the torch matmuls at 1-16 rows per
@@ -56,6 +56,9 @@ class MoEShape:
     expert_bias: bool = False  # each expert's gate_up and down have biases (gpt-oss)
     # (alpha, limit): gpt-oss's clamped SwiGLU instead of SiLU(gate) * up (`ops.clamped_swiglu`)
     clamped_swiglu: tuple[float, float] | None = None
+    # experts (and the shared one) without a gate: down(act(up(x))), `w_gate_up` holding up alone
+    # [E, I, H]; the activation by name ("relu2": Nemotron 3's ReLU squared)
+    ungated_act: str | None = None
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,7 @@ class MoEBlock(nn.Module):
             self.router_weight = nn.Parameter(torch.zeros(e, h))
             if s.biased.correction:
                 self.score_bias = nn.Parameter(torch.zeros(e))  # on the scores the choice is made on
-        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w_gate_up = nn.Parameter(torch.empty(e, i if s.ungated_act else 2 * i, h))
         self.w_down = nn.Parameter(torch.empty(e, h, i))
         if s.expert_bias:
             self.b_gate_up = nn.Parameter(torch.zeros(e, 2 * i))
@@ -236,11 +239,19 @@ class MoEBlock(nn.Module):
         if s.shared_intermediate_size:
             si = s.shared_intermediate_size
             b = s.shared_bias
-            self.shared = nn.ModuleDict(
-                dict(gate_up=nn.Linear(h, 2 * si, bias=b), down=nn.Linear(si, h, bias=b))
-            )
+            up = si if s.ungated_act else 2 * si
+            self.shared = nn.ModuleDict(dict(gate_up=nn.Linear(h, up, bias=b), down=nn.Linear(si, h, bias=b)))
             if s.shared_gated:
                 self.shared["gate"] = nn.Linear(h, 1, bias=False)
+
+    def _act(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What runs between an expert's two matmuls."""
+        s = self.s
+        if s.ungated_act is not None:
+            return UNGATED[s.ungated_act]
+        if s.clamped_swiglu is not None:
+            return partial(clamped_swiglu, alpha=s.clamped_swiglu[0], limit=s.clamped_swiglu[1])
+        return silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.s.biased is None:
@@ -249,21 +260,20 @@ class MoEBlock(nn.Module):
             logits = F.linear(x.float(), self.router_weight)
             bias = self.score_bias if self.s.biased.correction else None
             weights, ids = route_biased(logits, bias, self.s.top_k, self.s.renormalize, self.s.biased)
-        if self.s.expert_bias or self.s.clamped_swiglu is not None:  # the grouped torch form only
-            act = (
-                silu_mul
-                if self.s.clamped_swiglu is None
-                else partial(clamped_swiglu, alpha=self.s.clamped_swiglu[0], limit=self.s.clamped_swiglu[1])
-            )
+        act = self._act()
+        if self.s.expert_bias or act is not silu_mul:  # the grouped torch form only
             biases = (self.b_gate_up, self.b_down) if self.s.expert_bias else None
             y = experts_torch(x, self.w_gate_up, self.w_down, weights, ids, biases, act)
         else:
             y = run_experts(x, self.w_gate_up, self.w_down, weights, ids)
         if self.shared is not None:
             sh = self.shared
-            shared = sh["down"](silu_mul(sh["gate_up"](x)))
+            shared = sh["down"](act(sh["gate_up"](x)))
             y = y + (torch.sigmoid(sh["gate"](x)) * shared if self.s.shared_gated else shared)
         return y
+
+
+UNGATED = {"relu2": relu2}  # the activations of experts without a gate, by MoEShape.ungated_act
 
 
 def run_experts(

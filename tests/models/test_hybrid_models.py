@@ -264,6 +264,28 @@ CONFIGS = {
             use_mamba_kernels=False,
         ),
     ),  # fmt: skip
+    # Nemotron 3: ... with routed experts (sigmoid choice plus a bias, scaled by 2) and a shared expert,
+    # all without a gate
+    "nemotron_h-moe": (
+        "NemotronHConfig",
+        dict(
+            layer_types=None,
+            num_hidden_layers=None,
+            layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            routed_scaling_factor=2.0,
+            norm_topk_prob=True,
+            n_group=1,
+            topk_group=1,
+        ),
+    ),  # fmt: skip
     # two dense layers, then experts chosen on sigmoid scores plus a bias, scaled by 2
     "lfm2_moe": (
         "Lfm2MoeConfig",
@@ -296,7 +318,7 @@ def perturb(model) -> None:
             elif n.endswith(("conv.bias", "conv1d.bias", "proj.bias")):
                 p.normal_(0, 0.1)
         for n, b in list(model.named_parameters()) + list(model.named_buffers()):
-            if n.endswith("expert_bias"):
+            if n.endswith(("expert_bias", "e_score_correction_bias")):
                 b.normal_(0, 0.3)
 
 
