@@ -19,6 +19,7 @@ they get along with the loops and why a prefix cache cannot serve such a model).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -176,19 +177,15 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_ba(x).float().chunk(2, dim=-1)
         beta = b.sigmoid() * s.beta_scale if s.beta_scale != 1.0 else b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        steps, chunks = rows.steps, rows.chunks
-        if chunks is None and steps is not None and steps.rows is None:  # a decode batch
-            o = self._step(mixed, g, beta, conv_state, state, steps)
-        else:
-            o = x.new_empty(x.shape[0], s.num_v_heads, s.v_dim, dtype=torch.float32)
-            if steps is not None:
-                i = steps.rows
-                o[i] = self._step(mixed[i], g[i], beta[i], conv_state, state, steps)
-            if chunks is not None:
-                o[chunks.rows] = self._chunks(mixed, g, beta, conv_state, state, chunks)
+        o = rows.run(
+            partial(self._step, conv_state, state),
+            partial(self._chunks, conv_state, state),
+            (mixed, g, beta),
+            (s.num_v_heads, s.v_dim),
+        )
         return self.out(self._gated_norm(o, z))
 
-    def _step(self, mixed, g, beta, conv_state, state, rows: StepRows) -> torch.Tensor:
+    def _step(self, conv_state, state, mixed, g, beta, rows: StepRows) -> torch.Tensor:
         """One token per request: the conv and the rule a step on from each slot's states."""
         conv = conv_step(mixed, conv_state, self.conv_weight, None, rows)
         q, k, v = self._heads(F.silu(conv).to(mixed.dtype))
@@ -208,7 +205,7 @@ class GatedDeltaNet(nn.Module):
         q = l2_normalise(q) * s.k_dim**-0.5
         return q, l2_normalise(k), v.unflatten(-1, (s.num_v_heads, s.v_dim))
 
-    def _chunks(self, mixed, g, beta, conv_state, state, rows: ChunkRows) -> torch.Tensor:
+    def _chunks(self, conv_state, state, mixed, g, beta, rows: ChunkRows) -> torch.Tensor:
         """Several tokens per request, from each slot's states (zeros where it starts afresh),
         right-padded and run together; the states written back. [tokens, Hv, Dv] in packed order."""
         conv = conv_extend(mixed, conv_state, self.conv_weight, None, rows)

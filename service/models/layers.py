@@ -185,17 +185,19 @@ class ModelShape:
     @property
     def kv_layers(self) -> tuple[bool, ...]:
         """Per layer: whether it keeps K/V rows (every layer with attention)."""
-        return tuple(
-            not self.is_recurrent(i) and (not self.layer_blocks or self.layer_blocks[i] == "attention")
-            for i in range(self.num_layers)
-        )
+        if self.layer_blocks:
+            return tuple(b == "attention" for b in self.layer_blocks)
+        return tuple(not self.is_recurrent(i) for i in range(self.num_layers))
 
     def is_recurrent(self, layer: int) -> bool:
+        """A recurrent layer in attention's place (`recurrent_layers`, or a BlockLayer's block)."""
+        if self.layer_blocks:
+            return self.layer_blocks[layer] == "recurrent"
         return bool(self.recurrent_layers) and self.recurrent_layers[layer]
 
     def state_specs(self, dtype: torch.dtype) -> list:
         """Per layer, the shapes and dtypes of its per-slot states (None: a layer with K/V rows)."""
-        assert self.recurrent is None or self.recurrent_layers or self.parallel_recurrent
+        assert self.recurrent is None or self.recurrent_layers or self.layer_blocks or self.parallel_recurrent
         return [
             self.recurrent.state_shapes(dtype)  # type: ignore[union-attr]
             if self.is_recurrent(i) or self.parallel_recurrent
@@ -600,10 +602,12 @@ class CausalLM(nn.Module):
             positions = torch.arange(pos3.shape[1], device=pos3.device)
         tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         delta = None
-        rows = RecurrentRows.of(fb) if s.recurrent is not None else None
+        recurrent = RecurrentRows.of(fb) if s.recurrent is not None else None
         for i, layer in enumerate(self.layers):
             if s.is_recurrent(i):  # its slot states where other layers take their K/V and metadata
-                h, delta = layer(h, delta, positions, None, None, kv_pool.states.layers[i], None, rows, attn)
+                h, delta = layer(
+                    h, delta, positions, None, None, kv_pool.states.layers[i], None, recurrent, attn
+                )
                 continue
             key = s.layer_rope[i]
             if key not in tables:
@@ -612,7 +616,7 @@ class CausalLM(nn.Module):
             cos, sin = tables[key]
             meta = metas[s.layer_attention[i]]
             if s.parallel_recurrent:
-                beside = (kv_pool.states.layers[i], rows)
+                beside = (kv_pool.states.layers[i], recurrent)
                 h, delta = layer(
                     h, delta, positions, cos, sin, kv_pool.k[i], kv_pool.v[i], meta, attn, beside
                 )

@@ -13,6 +13,7 @@ matmuls: prompt tokens run the recurrence token by token, every request of the b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -98,15 +99,9 @@ class Mamba1(nn.Module):
         s = self.s
         conv_state, state = states
         u, z = self.in_proj(x).chunk(2, dim=-1)
-        steps, chunks = rows.steps, rows.chunks
-        if chunks is None and steps is not None and steps.rows is None:  # a decode batch
-            y = self._step(u, conv_state, state, steps)
-        else:
-            y = x.new_empty(x.shape[0], s.inner, dtype=torch.float32)
-            if steps is not None:
-                y[steps.rows] = self._step(u[steps.rows], conv_state, state, steps)
-            if chunks is not None:
-                y[chunks.rows] = self._chunks(u, conv_state, state, chunks)
+        y = rows.run(
+            partial(self._step, conv_state, state), partial(self._chunks, conv_state, state), (u,), (s.inner,)
+        )
         return self.out((y * F.silu(z.float())).to(x.dtype))
 
     def _ssm_inputs(self, conv: torch.Tensor, dtype: torch.dtype):
@@ -126,14 +121,14 @@ class Mamba1(nn.Module):
         dt = F.softplus(self.dt_proj(dt).float())
         return u.float(), dt, b.float(), c.float()
 
-    def _step(self, u, conv_state, state, rows: StepRows) -> torch.Tensor:
+    def _step(self, conv_state, state, u, rows: StepRows) -> torch.Tensor:
         conv = conv_step(u, conv_state, self.conv_weight, self.conv_bias, rows)
         u, dt, b, c = self._ssm_inputs(conv, u.dtype)
         y, new = ssm_step(u, dt, -self.A_log.float().exp(), b, c, read_states(state, rows.slots, rows.keep))
         state.index_copy_(0, rows.slots, new)
         return y + self.D.float() * u
 
-    def _chunks(self, u, conv_state, state, rows: ChunkRows) -> torch.Tensor:
+    def _chunks(self, conv_state, state, u, rows: ChunkRows) -> torch.Tensor:
         conv = conv_extend(u, conv_state, self.conv_weight, self.conv_bias, rows)  # [m, L, D]
         xs, dt, b, c = self._ssm_inputs(conv, u.dtype)
         dt = dt * rows.valid.unsqueeze(-1)  # padding: no decay, no update

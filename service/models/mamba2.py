@@ -13,6 +13,7 @@ request from its own state, right-padded together (padding has dt = 0: no decay,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -125,16 +126,12 @@ class Mamba2(nn.Module):
         conv_state, state = states
         z, xbc, dt = self.in_proj(x).split([s.inner, s.conv_channels, s.heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
-        steps, chunks = rows.steps, rows.chunks
-        if chunks is None and steps is not None and steps.rows is None:  # a decode batch
-            y = self._step(xbc, dt, conv_state, state, steps)
-        else:
-            y = x.new_empty(x.shape[0], s.heads, s.head_dim, dtype=torch.float32)
-            if steps is not None:
-                i = steps.rows
-                y[i] = self._step(xbc[i], dt[i], conv_state, state, steps)
-            if chunks is not None:
-                y[chunks.rows] = self._chunks(xbc, dt, conv_state, state, chunks)
+        y = rows.run(
+            partial(self._step, conv_state, state),
+            partial(self._chunks, conv_state, state),
+            (xbc, dt),
+            (s.heads, s.head_dim),
+        )
         return self.out(self._gated_norm(y.flatten(1), z))
 
     def _split(self, conv: torch.Tensor):
@@ -145,14 +142,14 @@ class Mamba2(nn.Module):
         b, c = (t.unflatten(-1, (s.groups, s.d_state)).repeat_interleave(per, dim=-2) for t in (b, c))
         return xs.unflatten(-1, (s.heads, s.head_dim)), b, c
 
-    def _step(self, xbc, dt, conv_state, state, rows: StepRows) -> torch.Tensor:
+    def _step(self, conv_state, state, xbc, dt, rows: StepRows) -> torch.Tensor:
         conv = conv_step(xbc, conv_state, self.conv_weight, self.conv_bias, rows)
         xs, b, c = self._split(conv.to(xbc.dtype).float())
         y, new = ssm_step(xs, dt, -self.A_log.float().exp(), b, c, read_states(state, rows.slots, rows.keep))
         state.index_copy_(0, rows.slots, new)
         return y + self.D.float().unsqueeze(-1) * xs
 
-    def _chunks(self, xbc, dt, conv_state, state, rows: ChunkRows) -> torch.Tensor:
+    def _chunks(self, conv_state, state, xbc, dt, rows: ChunkRows) -> torch.Tensor:
         conv = conv_extend(xbc, conv_state, self.conv_weight, self.conv_bias, rows)
         xs, b, c = self._split(conv.to(xbc.dtype).float())  # [m, L, ...]
         # the chunked form's floor and ceiling on dt (`time_step_limit`); the step has none, as in

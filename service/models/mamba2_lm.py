@@ -50,7 +50,6 @@ def _blocks(config, mixer) -> ModelShape:
         norm_eps=config.layer_norm_epsilon,
         layer_blocks=("recurrent",) * n,
         recurrent=mixer,
-        recurrent_layers=(True,) * n,
     )
 
 

@@ -67,7 +67,6 @@ def shape(config) -> ModelShape:
             norm_eps=config.layer_norm_epsilon,
             dt_limit=(float(config.time_step_min), float("inf")),
         ),
-        recurrent_layers=tuple(t == "linear_attention" for t in types),
         moe=experts_shape(config, act) if "moe" in types else None,
         moe_layers=tuple(t == "moe" for t in types),
     )

@@ -14,6 +14,7 @@ that both layers run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,6 +97,26 @@ class RecurrentRows:
                 slots[i.to(dev)], *(x.to(dev) for x in (n, packed, valid, packed[valid], keep[i]))
             )
         return cls(steps, chunks)
+
+    def run(
+        self,
+        step: Callable[..., torch.Tensor],
+        chunk: Callable[..., torch.Tensor],
+        inputs: tuple[torch.Tensor, ...],
+        width: tuple[int, ...],
+    ) -> torch.Tensor:
+        """A layer's float32 output per packed token [T, *width]: `step(*decodes' inputs, StepRows)`
+        for the decodes, `chunk(*inputs, ChunkRows)` for the prompt tokens (each giving its
+        requests' tokens in packed order); `inputs` are the layer's packed per-token tensors."""
+        steps, chunks = self.steps, self.chunks
+        if chunks is None and steps is not None and steps.rows is None:  # a decode batch
+            return step(*inputs, steps)
+        out = torch.empty(inputs[0].shape[0], *width, dtype=torch.float32, device=inputs[0].device)
+        if steps is not None:
+            out[steps.rows] = step(*(t[steps.rows] for t in inputs), steps)
+        if chunks is not None:
+            out[chunks.rows] = chunk(*inputs, chunks)
+        return out
 
 
 def read_states(states: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

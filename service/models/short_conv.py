@@ -41,14 +41,10 @@ class ShortConv(nn.Module):
         (conv_state,) = states
         b, c, u = self.in_proj(x).chunk(3, dim=-1)
         bx = b * u
-        steps, chunks = rows.steps, rows.chunks
-        if chunks is None and steps is not None and steps.rows is None:  # a decode batch
-            y = conv_step(bx, conv_state, self.conv_weight, self.conv_bias, steps)
-        else:
-            y = x.new_empty(x.shape[0], x.shape[1], dtype=torch.float32)
-            if steps is not None:
-                y[steps.rows] = conv_step(bx[steps.rows], conv_state, self.conv_weight, self.conv_bias, steps)
-            if chunks is not None:
-                conv = conv_extend(bx, conv_state, self.conv_weight, self.conv_bias, chunks)
-                y[chunks.rows] = conv[chunks.valid]
+        y = rows.run(
+            lambda v, r: conv_step(v, conv_state, self.conv_weight, self.conv_bias, r),
+            lambda v, r: conv_extend(v, conv_state, self.conv_weight, self.conv_bias, r)[r.valid],
+            (bx,),
+            (x.shape[1],),
+        )
         return self.out(c * y.to(x.dtype))
