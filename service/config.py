@@ -57,6 +57,9 @@ class ServerArgs:
     disable_prefix_cache: bool = (
         False  # no reuse of cached prompt prefixes (= --disable-feature prefix_cache)
     )
+    # recurrent layers' state snapshots the prefix cache may keep; None: as many as half of the KV
+    # share left after the running requests' states holds, at most max_running_requests (0: no cache)
+    state_snapshots: int | None = None
     grammar_compile_timeout_s: float = 30.0
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key: serve TLS only
     tls_key: str | None = None
@@ -273,6 +276,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--disable-prefix-cache",
         action="store_true",
         help="do not reuse the KV of cached prompt prefixes (same as --disable-feature prefix_cache)",
+    )
+    p.add_argument(
+        "--state-snapshots",
+        type=int,
+        default=d.state_snapshots,
+        help="models with recurrent layers (Qwen3.5, Mamba, ...): snapshots of those layers' states the prefix "
+        "cache keeps, each a request slot's worth (default: half of the KV share left after the running requests' "
+        "states, at most --max-running-requests; 0 = no prefix cache for such models)",
     )
     p.add_argument(
         "--grammar-compile-timeout-s",

@@ -81,6 +81,16 @@ class FeatureData:
 
 
 @dataclass
+class StateCopies:
+    """Recurrent layers' states copied between rows of the engine's SlotStates before the model runs
+    (service/engine/state_snapshots.py): the saves (request slot -> snapshot row), then the restores
+    (snapshot row -> request slot); each a (source rows, destination rows) pair of int64 tensors."""
+
+    saves: tuple[torch.Tensor, torch.Tensor] | None = None
+    restores: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
 class ForwardBatch:
     """Inputs of one forward + sampling step, for bs requests and T tokens."""
 
@@ -118,6 +128,8 @@ class ForwardBatch:
     # EXTEND: (slot, token) pairs of the new requests' prompts (sampler penalty state, device).
     new_prompt_slots: torch.Tensor | None = None
     new_prompt_tokens: torch.Tensor | None = None
+    # Recurrent layers' states saved and restored (prefix cache) before the model runs.
+    state_copies: StateCopies | None = None
     # Set at launch: the scheduler stream's work for this batch is done (the forward waits on it).
     ready: Any = None
 

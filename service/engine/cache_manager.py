@@ -16,6 +16,12 @@ When rows change hands (docs/architecture.md, "Prefix cache"):
 - at finish: prompt + output[:-1] (the KV of the last sampled token is not
   written; under overlap the row the next, in-flight batch writes is not
   inserted either) are inserted, the rest of its rows freed, its lock dropped.
+
+A model with recurrent layers (`states`: service/engine/state_snapshots.py) matches only up to a
+node holding a snapshot of those layers' states, and its request's slot starts from a copy of it.
+Such a request caches its tokens when it ends: all its KV rows, with a snapshot of its slot's states
+after them (which the next batch's forward copies). Its prompt alone is not cached after prefill:
+without a snapshot those rows could serve nobody.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import torch
 
 from service.core.device import Device
 from service.core.feature import Feature, FeatureContext, OverlapSupport
+from service.core.forward_batch import StateCopies
 from service.core.request import FinishReason, Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.prefix_cache import RadixCache
+from service.engine.state_snapshots import StateSnapshots
 
 # A waiting request that shares at least this many more tokens with a request whose
 # prefill is under way than the cache holds for it waits for that prefill to be inserted.
@@ -73,16 +81,25 @@ class PrefixCacheInfo:
     requests: int = 0
     evicted_tokens: int = 0
     hit_rate: float = 0.0
+    state_snapshots: int = 0  # recurrent layers' snapshots held (of state_snapshot_rows)
+    state_snapshot_rows: int = 0
 
 
 class PrefixCacheManager:
     enabled = True
 
-    def __init__(self, req_pool: ReqToTokenPool, kv_pool: TokenToKVPool, device: Device):
+    def __init__(
+        self,
+        req_pool: ReqToTokenPool,
+        kv_pool: TokenToKVPool,
+        device: Device,
+        states: StateSnapshots | None = None,
+    ):
         self.req_pool = req_pool
         self.kv_pool = kv_pool
         self.device = device
-        self.tree = RadixCache(kv_pool)
+        self.states = states  # a recurrent model's state snapshots
+        self.tree = RadixCache(kv_pool, states)
         self.prefilling: dict[str, Req] = {}  # admitted, prefill result not processed yet
 
     # ---- admission ------------------------------------------------------------------
@@ -96,8 +113,9 @@ class PrefixCacheManager:
         SHARE_WAIT_TOKENS more than the cache holds now) in about the time this one would take to
         compute that part itself: then it waits for it. The tree takes a prompt whole, after its last
         chunk, so a sharer with more of its prompt left to prefill than this one would gain from it
-        (a short chat behind a long document that shares only a system prompt) is not waited for."""
-        if not self.prefilling:
+        (a short chat behind a long document that shares only a system prompt) is not waited for.
+        A recurrent model's prompts are not cached after prefill: nothing to wait for."""
+        if not self.prefilling or self.states is not None:
             return False
         key = cache_key(req)
         cached = self.tree.match_len(key, limit)
@@ -117,22 +135,27 @@ class PrefixCacheManager:
 
     def cached_len(self, req: Req, limit: int) -> int:
         """How many of the tokens `admit` would match are cached now (no split, no lock, no LRU touch)."""
+        if self.states is not None:
+            return self.tree.snapshot_len(match_key(req), limit)
         return self.tree.match_len(match_key(req), limit)
 
     def admit(self, req: Req, limit: int, room: int, cost: int | None = None) -> int | None:
         """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
         own rows fit in `room` (pool rows not reserved by running requests). Returns the matched
         length, or None (nothing kept locked) when the request does not fit yet."""
-        match = self.tree.match(match_key(req), limit)
-        self.tree.lock(match.node)
-        need = (req.budget_tokens if cost is None else cost) - match.length
+        node = self.tree.match(match_key(req), limit).node
+        if self.states is not None:  # as far as a snapshot of the recurrent states goes
+            node = self.tree.snapshot_node(node)
+        length = self.tree.depth(node)
+        self.tree.lock(node)
+        need = (req.budget_tokens if cost is None else cost) - length
         short = need - (room - self.tree.total_tokens)
         if short > 0 and self.tree.evict(short) < short:
-            self.tree.unlock(match.node)
+            self.tree.unlock(node)
             return None
-        req.cache_node, req.cache_owned, req.cached_tokens = match.node, match.length, match.length
+        req.cache_node, req.cache_owned, req.cached_tokens = node, length, length
         self.prefilling[req.rid] = req  # siblings admitted after it in this step see it too
-        return match.length
+        return length
 
     def cancel(self, req: Req) -> None:
         """Undo `admit` for a request that stays waiting after all."""
@@ -159,6 +182,8 @@ class PrefixCacheManager:
         self.req_pool.write_host(slots, positions, node_rows)
         d = self.device.to_device(slots, positions, node_rows)
         self.req_pool.write_device(d[0], d[1], d[2])
+        if self.states is not None:  # its slot's states start from the node's snapshot
+            self.states.restore(req.cache_node.snapshot, req.slot, req)
 
     def _path_rows(self, req: Req) -> torch.Tensor:
         parts = []
@@ -179,7 +204,7 @@ class PrefixCacheManager:
         if req.finished is None and req.slot >= 0 and req.kv_len < len(prompt):
             return 0
         self.prefilling.pop(req.rid, None)
-        if req.finished is not None or req.slot < 0 or req.cache_node is None:
+        if req.finished is not None or req.slot < 0 or req.cache_node is None or self.states is not None:
             return 0
         owned = req.cache_owned
         if len(prompt) <= owned or self.tree.match_len(prompt) != owned:
@@ -199,7 +224,7 @@ class PrefixCacheManager:
         self.prefilling.pop(req.rid, None)
         rows = self.req_pool.rows(req.slot, req.kv_len)
         owned = req.cache_owned
-        valid = self._valid_len(req)
+        valid = self._valid_len(req) if self.states is None else self._with_state_len(req)
         keep = owned
         if valid > owned:
             tokens = (cache_key(req) + req.output_ids)[:valid]
@@ -207,10 +232,71 @@ class PrefixCacheManager:
             assert cached >= owned, "prefix cache: a locked path was evicted"
             self.kv_pool.free(rows[owned:cached])  # duplicates of rows the tree already had
             keep = valid
+            if self.states is not None:
+                self._save_states(req, tokens)
         self.kv_pool.free(rows[keep:])
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
         req.cache_node, req.cache_owned = None, 0
+
+    def _with_state_len(self, req: Req) -> int:
+        """A recurrent model's request: the tokens its slot's states follow once every launched batch
+        has run (all its KV rows': under overlap that may include one a batch in flight writes), when
+        they are all known and a snapshot row can be had (the least recently used unlocked snapshot
+        goes if none is free); else none. An error: none."""
+        assert self.states is not None
+        known = len(cache_key(req)) + len(req.output_ids)
+        if req.finished is FinishReason.ERROR or req.kv_len > known or req.kv_len <= req.cache_owned:
+            return 0
+        tokens = (cache_key(req) + req.output_ids)[: req.kv_len]
+        if self.tree.snapshot_len(tokens) == req.kv_len:  # cached with its states already
+            return req.kv_len
+        if not self.states.free_count:
+            unlocked = [s for s in self.states.held if s.node.lock_ref == 0]
+            if not unlocked:
+                return 0
+            self.tree.drop_snapshot(min(unlocked, key=lambda s: s.node.last_access).node)
+        return req.kv_len
+
+    def _save_states(self, req: Req, tokens: list[int]) -> None:
+        """The tree now holds `tokens`: the node ending there keeps a snapshot of the request's slot
+        states (copied by the next batch's forward, before anyone reuses the slot)."""
+        assert self.states is not None
+        node = self.tree.match(tokens).node
+        if node.snapshot is None:
+            node.snapshot = self.states.save(req.slot, node)
+
+    # ---- state snapshots: a batch's copies, and what a failed step spoils ----------------
+    def formed(self) -> tuple[int, StateCopies | None]:
+        """A batch was formed: its number, and the state copies its forward makes first."""
+        return (0, None) if self.states is None else self.states.formed()
+
+    def batch_done(self, number: int, ok: bool) -> list[Req]:
+        """Batch `number`'s result was processed. A failed one may have left slots' states half
+        updated: the snapshots copied after it go, and the requests that started from them are
+        returned (to be failed; then `prune`)."""
+        if self.states is None:
+            return []
+        readers = []
+        for snap in self.states.batch_done(number, ok):
+            readers.extend(r for r in snap.readers if r.finished is None)
+            self.tree.drop_snapshot(snap.node)
+        return readers
+
+    def prune(self) -> None:
+        """Rows no snapshot follows any more (a recurrent model's, after a failed step) go."""
+        if self.states is not None:
+            self.tree.prune()
+
+    def after_failure(self) -> None:
+        """The scheduler failed and abandoned its batches unprocessed (every request failed): the
+        snapshots not settled go, with what only they made useful."""
+        if self.states is None:
+            return
+        self.states.forget_restores()
+        for snap in self.states.unsettled():
+            self.tree.drop_snapshot(snap.node)
+        self.tree.prune()
 
     @staticmethod
     def _valid_len(req: Req) -> int:
@@ -246,6 +332,8 @@ class PrefixCacheManager:
             s.requests,
             s.evicted_tokens,
             s.hit_rate,
+            len(self.states.held) if self.states is not None else 0,
+            self.states.count if self.states is not None else 0,
         )
 
 
@@ -268,9 +356,9 @@ class PrefixCacheFeature(Feature):
         return False
 
     def unavailable_reason(self, model: FeatureContext | None) -> str | None:
-        """A model with recurrent layers (Qwen3.5's Gated DeltaNet, LFM2's conv): a cached prefix's
-        K/V rows say nothing of those layers' states after it, so every prompt is computed whole."""
-        if model is None:
+        """A model with recurrent layers (Qwen3.5's Gated DeltaNet, Mamba, LFM2's conv) is cached with
+        snapshots of those layers' states: none when --state-snapshots is 0."""
+        if model is None or getattr(model.args, "state_snapshots", None) != 0:
             return None
         from service.models.families import model_shape
         from service.models.vision import text_config
@@ -279,6 +367,6 @@ class PrefixCacheFeature(Feature):
         if shape.recurrent is None:
             return None
         return (
-            f"{shape.architecture}'s recurrent layers keep a state per request, not per token: "
-            "a cached prefix cannot restore it"
+            f"{shape.architecture}'s recurrent layers keep a state per request, not per token, and "
+            "--state-snapshots 0 keeps no snapshot of it"
         )

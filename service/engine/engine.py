@@ -45,6 +45,7 @@ from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler.admission import AdmissionPolicy, RetractionConfig
 from service.engine.scheduler.prefill import PrefillLimits
+from service.engine.state_snapshots import StateSnapshots
 from service.engine.timeline import Timeline
 from service.models.backends import get_attention_backend, resolve_attention_backend
 from service.models.cpu_features import cpu_features
@@ -231,9 +232,10 @@ class Engine:
             count_tokens=lambda slots, tokens: self.worker.sampler.count_tokens(slots, tokens),
         )
         self.features.bind(self.feature_context)
+        specs = shape.state_specs(self.dtype)
+        self.state_snapshots = self._state_snapshot_count(specs) if any(specs) else 0
         kv_tokens = args.kv_cache_tokens or self._kv_tokens_from_memory()
         dev = self.device.device
-        specs = shape.state_specs(self.dtype)
         self.kv_pool = TokenToKVPool(
             kv_tokens,
             shape.num_layers,
@@ -242,7 +244,9 @@ class Engine:
             self.dtype,
             dev,
             kv_layers=shape.kv_layers,
-            states=SlotStates(args.max_running_requests, specs, dev) if any(specs) else None,
+            states=SlotStates(args.max_running_requests, specs, dev, self.state_snapshots)
+            if any(specs)
+            else None,
         )
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, dev)
         self.timeline = Timeline(keep_trace=bool(args.trace_file))
@@ -277,7 +281,15 @@ class Engine:
         if why is not None:
             log.info("prefix cache off: %s", why)
             return None
-        return PrefixCacheManager(self.req_pool, self.kv_pool, self.device)
+        states = None
+        if self.kv_pool.states is not None:  # recurrent layers: snapshots of their states
+            states = StateSnapshots(self.args.max_running_requests, self.state_snapshots, self.device)
+            log.info(
+                "prefix cache: %d snapshots of the recurrent layers' states (%.1f MiB each)",
+                self.state_snapshots,
+                SlotStates.bytes_per_slot(self.model.shape.state_specs(self.dtype)) / 2**20,
+            )
+        return PrefixCacheManager(self.req_pool, self.kv_pool, self.device, states)
 
     def _chunker(self, args: ServerArgs) -> PrefillChunker | None:
         """Chunked prefill and mixed batches (chunking.py); None: whole prompts per step."""
@@ -303,19 +315,39 @@ class Engine:
     def mode(self) -> str:
         return "overlap" if self.overlap else "normal"
 
+    def _kv_share_bytes(self) -> int:
+        """--kv-mem-fraction of host memory (CUDA: of free GPU memory)."""
+        if self.device.is_cuda:
+            memory = torch.cuda.mem_get_info(self.device.device)[0]
+        else:
+            memory = _host_memory_bytes()
+        return int(memory * self.args.kv_mem_fraction)
+
+    def _state_snapshot_count(self, specs: list) -> int:
+        """How many snapshots of the recurrent layers' states the prefix cache keeps (--state-snapshots;
+        by default half of the KV share the running requests' states leave, at least one, at most one per
+        request slot; none without a prefix cache)."""
+        args = self.args
+        if args.state_snapshots is not None and args.state_snapshots < 0:
+            raise ValueError(f"--state-snapshots {args.state_snapshots}: must be 0 or more")
+        if args.disable_prefix_cache or not self.features.enabled.get("prefix_cache", False):
+            return 0
+        if args.state_snapshots is not None:
+            return args.state_snapshots
+        per_slot = SlotStates.bytes_per_slot(specs)
+        left = self._kv_share_bytes() - args.max_running_requests * per_slot
+        return min(args.max_running_requests, max(1, left // 2 // per_slot))
+
     def _kv_tokens_from_memory(self) -> int:
         s = self.model.shape
         # (a model without attention keeps no K/V rows: its pool holds only token bookkeeping)
         per_token = max(
             1, TokenToKVPool.bytes_per_token(sum(s.kv_layers), s.num_kv_heads, s.head_dim, self.dtype)
         )
-        if self.device.is_cuda:
-            memory = torch.cuda.mem_get_info(self.device.device)[0]
-        else:
-            memory = _host_memory_bytes()
-        # recurrent layers' states, one set per request slot, come out of the same share
-        states = self.args.max_running_requests * SlotStates.bytes_per_slot(s.state_specs(self.dtype))
-        tokens = max(0, int(memory * self.args.kv_mem_fraction) - states) // per_token
+        # recurrent layers' states, one set per request slot and per snapshot, come out of the same share
+        rows = self.args.max_running_requests + self.state_snapshots
+        states = rows * SlotStates.bytes_per_slot(s.state_specs(self.dtype))
+        tokens = max(0, self._kv_share_bytes() - states) // per_token
         return max(1, min(tokens, self.args.max_running_requests * self.context_length))
 
     # ---- requests ------------------------------------------------------------------
@@ -462,9 +494,10 @@ class Engine:
         return True
 
     def kv_all_free(self) -> bool:
-        """Leak check: every KV row is on the free list once the prefix cache is flushed."""
+        """Leak check: every KV row (and state snapshot row) is free once the prefix cache is flushed."""
         self.flush_prefix_cache()
-        return self.kv_pool.free_count == self.kv_pool.size
+        held = self.scheduler.prefix_cache.info().state_snapshots
+        return self.kv_pool.free_count == self.kv_pool.size and not held
 
     def shutdown(self) -> None:
         self.scheduler.stop()

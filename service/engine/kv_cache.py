@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from service.core.forward_batch import StateCopies
 from service.models.recurrent import StateSpec
 
 
@@ -69,15 +70,37 @@ class ReqToTokenPool:
 
 class SlotStates:
     """Per layer (None where a layer keeps K/V rows), its states for every request slot; a state's
-    row of a slot is what the layer left after the slot's last token."""
+    row of a slot is what the layer left after the slot's last token. Rows past the request slots
+    hold the prefix cache's snapshots (`snapshots` of them: service/engine/state_snapshots.py)."""
 
-    def __init__(self, num_slots: int, specs: Sequence[StateSpec | None], device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_slots: int,
+        specs: Sequence[StateSpec | None],
+        device: torch.device | str = "cpu",
+        snapshots: int = 0,
+    ):
+        self.num_slots = num_slots
+        self.snapshots = snapshots
+        rows = num_slots + snapshots
         self.layers: list[list[torch.Tensor] | None] = [
             None
             if spec is None
-            else [torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in spec]
+            else [torch.zeros((rows, *shape), dtype=dtype, device=device) for shape, dtype in spec]
             for spec in specs
         ]
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every state's rows `dst` = its rows `src` (on the forward, in launch order; no row is in both)."""
+        for layer in self.layers:
+            for t in layer or ():
+                t.index_copy_(0, dst, t.index_select(0, src))
+
+    def apply(self, copies: StateCopies) -> None:
+        """A batch's saves, then its restores (a restore may read a snapshot saved just before)."""
+        for pair in (copies.saves, copies.restores):
+            if pair is not None:
+                self.copy(*pair)
 
     @staticmethod
     def bytes_per_slot(specs: Sequence[StateSpec | None]) -> int:

@@ -95,6 +95,8 @@ class ModelWorker:
             self.cpu_team.forward_started(decode=fb.mode is ForwardMode.DECODE)
         for feature, _ in fb.features:
             feature.before_forward(fb)
+        if fb.state_copies is not None:  # the prefix cache's recurrent states (state_snapshots.py)
+            self.kv_pool.states.apply(fb.state_copies)  # type: ignore[union-attr]
         if fb.new_slots is not None:
             self.sampler.reset_slots(fb.new_slots, fb.new_prompt_slots, fb.new_prompt_tokens)
         if self.graphs is not None and self.graphs.can_run(fb):

@@ -14,6 +14,10 @@ only rows whose KV was written by batches whose results were processed are
 inserted, and evicted rows are reused only by batches launched later, which the
 forward thread runs after every batch that could still read them.
 
+For a model with recurrent layers a node may also hold a state snapshot (`Node.snapshot`,
+service/engine/state_snapshots.py): those layers' states after its last token. Such a model's
+requests match only up to a node holding one (`snapshot_node`); a snapshot goes with its node.
+
 Observers (`RadixCache.observers`, plain callables) hear every change of what the
 tree holds: a node added by `insert` and a leaf removed by `evict` (`flush` too),
 each as a `CacheEvent` with the node's whole path from the root. Splits and
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from service.engine.kv_cache import TokenToKVPool
+from service.engine.state_snapshots import Snapshot, StateSnapshots
 
 
 @dataclass(eq=False)
@@ -42,6 +47,7 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)
     lock_ref: int = 0  # running requests whose matched path goes through this node
     last_access: int = 0  # logical clock: LRU order
+    snapshot: Snapshot | None = None  # recurrent layers' states after its last token
 
     def __lt__(self, other: "Node") -> bool:  # heap order: least recently used first
         return self.last_access < other.last_access
@@ -98,8 +104,9 @@ def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
 class RadixCache:
     """Token ids -> KV rows, with lock counts and LRU eviction of unlocked leaves."""
 
-    def __init__(self, kv_pool: TokenToKVPool):
+    def __init__(self, kv_pool: TokenToKVPool, states: StateSnapshots | None = None):
         self.kv_pool = kv_pool
+        self.states = states  # a recurrent model's snapshots (None: K/V rows are the whole story)
         self.root = Node([], torch.empty(0, dtype=torch.int64))
         self.root.lock_ref = 1  # never evicted
         self.total_tokens = 0  # rows the tree holds
@@ -167,6 +174,37 @@ class RadixCache:
             node = child
         return pos
 
+    def depth(self, node: Node) -> int:
+        """How many tokens lie from the root to the end of `node`."""
+        n = 0
+        while node is not self.root:
+            n += len(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return n
+
+    def snapshot_node(self, node: Node) -> Node:
+        """The deepest node at or above `node` that holds a state snapshot (else the root)."""
+        while node is not self.root and node.snapshot is None:
+            node = node.parent  # type: ignore[assignment]
+        return node
+
+    def snapshot_len(self, tokens: list[int], limit: int | None = None) -> int:
+        """How many leading tokens of `tokens[:limit]` end at a node holding a snapshot, at most (no
+        split, no LRU touch)."""
+        end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
+        node, pos, found = self.root, 0, 0
+        while pos < end:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, tokens, pos, end)
+            if n < len(child.key):
+                break
+            node, pos = child, pos + n
+            if node.snapshot is not None:
+                found = pos
+        return found
+
     def _split(self, child: Node, n: int) -> Node:
         """child (key k) -> parent part (k[:n]) above child (k[n:]); returns the parent part."""
         assert child.parent is not None and 0 < n < len(child.key)
@@ -228,16 +266,52 @@ class RadixCache:
         freed = 0
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
-            self._tell("removed", leaf)
-            self.kv_pool.free(leaf.rows)
             freed += len(leaf.key)
-            parent = leaf.parent
-            assert parent is not None
-            del parent.children[leaf.key[0]]
-            self.total_tokens -= len(leaf.key)
+            parent = self._remove_leaf(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
-        self.stats.evicted_tokens += freed
+        return freed
+
+    def _remove_leaf(self, leaf: Node) -> Node:
+        """An unlocked leaf goes: its rows (and snapshot) freed; returns its parent."""
+        self._tell("removed", leaf)
+        self.kv_pool.free(leaf.rows)
+        if leaf.snapshot is not None:
+            assert self.states is not None
+            self.states.discard(leaf.snapshot)
+            leaf.snapshot = None
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.key[0]]
+        self.total_tokens -= len(leaf.key)
+        self.stats.evicted_tokens += len(leaf.key)
+        return parent
+
+    def drop_snapshot(self, node: Node) -> None:
+        """Let `node`'s snapshot go; then the unlocked leaves without one that this leaves useless to
+        a recurrent model (nothing can be matched up to them) go too, up the path."""
+        assert node.snapshot is not None and self.states is not None
+        self.states.discard(node.snapshot)
+        node.snapshot = None
+        while node is not self.root and not node.children and node.lock_ref == 0 and node.snapshot is None:
+            node = self._remove_leaf(node)
+
+    def prune(self) -> int:
+        """A recurrent model's tree: remove every unlocked leaf without a snapshot, repeatedly (rows
+        nothing can be matched up to). Returns the rows freed."""
+        freed = 0
+        stack = [n for n in self._leaves() if n.lock_ref == 0 and n.snapshot is None]
+        while stack:
+            leaf = stack.pop()
+            freed += len(leaf.key)
+            parent = self._remove_leaf(leaf)
+            if (
+                parent is not self.root
+                and not parent.children
+                and parent.lock_ref == 0
+                and parent.snapshot is None
+            ):
+                stack.append(parent)
         return freed
 
     def flush(self) -> int:
@@ -256,11 +330,18 @@ class RadixCache:
     # ---- checks (tests) -------------------------------------------------------------
     def check(self) -> None:
         """Assert the counters match the tree (tests)."""
-        total = locked = 0
+        total = locked = snapshots = 0
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             assert len(node.key) == node.rows.numel() > 0
+            if node.snapshot is not None:
+                assert (
+                    self.states is not None
+                    and node.snapshot.node is node
+                    and node.snapshot in self.states.held
+                )
+                snapshots += 1
             assert node.parent is not None and node.parent.children[node.key[0]] is node
             total += len(node.key)
             locked += len(node.key) if node.lock_ref else 0
@@ -269,3 +350,6 @@ class RadixCache:
         assert (total, locked) == counted, (
             f"tree holds {(total, locked)} (total, locked), counters say {counted}"
         )
+        if self.states is not None:
+            held = len(self.states.held)
+            assert snapshots == held == self.states.count - self.states.free_count, (snapshots, held)

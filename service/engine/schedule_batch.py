@@ -33,6 +33,7 @@ class ScheduleBatch(BatchView):
     support: OverlapSupport = OverlapSupport.FULL
     after_launch_pending: bool = False  # overlap loop: its after_launch hooks wait for older results
     hook_error: Exception | None = None  # a feature hook failed: the batch's requests fail
+    number: int = 0  # formation order, kept by a recurrent model's prefix cache (state_snapshots.py)
     # Chunked prefill (service/engine/chunking.py): plan entries of the chunking module itself.
     own_plan: list[tuple[Feature, list[int]]] = field(default_factory=list)
 

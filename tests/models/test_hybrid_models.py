@@ -9,7 +9,8 @@ families: the chunked and the step-by-step forms of the rule differ by up to 2.4
 sharp random models in transformers itself (its whole-sequence forward against its own generate),
 and a prompt cut in chunks of 7 mixes the two; the typical error is 1e-6 to 1e-5. Checked in the normal loop with whole prompts, in the overlap loop with prompts cut in chunks
 of 7 beside decodes (each chunk from the state the last one left), and under retraction (states
-restart from zeros at the re-prefill). The prefix cache is off for them, and the matrix says why.
+restart from zeros, or from the snapshot taken at the retraction while the cache holds it). The prefix cache keeps snapshots of the states
+beside the K/V rows: a second turn starts from the first turn's, and gives transformers' tokens.
 """
 
 from __future__ import annotations
@@ -394,29 +395,137 @@ def test_chunks_of_7_in_overlap_loop_match_transformers(hybrid_case):
 @pytest.mark.parametrize("hybrid_case", ["qwen3_5", "qwen3_next"], indirect=True)
 def test_retraction_restarts_the_states_and_matches_transformers(hybrid_case):
     """A pool that holds two requests' prompts but not their outputs: retracted requests re-prefill
-    (prompt and kept output) from zeroed states into slots other requests used meanwhile."""
+    (prompt and kept output) into slots other requests used meanwhile, from zeroed states (the pool
+    is too small to keep the snapshot's K/V rows until then)."""
     model_dir, refs = hybrid_case
     outs, retractions = _run(model_dir, PROMPTS[:4], loop="overlap", kv_cache_tokens=60)
     assert retractions > 0
     _check(outs, refs[:4])
 
 
-@pytest.mark.parametrize("hybrid_case", ["qwen3_5_moe"], indirect=True)
-def test_prefix_cache_is_off_and_the_matrix_says_why(hybrid_case):
-    """The same prompts twice: nothing is cached (cached_tokens 0), the tokens are the same, and the
-    matrix marks the prefix cache unavailable, naming the recurrent layers."""
-    model_dir, refs = hybrid_case
-    client = SyncClient(ServerArgs(dtype="float32", loop="overlap", kv_cache_tokens=2048), model_dir)
+TAIL = [11, 12, 13]  # a second turn: the first turn's prompt and output, and these
+
+
+def _second_turns(model_dir: Path, **args) -> tuple[list[list[int]], list, list[int], object]:
+    """Each prompt, then (all at once) each prompt with its greedy output and TAIL: the second turns'
+    prompts, their outputs (output logprobs), their cached tokens, and the prefix cache's info."""
+    client = SyncClient(
+        ServerArgs(**dict(dict(dtype="float32", kv_cache_tokens=4096, max_running_requests=8), **args)),
+        model_dir,
+    )
     sp = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
     try:
-        first, again = (client.generate(PROMPTS, sp) for _ in range(2))
-        row = next(r for r in client.engine.features.matrix() if r.feature == "prefix_cache")
-        assert not client.engine.scheduler.prefix_cache.enabled
+        first = client.generate(PROMPTS, sp)
+        turns = [p + collect(o)[0] + TAIL for p, o in zip(PROMPTS, first)]
+        second = client.generate(turns, sp, [{"logprobs": dict(return_logprob=True)}] * len(turns))
+        info = client.engine.scheduler.prefix_cache.info()
+        client.engine.scheduler.prefix_cache.tree.check()
+        assert client.engine.kv_all_free()
     finally:
         client.close()
-    assert not row.available and "recurrent" in row.unavailable_reason
-    assert [collect(o)[0] for o in first] == [collect(o)[0] for o in again] == [r[0] for r in refs]
-    assert [collect(o)[2].cached_tokens for o in again] == [0] * len(PROMPTS)
+    return turns, second, [collect(o)[2].cached_tokens for o in second], info
+
+
+@pytest.mark.parametrize(
+    "hybrid_case", ["qwen3_5_moe", "granite4_h", "falcon_h1", "jamba", "lfm2"], indirect=True
+)
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_second_turn_starts_from_a_snapshot_of_the_states(hybrid_case, loop):
+    """A conversation's second turn matches the first turn's prompt and output: its K/V rows and a
+    snapshot of the recurrent layers' states after them (taken when the first turn ended: under overlap
+    after the step that ran one token late). Its tokens and logprobs are transformers' on the whole
+    second prompt. The overlap loop cuts prompts in chunks of 7 beside decodes."""
+    import transformers
+
+    model_dir, _ = hybrid_case
+    chunks = dict(chunked_prefill_size=7, enable_mixed_chunk=True) if loop == "overlap" else {}
+    turns, outs, cached, info = _second_turns(model_dir, loop=loop, **chunks)
+    assert all(c >= len(p) + N_NEW - 1 for c, p in zip(cached, PROMPTS)), cached
+    assert all(c < len(t) for c, t in zip(cached, turns))
+    assert info.state_snapshot_rows > 0 and info.hit_requests == len(PROMPTS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, got in zip(turns, outs):
+        ids, _, want_out = reference(hf, prompt)
+        assert collect(got)[0] == ids
+        lps = [e[1] for o in got if o.extras.get("logprobs") for e in o.extras["logprobs"].output]
+        assert max(abs(a - b) for a, b in zip(lps, want_out)) < TOL
+
+
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5_moe"], indirect=True)
+def test_few_snapshots_are_shared_out_least_recently_used_first(hybrid_case):
+    """Two snapshot rows for six conversations run one after the other: each ending conversation's
+    snapshot takes the row of the least recently used one (and the K/V rows only it made useful go
+    with it). The last conversation's second turn hits, the first one's recomputes, and both answer as
+    with the cache off. With --state-snapshots 0 the matrix marks the prefix cache unavailable, saying why."""
+    model_dir, _ = hybrid_case
+    sp = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
+    args = dict(dtype="float32", kv_cache_tokens=4096, max_running_requests=1, loop="normal")
+    client = SyncClient(ServerArgs(**args, state_snapshots=2), model_dir)
+    try:
+        first = client.generate(PROMPTS, sp)
+        turns = [p + collect(o)[0] + TAIL for p, o in zip(PROMPTS, first)]
+        cache = client.engine.scheduler.prefix_cache
+        assert cache.info().state_snapshots == 2 and cache.states.free_count == 0
+        last, first_again = (client.generate([turns[i]], sp)[0] for i in (-1, 0))
+        cache.tree.check()
+        assert collect(last)[2].cached_tokens >= len(PROMPTS[-1]) + N_NEW - 1
+        assert collect(first_again)[2].cached_tokens == 0
+        assert client.engine.kv_all_free()
+    finally:
+        client.close()
+    off = SyncClient(ServerArgs(**args, state_snapshots=0), model_dir)
+    try:
+        plain = off.generate([turns[-1], turns[0]], sp)
+        row = next(r for r in off.engine.features.matrix() if r.feature == "prefix_cache")
+        assert not off.engine.scheduler.prefix_cache.enabled
+    finally:
+        off.close()
+    assert [collect(last)[0], collect(first_again)[0]] == [collect(o)[0] for o in plain]
+    assert not row.available and "--state-snapshots 0" in row.unavailable_reason
+
+
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5"], indirect=True)
+def test_a_snapshot_follows_the_late_step_unless_that_step_fails(hybrid_case):
+    """Overlap loop: a first turn that ends on a stop token ends while the step that runs that token late
+    is in flight; its snapshot follows that token too, so the second turn finds all of the first turn
+    cached. When that late step fails, the snapshot goes: a second turn that started from it already
+    fails (it is told why), and one sent after recomputes (cached_tokens 0). Both answer as transformers."""
+    import transformers
+
+    from service.core.forward_batch import ForwardMode
+    from tests.helpers import before_each_forward
+
+    model_dir, refs = hybrid_case
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=4096, loop="overlap"), model_dir)
+    try:
+        for i, fail in ((1, False), (2, True)):
+            prompt, want = PROMPTS[i], refs[i][0]
+            stop = want[10]
+            want = want[: want.index(stop) + 1]
+            sp = SamplingParams(temperature=0, max_new_tokens=N_NEW, stop_token_ids=[stop])
+
+            late = len(prompt) + len(want) - 1  # the position of the stop token's own step
+
+            def fail_the_late_step(fb, late=late, fail=fail) -> None:
+                if fail and fb.mode is ForwardMode.DECODE and int(fb.positions.max()) == late:
+                    raise RuntimeError("injected fault")
+
+            turn = prompt + want + TAIL
+            again = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
+            with before_each_forward(client.engine.worker, fail_the_late_step):  # (it may run after the
+                (first,) = client.generate([prompt], sp)  # first turn's answer is out)
+                assert collect(first)[0] == want
+                (second,) = client.generate([turn], again)
+                if fail and collect(second)[2].error is not None:  # it started from the snapshot before
+                    assert "spoiled" in collect(second)[2].error  # the failure was seen: it fails too, and
+                    (second,) = client.generate([turn], again)  # sent again, it recomputes
+            assert collect(second)[2].cached_tokens == (0 if fail else len(prompt) + len(want))
+            assert collect(second)[0] == reference(hf, turn)[0]
+        client.engine.scheduler.prefix_cache.tree.check()
+        assert client.engine.kv_all_free()
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("hybrid_case", ["qwen3_next"], indirect=True)
@@ -505,12 +614,14 @@ def test_the_chunked_scan_equals_the_step_by_step_scan():
 @pytest.mark.parametrize("hybrid_case", ["qwen3_next"], indirect=True)
 def test_served_over_grpc_both_contracts(hybrid_case):
     """The server on a hybrid model: the SMG worker contract's Generate and zerogap.v1's give
-    transformers' tokens, and the KV event stream (cache-aware routing's) is refused naming why."""
+    transformers' tokens, and the KV event stream (cache-aware routing's) tells what the cache took."""
     import grpc
-    from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
     from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
     from service.server import BackgroundServer
+    from tests.helpers import wait_until
+    from tests.server.test_kv_events import Subscriber
     from zerogap.v1 import generation_pb2 as pb2
     from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 
@@ -537,10 +648,13 @@ def test_served_over_grpc_both_contracts(hybrid_case):
                 timeout=60,
             )
             assert list(out.token_ids) == want
-            with pytest.raises(grpc.RpcError) as e:
-                next(vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0)))
-            assert (
-                e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "prefix cache is off" in e.value.details()
-            )
+            events = Subscriber(vllm)
+            try:
+                assert wait_until(
+                    lambda: tuple(prompt[:16]) in {p[:16] for p in events.replay.prefixes()}, 30
+                )
+                assert events.error is None
+            finally:
+                events.stop()
     finally:
         srv.stop()

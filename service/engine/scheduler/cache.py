@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from service.core.forward_batch import ForwardMode
+from service.core.forward_batch import ForwardMode, StateCopies
 from service.core.request import Req
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -56,6 +56,18 @@ class NullPrefixCache:
 
     def flush(self) -> int:
         return 0
+
+    def formed(self) -> tuple[int, StateCopies | None]:
+        return 0, None
+
+    def batch_done(self, number: int, ok: bool) -> list[Req]:
+        return []
+
+    def prune(self) -> None:
+        pass
+
+    def after_failure(self) -> None:
+        pass
 
     def info(self) -> PrefixCacheInfo:
         return PrefixCacheInfo(False)

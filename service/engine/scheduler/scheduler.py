@@ -268,6 +268,7 @@ class Scheduler:
         self.running[:] = [r for r in self.running if not r.finished]
         batch = self.prefill.form() or self.decode.form()
         if batch is not None:
+            batch.number, batch.fb.state_copies = self.prefix_cache.formed()
             batch.plan = batch.fb.features = (
                 self.features.plan(batch.reqs, batch.partial_rows) + batch.own_plan
             )
@@ -319,6 +320,13 @@ class Scheduler:
             self.features.count_waits(batch, batch.plan)  # a "full" feature that waited anyway
         if batch.hook_error is not None and not isinstance(result, BaseException):
             result = batch.hook_error
+        failed = isinstance(result, BaseException)
+        for req in self.prefix_cache.batch_done(batch.number, ok=not failed):
+            self.output.finish(
+                req, FinishReason.ERROR, error=f"a cached state it started from was spoiled: {result!r}"
+            )
+        if failed:
+            self.prefix_cache.prune()
         if isinstance(result, BaseException):
             log.error("forward failed for a batch of %d: %r", len(batch.reqs), result)
             for req in batch.reqs:
@@ -376,4 +384,5 @@ class Scheduler:
             self.output.finish(req, FinishReason.ERROR, error=error)
         self.running.clear()
         self.waiting.clear()
+        self.prefix_cache.after_failure()
         self.output.flush()
