@@ -143,6 +143,7 @@ def run(workload: str, cache: bool, model_dir: str, a: argparse.Namespace) -> di
         disable_prefix_cache=not cache,
         kv_cache_tokens=a.kv_tokens,
         max_running_requests=64,
+        state_snapshots=a.state_snapshots,
     )
     h = Harness(args, model_dir)
     try:
@@ -176,6 +177,7 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--loop", default="auto")
     p.add_argument("--kv-tokens", type=int, default=65536)
+    p.add_argument("--state-snapshots", type=int, default=None, help="models with recurrent layers (default: auto)")
     p.add_argument("--convs", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--requests", type=int, default=64)

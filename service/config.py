@@ -58,7 +58,8 @@ class ServerArgs:
         False  # no reuse of cached prompt prefixes (= --disable-feature prefix_cache)
     )
     # recurrent layers' state snapshots the prefix cache may keep; None: as many as half of the KV
-    # share left after the running requests' states holds, at most max_running_requests (0: no cache)
+    # share left after the running requests' states holds, at least 8, at most max_running_requests
+    # (0: no prefix cache for such models)
     state_snapshots: int | None = None
     grammar_compile_timeout_s: float = 30.0
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key: serve TLS only
@@ -283,7 +284,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=d.state_snapshots,
         help="models with recurrent layers (Qwen3.5, Mamba, ...): snapshots of those layers' states the prefix "
         "cache keeps, each a request slot's worth (default: half of the KV share left after the running requests' "
-        "states, at most --max-running-requests; 0 = no prefix cache for such models)",
+        "states, at least 8, at most --max-running-requests; 0 = no prefix cache for such models)",
     )
     p.add_argument(
         "--grammar-compile-timeout-s",

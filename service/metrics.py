@@ -52,6 +52,14 @@ class EngineCollector:
                 "Prompt tokens served from the prefix cache / prompt tokens",
                 s.prefix_cache.hit_rate,
             ),
+            "zerogap_prefix_cache_state_snapshots": (
+                "Recurrent layers' state snapshots held by the prefix cache (models with such layers)",
+                s.prefix_cache.state_snapshots,
+            ),
+            "zerogap_prefix_cache_state_snapshot_rows": (
+                "Rows for recurrent layers' state snapshots (--state-snapshots)",
+                s.prefix_cache.state_snapshot_rows,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

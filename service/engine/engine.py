@@ -88,6 +88,9 @@ class EngineOccupancy:
     prefix_hit_rate: float  # prompt tokens served from the prefix cache, over all prompt tokens
 
 
+MIN_STATE_SNAPSHOTS = 8  # by default, whatever the KV share (see Engine._state_snapshot_count)
+
+
 def _host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -325,8 +328,9 @@ class Engine:
 
     def _state_snapshot_count(self, specs: list) -> int:
         """How many snapshots of the recurrent layers' states the prefix cache keeps (--state-snapshots;
-        by default half of the KV share the running requests' states leave, at least one, at most one per
-        request slot; none without a prefix cache)."""
+        by default half of the KV share the running requests' states leave, at most one per request slot,
+        and at least 8 (or one per slot, if fewer) even where the running requests' states fill the share:
+        a few conversations' worth; none without a prefix cache)."""
         args = self.args
         if args.state_snapshots is not None and args.state_snapshots < 0:
             raise ValueError(f"--state-snapshots {args.state_snapshots}: must be 0 or more")
@@ -336,7 +340,7 @@ class Engine:
             return args.state_snapshots
         per_slot = SlotStates.bytes_per_slot(specs)
         left = self._kv_share_bytes() - args.max_running_requests * per_slot
-        return min(args.max_running_requests, max(1, left // 2 // per_slot))
+        return min(args.max_running_requests, max(MIN_STATE_SNAPSHOTS, left // 2 // per_slot))
 
     def _kv_tokens_from_memory(self) -> int:
         s = self.model.shape
