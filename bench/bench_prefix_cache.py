@@ -177,7 +177,9 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--loop", default="auto")
     p.add_argument("--kv-tokens", type=int, default=65536)
-    p.add_argument("--state-snapshots", type=int, default=None, help="models with recurrent layers (default: auto)")
+    p.add_argument(
+        "--state-snapshots", type=int, default=None, help="models with recurrent layers (default: auto)"
+    )
     p.add_argument("--convs", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--requests", type=int, default=64)

@@ -210,6 +210,8 @@ class Req:
         self.cached_tokens = 0
         self.cache_owned = 0
         self.cache_node: Any = None
+        # A recurrent model's prompt: the snapshot of its states after it, until the tree takes it.
+        self.prompt_snapshot: Any = None
         # What a prefix cache matches the prompt by: its ids, except where equal ids stand for
         # different content (a feature sets it, e.g. image-token spans keyed by the image's hash).
         self.prompt_key: list[int] | None = None

@@ -19,9 +19,10 @@ When rows change hands (docs/architecture.md, "Prefix cache"):
 
 A model with recurrent layers (`states`: service/engine/state_snapshots.py) matches only up to a
 node holding a snapshot of those layers' states, and its request's slot starts from a copy of it.
-Such a request caches its tokens when it ends: all its KV rows, with a snapshot of its slot's states
-after them (which the next batch's forward copies). Its prompt alone is not cached after prefill:
-without a snapshot those rows could serve nobody.
+Such a request's prompt is cached when its prefill result is processed, with a snapshot of its
+states after it (copied by the next batch's forward, before the request's first decode: so a next
+turn whose history differs from the answer as generated, e.g. without its reasoning, still finds the
+last prompt), and its tokens when it ends: all its KV rows, with a snapshot after them.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import torch
 
 from service.core.device import Device
 from service.core.feature import Feature, FeatureContext, OverlapSupport
-from service.core.forward_batch import StateCopies
+from service.core.forward_batch import ForwardMode, StateCopies
 from service.core.request import FinishReason, Req
 from service.engine.kv_cache import ReqToTokenPool, TokenToKVPool
 from service.engine.prefix_cache import RadixCache
-from service.engine.state_snapshots import StateSnapshots
+from service.engine.schedule_batch import ScheduleBatch
+from service.engine.state_snapshots import Snapshot, StateSnapshots
 
 # A waiting request that shares at least this many more tokens with a request whose
 # prefill is under way than the cache holds for it waits for that prefill to be inserted.
@@ -204,8 +206,10 @@ class PrefixCacheManager:
         if req.finished is None and req.slot >= 0 and req.kv_len < len(prompt):
             return 0
         self.prefilling.pop(req.rid, None)
-        if req.finished is not None or req.slot < 0 or req.cache_node is None or self.states is not None:
+        if req.finished is not None or req.slot < 0 or req.cache_node is None:
             return 0
+        if self.states is not None:
+            return self._adopt_with_snapshot(req)
         owned = req.cache_owned
         if len(prompt) <= owned or self.tree.match_len(prompt) != owned:
             return 0
@@ -222,6 +226,9 @@ class PrefixCacheManager:
         """The request ends: insert what its processed batches wrote, free the rest of its own
         rows, drop its lock. Called once, while its slot is still held."""
         self.prefilling.pop(req.rid, None)
+        if req.prompt_snapshot is not None:  # ended before the tree took its prompt
+            self.states.discard(req.prompt_snapshot)  # type: ignore[union-attr]
+            req.prompt_snapshot = None
         rows = self.req_pool.rows(req.slot, req.kv_len)
         owned = req.cache_owned
         valid = self._valid_len(req) if self.states is None else self._with_state_len(req)
@@ -251,12 +258,50 @@ class PrefixCacheManager:
         tokens = (cache_key(req) + req.output_ids)[: req.kv_len]
         if self.tree.snapshot_len(tokens) == req.kv_len:  # cached with its states already
             return req.kv_len
-        if not self.states.free_count:
-            unlocked = [s for s in self.states.held if s.node.lock_ref == 0]
-            if not unlocked:
-                return 0
-            self.tree.drop_snapshot(min(unlocked, key=lambda s: s.node.last_access).node)
-        return req.kv_len
+        return req.kv_len if self._snapshot_row() else 0
+
+    def _snapshot_row(self) -> bool:
+        """Whether a snapshot row is free, after letting the least recently used snapshot go that no
+        running request's match holds (with what only it made useful) if none was."""
+        assert self.states is not None
+        if self.states.free_count:
+            return True
+        unlocked = [s for s in self.states.held if s.node is not None and s.node.lock_ref == 0]
+        if not unlocked:
+            return False
+        self.tree.drop_snapshot(min(unlocked, key=lambda s: s.node.last_access).node)
+        return True
+
+    def prompt_snapshots(self, batch: ScheduleBatch) -> None:
+        """A recurrent model's batch was formed: each request whose prompt's last tokens it runs (not a
+        retracted one's re-prefill) keeps a snapshot of its states after them, which the next batch's
+        forward copies before anything else touches the slot; the tree takes it with the prompt's rows
+        once this batch's result is processed (`prefilled`)."""
+        if self.states is None or batch.mode is not ForwardMode.EXTEND:
+            return
+        for i, req in enumerate(batch.reqs):
+            final = i not in batch.partial_rows and req.kv_len == len(cache_key(req)) > req.cache_owned
+            if final and not req.output_ids and req.prompt_snapshot is None and self._snapshot_row():
+                req.prompt_snapshot = self.states.save(req.slot, None)
+
+    def _adopt_with_snapshot(self, req: Req) -> int:
+        """The tree takes a recurrent model's prompt rows with the snapshot of its states after them,
+        unless another request cached more of the prompt meanwhile (then the snapshot goes)."""
+        assert self.states is not None
+        snap, req.prompt_snapshot = req.prompt_snapshot, None
+        if snap is None or snap not in self.states.held:  # none taken, or a failed step spoiled it
+            return 0
+        prompt, owned = cache_key(req), req.cache_owned
+        if self.tree.match_len(prompt) != owned:
+            self.states.discard(snap)
+            return 0
+        assert self.tree.insert(prompt, self.req_pool.rows(req.slot, len(prompt))) == owned
+        node = self.tree.match(prompt).node
+        node.snapshot, snap.node = snap, node
+        self.tree.lock(node)
+        self.tree.unlock(req.cache_node)
+        req.cache_node, req.cache_owned = node, len(prompt)
+        return len(prompt) - owned
 
     def _save_states(self, req: Req, tokens: list[int]) -> None:
         """The tree now holds `tokens`: the node ending there keeps a snapshot of the request's slot
@@ -280,8 +325,14 @@ class PrefixCacheManager:
         readers = []
         for snap in self.states.batch_done(number, ok):
             readers.extend(r for r in snap.readers if r.finished is None)
-            self.tree.drop_snapshot(snap.node)
+            self._drop(snap)
         return readers
+
+    def _drop(self, snap: Snapshot) -> None:
+        if snap.node is None:  # a prompt's, the tree has not taken yet
+            self.states.discard(snap)  # type: ignore[union-attr]
+        else:
+            self.tree.drop_snapshot(snap.node)
 
     def prune(self) -> None:
         """Rows no snapshot follows any more (a recurrent model's, after a failed step) go."""
@@ -295,7 +346,7 @@ class PrefixCacheManager:
             return
         self.states.forget_restores()
         for snap in self.states.unsettled():
-            self.tree.drop_snapshot(snap.node)
+            self._drop(snap)
         self.tree.prune()
 
     @staticmethod

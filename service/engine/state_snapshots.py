@@ -62,7 +62,8 @@ class StateSnapshots:
         return len(self._free)
 
     def save(self, slot: int, node: Any) -> Snapshot:
-        """Queue a copy of `slot`'s states (as they will be once every launched batch ran) for `node`."""
+        """Queue a copy of `slot`'s states (as they will be once every launched batch ran) for `node`
+        (None: a node the tree makes later)."""
         snap = Snapshot(self._free.pop(), node)
         self.held.add(snap)
         self._saves.append((slot, snap))
@@ -76,7 +77,10 @@ class StateSnapshots:
             snap.readers.append(req)
 
     def discard(self, snap: Snapshot) -> None:
-        """Its node lets it go: the row is free again (a save not carried yet is not made)."""
+        """Its node (or its request) lets it go: the row is free again (a save not carried yet is not
+        made). Once only: a second call does nothing."""
+        if snap not in self.held:
+            return
         self.held.discard(snap)
         if snap.carrier is None:
             self._saves = [(s, x) for s, x in self._saves if x is not snap]

@@ -407,17 +407,29 @@ TAIL = [11, 12, 13]  # a second turn: the first turn's prompt and output, and th
 
 
 def _second_turns(model_dir: Path, **args) -> tuple[list[list[int]], list, list[int], object]:
-    """Each prompt, then (all at once) each prompt with its greedy output and TAIL: the second turns'
-    prompts, their outputs (output logprobs), their cached tokens, and the prefix cache's info."""
+    """Each prompt, then (all at once) each prompt with its greedy output and TAIL, then each prompt with
+    TAIL twice (an answer edited away): both kinds of second turns' prompts, outputs (output logprobs)
+    and cached tokens, and the prefix cache's info."""
     client = SyncClient(
-        ServerArgs(**dict(dict(dtype="float32", kv_cache_tokens=4096, max_running_requests=8), **args)),
+        ServerArgs(
+            **dict(
+                dict(dtype="float32", kv_cache_tokens=4096, max_running_requests=8, state_snapshots=32),
+                **args,
+            )
+        ),
         model_dir,
     )
     sp = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
     try:
         first = client.generate(PROMPTS, sp)
         turns = [p + collect(o)[0] + TAIL for p, o in zip(PROMPTS, first)]
-        second = client.generate(turns, sp, [{"logprobs": dict(return_logprob=True)}] * len(turns))
+        turns += [p + TAIL + TAIL for p in PROMPTS]
+        second = client.generate(
+            turns[: len(PROMPTS)], sp, [{"logprobs": dict(return_logprob=True)}] * len(PROMPTS)
+        )
+        second += client.generate(
+            turns[len(PROMPTS) :], sp, [{"logprobs": dict(return_logprob=True)}] * len(PROMPTS)
+        )
         info = client.engine.scheduler.prefix_cache.info()
         client.engine.scheduler.prefix_cache.tree.check()
         assert client.engine.kv_all_free()
@@ -432,17 +444,19 @@ def _second_turns(model_dir: Path, **args) -> tuple[list[list[int]], list, list[
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_a_second_turn_starts_from_a_snapshot_of_the_states(hybrid_case, loop):
     """A conversation's second turn matches the first turn's prompt and output: its K/V rows and a
-    snapshot of the recurrent layers' states after them (taken when the first turn ended: under overlap
-    after the step that ran one token late). Its tokens and logprobs are transformers' on the whole
-    second prompt. The overlap loop cuts prompts in chunks of 7 beside decodes."""
+    snapshot of the recurrent layers' states after them (taken when the first turn ended). One whose
+    history lost the answer (as a chat template that drops reasoning does) matches the first prompt, and
+    the snapshot taken after its prefill. Their tokens and logprobs are transformers' on the whole second
+    prompt. The overlap loop cuts prompts in chunks of 7 beside decodes."""
     import transformers
 
     model_dir, _ = hybrid_case
     chunks = dict(chunked_prefill_size=7, enable_mixed_chunk=True) if loop == "overlap" else {}
     turns, outs, cached, info = _second_turns(model_dir, loop=loop, **chunks)
     assert all(c >= len(p) + N_NEW - 1 for c, p in zip(cached, PROMPTS)), cached
+    assert cached[len(PROMPTS) :] == [len(p) for p in PROMPTS]
     assert all(c < len(t) for c, t in zip(cached, turns))
-    assert info.state_snapshot_rows > 0 and info.hit_requests == len(PROMPTS)
+    assert info.state_snapshot_rows > 0 and info.hit_requests == 2 * len(PROMPTS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, got in zip(turns, outs):
         ids, _, want_out = reference(hf, prompt)
@@ -488,8 +502,9 @@ def test_few_snapshots_are_shared_out_least_recently_used_first(hybrid_case):
 def test_a_snapshot_follows_the_late_step_unless_that_step_fails(hybrid_case):
     """Overlap loop: a first turn that ends on a stop token ends while the step that runs that token late
     is in flight; its snapshot follows that token too, so the second turn finds all of the first turn
-    cached. When that late step fails, the snapshot goes: a second turn that started from it already
-    fails (it is told why), and one sent after recomputes (cached_tokens 0). Both answer as transformers."""
+    cached. When that late step fails, that snapshot goes: a second turn that started from it already
+    fails (it is told why), and one sent after finds only the snapshot taken after the first prompt,
+    which the failure did not touch. Both answer as transformers."""
     import transformers
 
     from service.core.forward_batch import ForwardMode
@@ -520,7 +535,7 @@ def test_a_snapshot_follows_the_late_step_unless_that_step_fails(hybrid_case):
                 if fail and collect(second)[2].error is not None:  # it started from the snapshot before
                     assert "spoiled" in collect(second)[2].error  # the failure was seen: it fails too, and
                     (second,) = client.generate([turn], again)  # sent again, it recomputes
-            assert collect(second)[2].cached_tokens == (0 if fail else len(prompt) + len(want))
+            assert collect(second)[2].cached_tokens == len(prompt) + (0 if fail else len(want))
             assert collect(second)[0] == reference(hf, turn)[0]
         client.engine.scheduler.prefix_cache.tree.check()
         assert client.engine.kv_all_free()

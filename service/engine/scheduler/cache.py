@@ -63,6 +63,9 @@ class NullPrefixCache:
     def batch_done(self, number: int, ok: bool) -> list[Req]:
         return []
 
+    def prompt_snapshots(self, batch: ScheduleBatch) -> None:
+        pass
+
     def prune(self) -> None:
         pass
 

@@ -269,6 +269,7 @@ class Scheduler:
         batch = self.prefill.form() or self.decode.form()
         if batch is not None:
             batch.number, batch.fb.state_copies = self.prefix_cache.formed()
+            self.prefix_cache.prompt_snapshots(batch)  # (copied by the next batch's forward)
             batch.plan = batch.fb.features = (
                 self.features.plan(batch.reqs, batch.partial_rows) + batch.own_plan
             )
