@@ -161,8 +161,18 @@ class RadixCache:
 
     def match_len(self, tokens: list[int], limit: int | None = None) -> int:
         """How many leading tokens of `tokens[:limit]` are cached (no split, no LRU touch, no copy)."""
+        return self._walk(tokens, limit)[0]
+
+    def snapshot_len(self, tokens: list[int], limit: int | None = None) -> int:
+        """How many leading tokens of `tokens[:limit]` end at a node holding a snapshot, at most (no
+        split, no LRU touch)."""
+        return self._walk(tokens, limit)[1]
+
+    def _walk(self, tokens: list[int], limit: int | None) -> tuple[int, int]:
+        """(cached leading tokens of `tokens[:limit]`, of those the most that end at a node holding a
+        snapshot), without splitting or touching anything."""
         end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
-        node, pos = self.root, 0
+        node, pos, at_snapshot = self.root, 0, 0
         while pos < end:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -172,7 +182,9 @@ class RadixCache:
             if n < len(child.key):
                 break
             node = child
-        return pos
+            if node.snapshot is not None:
+                at_snapshot = pos
+        return pos, at_snapshot
 
     def depth(self, node: Node) -> int:
         """How many tokens lie from the root to the end of `node`."""
@@ -187,23 +199,6 @@ class RadixCache:
         while node is not self.root and node.snapshot is None:
             node = node.parent  # type: ignore[assignment]
         return node
-
-    def snapshot_len(self, tokens: list[int], limit: int | None = None) -> int:
-        """How many leading tokens of `tokens[:limit]` end at a node holding a snapshot, at most (no
-        split, no LRU touch)."""
-        end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
-        node, pos, found = self.root, 0, 0
-        while pos < end:
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_len(child.key, tokens, pos, end)
-            if n < len(child.key):
-                break
-            node, pos = child, pos + n
-            if node.snapshot is not None:
-                found = pos
-        return found
 
     def _split(self, child: Node, n: int) -> Node:
         """child (key k) -> parent part (k[:n]) above child (k[n:]); returns the parent part."""
