@@ -212,6 +212,9 @@ class Req:
         self.cache_node: Any = None
         # A recurrent model's prompt: the snapshot of its states after it, until the tree takes it.
         self.prompt_snapshot: Any = None
+        # ... and where its prompt parts from a cached one (chunked prefill cuts a chunk there, and the
+        # cache keeps a snapshot after it: a shared system prompt's); 0: nowhere.
+        self.snapshot_at = 0
         # What a prefix cache matches the prompt by: its ids, except where equal ids stand for
         # different content (a feature sets it, e.g. image-token spans keyed by the image's hash).
         self.prompt_key: list[int] | None = None

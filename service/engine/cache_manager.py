@@ -43,6 +43,9 @@ from service.engine.state_snapshots import Snapshot, StateSnapshots
 # A waiting request that shares at least this many more tokens with a request whose
 # prefill is under way than the cache holds for it waits for that prefill to be inserted.
 SHARE_WAIT_TOKENS = 16
+# A recurrent model's prompt that shares at least this many more tokens with a cached one than a
+# snapshot covers is cut there (chunked prefill), and a snapshot is kept after the shared part.
+BRANCH_SNAPSHOT_TOKENS = 32
 
 
 def cache_key(req: Req) -> list[int]:
@@ -145,7 +148,8 @@ class PrefixCacheManager:
         """Match and lock the longest cached prefix, evicting unlocked leaves until the request's
         own rows fit in `room` (pool rows not reserved by running requests). Returns the matched
         length, or None (nothing kept locked) when the request does not fit yet."""
-        node = self.tree.match(match_key(req), limit).node
+        match = self.tree.match(match_key(req), limit)
+        node = match.node
         if self.states is not None:  # as far as a snapshot of the recurrent states goes
             node = self.tree.snapshot_node(node)
         length = self.tree.depth(node)
@@ -156,6 +160,8 @@ class PrefixCacheManager:
             self.tree.unlock(node)
             return None
         req.cache_node, req.cache_owned, req.cached_tokens = node, length, length
+        if self.states is not None and match.length - length >= BRANCH_SNAPSHOT_TOKENS:
+            req.snapshot_at = match.length  # where it parts from a cached prompt
         self.prefilling[req.rid] = req  # siblings admitted after it in this step see it too
         return length
 
@@ -164,7 +170,7 @@ class PrefixCacheManager:
         self.prefilling.pop(req.rid, None)
         if req.cache_node is not None:
             self.tree.unlock(req.cache_node)
-        req.cache_node, req.cache_owned, req.cached_tokens = None, 0, 0
+        req.cache_node, req.cache_owned, req.cached_tokens, req.snapshot_at = None, 0, 0, 0
 
     def start(self, req: Req) -> None:
         """The admitted request has its slot: count the hit and copy the matched rows into the
@@ -276,13 +282,28 @@ class PrefixCacheManager:
         """A recurrent model's batch was formed: each request whose prompt's last tokens it runs (not a
         retracted one's re-prefill) keeps a snapshot of its states after them, which the next batch's
         forward copies before anything else touches the slot; the tree takes it with the prompt's rows
-        once this batch's result is processed (`prefilled`)."""
+        once this batch's result is processed (`prefilled`). A chunk that ends where its prompt parts
+        from a cached one (`snapshot_at`) leaves a snapshot on the cached node there (its rows are the
+        other prompt's, written by processed batches)."""
         if self.states is None or batch.mode is not ForwardMode.EXTEND:
             return
         for i, req in enumerate(batch.reqs):
+            if req.snapshot_at and req.kv_len >= req.snapshot_at:
+                self._branch_snapshot(req)
             final = i not in batch.partial_rows and req.kv_len == len(cache_key(req)) > req.cache_owned
             if final and not req.output_ids and req.prompt_snapshot is None and self._snapshot_row():
                 req.prompt_snapshot = self.states.save(req.slot, None)
+
+    def _branch_snapshot(self, req: Req) -> None:
+        assert self.states is not None
+        at, req.snapshot_at = req.snapshot_at, 0
+        key = match_key(req)
+        if req.kv_len != at or self.tree.match_len(key, at) != at or self.tree.snapshot_len(key, at) == at:
+            return  # the prompt went whole (no chunking), or the other prompt is gone, or a snapshot is there
+        if self._snapshot_row():
+            match = self.tree.match(key, at)
+            if match.length == at:  # (still: making room may have let it go)
+                match.node.snapshot = self.states.save(req.slot, match.node)
 
     def _adopt_with_snapshot(self, req: Req) -> int:
         """The tree takes a recurrent model's prompt rows with the snapshot of its states after them,

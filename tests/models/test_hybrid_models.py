@@ -465,6 +465,30 @@ def test_a_second_turn_starts_from_a_snapshot_of_the_states(hybrid_case, loop):
         assert max(abs(a - b) for a, b in zip(lps, want_out)) < TOL
 
 
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5_moe", "granite4_h", "jamba"], indirect=True)
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_shared_system_prompt_gets_a_snapshot_where_prompts_part(hybrid_case, loop):
+    """Three chats with one 40-token system prompt, one after the other: the second finds the first's
+    rows but no snapshot where they part, so its prompt is cut there (chunked prefill) and a snapshot
+    kept after the system prompt; the third starts from it. All three answer as transformers."""
+    import transformers
+
+    model_dir, _ = hybrid_case
+    system = [100 + 3 * j for j in range(40)]
+    prompts = [system + [7000 + 11 * i + j for j in range(9 + i)] for i in range(3)]
+    client = SyncClient(ServerArgs(dtype="float32", kv_cache_tokens=4096, loop=loop), model_dir)
+    sp = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
+    try:
+        outs = [client.generate([p], sp)[0] for p in prompts]
+        client.engine.scheduler.prefix_cache.tree.check()
+        assert client.engine.kv_all_free()
+    finally:
+        client.close()
+    assert [collect(o)[2].cached_tokens for o in outs] == [0, 0, len(system)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert [collect(o)[0] for o in outs] == [reference(hf, p)[0] for p in prompts]
+
+
 @pytest.mark.parametrize("hybrid_case", ["qwen3_5_moe"], indirect=True)
 def test_few_snapshots_are_shared_out_least_recently_used_first(hybrid_case):
     """Two snapshot rows for six conversations run one after the other: each ending conversation's
