@@ -15,9 +15,10 @@ exactly that, even when the slot's next owner starts in that same batch (its mod
 
 A save is visible to matches at once: whoever restores from it is admitted in its carrier or a later
 batch. What a failed step breaks: a batch that fails partway may leave a slot's states half updated,
-and a save carried after it copies that. So a snapshot is *settled* once every batch launched before
-its carrier has been processed without failing; when one fails, the unsettled snapshots whose saves run
-after it are dropped, and the requests that started from them are failed (`batch_done`).
+and a save carried after it copies that; a carrier that fails before (or while) it copies leaves the
+row stale. So a snapshot is *settled* once its carrier and every batch before it have been processed
+without failing; when one fails, the unsettled snapshots carried by it or after it (or not yet) are
+dropped, and the requests that started from them are failed (`batch_done`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Snapshot:
     row: int
     node: Any  # the prefix tree's Node whose last token the states follow
     carrier: int | None = None  # the batch whose forward copies it (None: not formed yet)
-    settled: bool = False  # every batch launched before its carrier was processed without failing
+    settled: bool = False  # its carrier, and every batch before it, was processed without failing
     readers: list[Req] = field(default_factory=list)  # requests started from it before it settled
 
 
@@ -117,7 +118,7 @@ class StateSnapshots:
             return [s for s in self._unsettled if s.carrier is None or s.carrier >= number]
         still = []
         for snap in self._unsettled:
-            if snap.carrier is not None and snap.carrier <= number + 1:
+            if snap.carrier is not None and snap.carrier <= number:
                 snap.settled, snap.readers = True, []
             else:
                 still.append(snap)

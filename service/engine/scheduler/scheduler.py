@@ -326,12 +326,11 @@ class Scheduler:
             self.output.finish(
                 req, FinishReason.ERROR, error=f"a cached state it started from was spoiled: {result!r}"
             )
-        if failed:
-            self.prefix_cache.prune()
         if isinstance(result, BaseException):
             log.error("forward failed for a batch of %d: %r", len(batch.reqs), result)
             for req in batch.reqs:
                 self.output.finish(req, FinishReason.ERROR, error=f"forward failed: {result!r}")
+            self.prefix_cache.prune()  # (once its requests let go of their paths)
             return
         feature_rows = {f.name: set(rows) for f, rows in batch.plan}
         for i, (req, token) in enumerate(zip(batch.reqs, result.tokens)):
