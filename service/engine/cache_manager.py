@@ -184,12 +184,7 @@ class PrefixCacheManager:
         s.hit_requests += m > 0
         if m == 0:
             return
-        node_rows = self._path_rows(req)
-        slots = torch.full((m,), req.slot, dtype=torch.int64)
-        positions = torch.arange(m, dtype=torch.int64)
-        self.req_pool.write_host(slots, positions, node_rows)
-        d = self.device.to_device(slots, positions, node_rows)
-        self.req_pool.write_device(d[0], d[1], d[2])
+        self._point_table(req, 0, self._path_rows(req))
         if self.states is not None:  # its slot's states start from the node's snapshot
             self.states.restore(req.cache_node.snapshot, req.slot, req)
 
@@ -306,23 +301,41 @@ class PrefixCacheManager:
                 match.node.snapshot = self.states.save(req.slot, match.node)
 
     def _adopt_with_snapshot(self, req: Req) -> int:
-        """The tree takes a recurrent model's prompt rows with the snapshot of its states after them,
-        unless another request cached more of the prompt meanwhile (then the snapshot goes)."""
+        """The tree takes a recurrent model's prompt rows with the snapshot of its states after them.
+        Where another request cached more of the prompt than this one matched (a next turn whose match
+        stopped inside the last answer), the tree's rows stand in for this one's own from then on (its
+        table points at them; its own, which only batches launched before now read, are freed)."""
         assert self.states is not None
         snap, req.prompt_snapshot = req.prompt_snapshot, None
         if snap is None or snap not in self.states.held:  # none taken, or a failed step spoiled it
             return 0
         prompt, owned = cache_key(req), req.cache_owned
-        if self.tree.match_len(prompt) != owned:
-            self.states.discard(snap)
-            return 0
-        assert self.tree.insert(prompt, self.req_pool.rows(req.slot, len(prompt))) == owned
+        rows = self.req_pool.rows(req.slot, len(prompt))
+        cached = self.tree.match_len(prompt)
+        if cached > owned:
+            theirs = self.tree.match(prompt, cached).rows[owned:cached]
+            self.kv_pool.free(rows[owned:cached])
+            rows[owned:cached] = theirs
+            self._point_table(req, owned, theirs)
+        assert self.tree.insert(prompt, rows) == cached
         node = self.tree.match(prompt).node
-        node.snapshot, snap.node = snap, node
+        if node.snapshot is None:
+            node.snapshot, snap.node = snap, node
+        else:
+            self.states.discard(snap)
         self.tree.lock(node)
         self.tree.unlock(req.cache_node)
         req.cache_node, req.cache_owned = node, len(prompt)
         return len(prompt) - owned
+
+    def _point_table(self, req: Req, start: int, rows: torch.Tensor) -> None:
+        """The request's table row from `start` on points at `rows` (host mirror, and the device table on
+        the scheduler stream, before any later batch's gather)."""
+        slots = torch.full((rows.numel(),), req.slot, dtype=torch.int64)
+        positions = torch.arange(start, start + rows.numel(), dtype=torch.int64)
+        self.req_pool.write_host(slots, positions, rows)
+        d = self.device.to_device(slots, positions, rows)
+        self.req_pool.write_device(d[0], d[1], d[2])
 
     def _save_states(self, req: Req, tokens: list[int]) -> None:
         """The tree now holds `tokens`: the node ending there keeps a snapshot of the request's slot

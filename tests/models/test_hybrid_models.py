@@ -465,6 +465,35 @@ def test_a_second_turn_starts_from_a_snapshot_of_the_states(hybrid_case, loop):
         assert max(abs(a - b) for a, b in zip(lps, want_out)) < TOL
 
 
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5_moe", "granite4_h"], indirect=True)
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_turns_whose_history_keeps_part_of_the_answer_find_the_last_prompt(hybrid_case, loop):
+    """Each turn keeps 5 tokens of the last answer, then new ones: its match's K/V goes 5 tokens past
+    the last prompt's snapshot, where it starts. When its own prompt is cached, the tree's rows for
+    those 5 tokens stand in for its own; the next turn finds its prompt whole. Every turn answers as
+    transformers; no KV row leaks."""
+    import transformers
+
+    model_dir, _ = hybrid_case
+    client = SyncClient(
+        ServerArgs(dtype="float32", kv_cache_tokens=4096, loop=loop, chunked_prefill_size=7), model_dir
+    )
+    sp = SamplingParams(temperature=0, max_new_tokens=N_NEW, ignore_eos=True)
+    turns, outs = [PROMPTS[2]], []
+    try:
+        for t in range(3):
+            (out,) = client.generate([turns[-1]], sp)
+            outs.append(out)
+            turns.append(turns[-1] + collect(out)[0][:5] + [11 + t, 12, 13])
+        client.engine.scheduler.prefix_cache.tree.check()
+        assert client.engine.kv_all_free()
+    finally:
+        client.close()
+    assert [collect(o)[2].cached_tokens for o in outs] == [0, len(turns[0]), len(turns[1])]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert [collect(o)[0] for o in outs] == [reference(hf, p)[0] for p in turns[:3]]
+
+
 @pytest.mark.parametrize("hybrid_case", ["qwen3_5_moe", "granite4_h", "jamba"], indirect=True)
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_a_shared_system_prompt_gets_a_snapshot_where_prompts_part(hybrid_case, loop):
