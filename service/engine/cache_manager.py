@@ -186,7 +186,7 @@ class PrefixCacheManager:
             return
         self._point_table(req, 0, self._path_rows(req))
         if self.states is not None:  # its slot's states start from the node's snapshot
-            self.states.restore(req.cache_node.snapshot, req.slot, req)
+            self.states.restore(req.cache_node.snapshot, req.slot)
 
     def _path_rows(self, req: Req) -> torch.Tensor:
         parts = []
@@ -350,17 +350,26 @@ class PrefixCacheManager:
         """A batch was formed: its number, and the state copies its forward makes first."""
         return (0, None) if self.states is None else self.states.formed()
 
-    def batch_done(self, number: int, ok: bool) -> list[Req]:
+    def batch_done(self, number: int, ok: bool, live: list[Req]) -> list[Req]:
         """Batch `number`'s result was processed. A failed one may have left slots' states half
-        updated: the snapshots copied after it go, and the requests that started from them are
-        returned (to be failed; then `prune`)."""
+        updated (and a late row unwritten): the snapshots copied by it or after it go, and of the `live`
+        requests those whose cached path runs through one's node are returned (they started from it,
+        or their table points at rows only it vouched for: to be failed; then `prune`)."""
         if self.states is None:
             return []
-        readers = []
-        for snap in self.states.batch_done(number, ok):
-            readers.extend(r for r in snap.readers if r.finished is None)
+        spoiled = self.states.batch_done(number, ok)
+        nodes = {id(s.node) for s in spoiled if s.node is not None}
+        hit = [r for r in live if r.finished is None and nodes and self._through(r.cache_node, nodes)]
+        for snap in spoiled:
             self._drop(snap)
-        return readers
+        return hit
+
+    def _through(self, node, nodes: set[int]) -> bool:
+        while node is not None and node is not self.tree.root:
+            if id(node) in nodes:
+                return True
+            node = node.parent
+        return False
 
     def _drop(self, snap: Snapshot) -> None:
         if snap.node is None:  # a prompt's, the tree has not taken yet

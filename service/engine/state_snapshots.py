@@ -18,19 +18,20 @@ batch. What a failed step breaks: a batch that fails partway may leave a slot's 
 and a save carried after it copies that; a carrier that fails before (or while) it copies leaves the
 row stale. So a snapshot is *settled* once its carrier and every batch before it have been processed
 without failing; when one fails, the unsettled snapshots carried by it or after it (or not yet) are
-dropped, and the requests that started from them are failed (`batch_done`).
+dropped, and the requests whose cached path runs through their nodes are failed (the manager's
+`batch_done`: those that started from them, and those whose table points at rows only they vouched
+for, such as a late row).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from service.core.device import Device
 from service.core.forward_batch import StateCopies
-from service.core.request import Req
 
 
 @dataclass(eq=False)
@@ -41,7 +42,6 @@ class Snapshot:
     node: Any  # the prefix tree's Node whose last token the states follow
     carrier: int | None = None  # the batch whose forward copies it (None: not formed yet)
     settled: bool = False  # its carrier, and every batch before it, was processed without failing
-    readers: list[Req] = field(default_factory=list)  # requests started from it before it settled
 
 
 class StateSnapshots:
@@ -71,11 +71,9 @@ class StateSnapshots:
         self._unsettled.append(snap)
         return snap
 
-    def restore(self, snap: Snapshot, slot: int, req: Req) -> None:
-        """`req`, admitted into `slot` in the batch being formed, starts from `snap`."""
+    def restore(self, snap: Snapshot, slot: int) -> None:
+        """The request admitted into `slot` in the batch being formed starts from `snap`."""
         self._restores.append((snap, slot))
-        if not snap.settled:
-            snap.readers.append(req)
 
     def discard(self, snap: Snapshot) -> None:
         """Its node (or its request) lets it go: the row is free again (a save not carried yet is not
@@ -87,7 +85,7 @@ class StateSnapshots:
             self._saves = [(s, x) for s, x in self._saves if x is not snap]
         if not snap.settled:
             self._unsettled = [x for x in self._unsettled if x is not snap]
-        snap.node, snap.readers = None, []
+        snap.node = None
         self._free.append(snap.row)
 
     def formed(self) -> tuple[int, StateCopies | None]:
@@ -113,13 +111,13 @@ class StateSnapshots:
 
     def batch_done(self, number: int, ok: bool) -> list[Snapshot]:
         """Batch `number`'s result was processed. Returns the snapshots it spoils (a failed batch: the
-        unsettled ones copied after it, or not yet); the caller drops them and fails their readers."""
+        unsettled ones copied by it or after it, or not yet); the caller drops them."""
         if not ok:
             return [s for s in self._unsettled if s.carrier is None or s.carrier >= number]
         still = []
         for snap in self._unsettled:
             if snap.carrier is not None and snap.carrier <= number:
-                snap.settled, snap.readers = True, []
+                snap.settled = True
             else:
                 still.append(snap)
         self._unsettled = still

@@ -1,6 +1,6 @@
 """The prefix cache's state snapshots (a recurrent model's), through its manager alone: a request that
 ends queues a save for the next batch, the next request restores from it in the same batch, and a
-failed step spoils the snapshots copied after it (their readers are failed). End to end against
+failed step spoils the snapshots copied after it (the requests whose path runs through them fail). End to end against
 transformers: tests/models/test_hybrid_models.py."""
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ def test_a_save_and_a_restore_ride_the_next_batch_in_that_order():
     assert copies is not None and copies.saves is not None and copies.restores is not None
     cache.kv_pool.states.apply(copies)  # type: ignore[union-attr]
     assert _state(cache, second.slot).tolist() == [1.0, 2.0, 3.0]
-    assert cache.batch_done(number - 1, ok=True) == []  # the batches before it went well, but ...
+    assert cache.batch_done(number - 1, True, [second]) == []  # the batches before it went well, but ...
     assert not cache.tree.match([1, 2, 3, 4, 5, 6]).node.snapshot.settled  # ... its own copy may not
-    assert cache.batch_done(number, ok=True) == []  # its carrier went well: settled
-    assert cache.batch_done(number + 1, ok=False) == []  # a later failure spoils nothing copied before it
+    assert cache.batch_done(number, True, [second]) == []  # its carrier went well: settled
+    assert (
+        cache.batch_done(number + 1, False, [second]) == []
+    )  # a later failure spoils nothing copied before it
     _end(cache, second)
     cache.tree.check()
     assert cache.flush() and cache.kv_pool.free_count == 64 and cache.states.free_count == SNAPSHOTS
@@ -84,7 +86,9 @@ def test_a_failed_step_before_the_save_spoils_it_and_fails_its_readers():
     second = _running(cache, "b", [1, 2, 3, 4, 5, 6, 7, 8], [], launched=0)
     assert second.cache_owned == 6
     cache.formed()  # carries the save and the restore
-    assert cache.batch_done(in_flight, ok=False) == [second]  # the late step failed: states half updated
+    assert cache.batch_done(in_flight, False, [second]) == [
+        second
+    ]  # the late step failed: states half updated
     assert cache.tree.snapshot_len([1, 2, 3, 4, 5, 6, 7]) == 0
     _end(cache, second, FinishReason.ERROR)
     cache.prune()  # rows no snapshot follows any more go

@@ -60,7 +60,7 @@ class NullPrefixCache:
     def formed(self) -> tuple[int, StateCopies | None]:
         return 0, None
 
-    def batch_done(self, number: int, ok: bool) -> list[Req]:
+    def batch_done(self, number: int, ok: bool, live: list[Req]) -> list[Req]:
         return []
 
     def prompt_snapshots(self, batch: ScheduleBatch) -> None:
