@@ -316,7 +316,7 @@ def test_an_overtaken_chunk_is_left_out_then_takes_its_floor():
     admits prompts. Without
     an overtaker the chunk takes the rest of the budget, and a chunk with less left than its floor
     finishes; a decode turn in between (no budget) does not reset what the chunk is owed."""
-    long = SimpleNamespace(prefill_ids=list(range(2000)), kv_len=512, finished=False)
+    long = SimpleNamespace(prefill_ids=list(range(2000)), kv_len=512, finished=False, snapshot_at=0)
     chunker = PrefillChunker(size=256, mixed=True)
     chunker.partial = long
 
@@ -325,7 +325,9 @@ def test_an_overtaken_chunk_is_left_out_then_takes_its_floor():
         st = chunker.begin_step(running, free_rows=10_000)
         for n in short_lens:
             assert st.overtakes(n)
-            st.add(SimpleNamespace(prefill_ids=list(range(1000 + n))), 1000, fresh=True)  # 1000 cached
+            st.add(
+                SimpleNamespace(prefill_ids=list(range(1000 + n)), snapshot_at=0), 1000, fresh=True
+            )  # 1000 cached
         chunker.settle(st)
         return [len(row.token_ids) for row in st.rows]
 
