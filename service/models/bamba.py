@@ -1,6 +1,6 @@
 """Bamba (IBM): Mamba-2 layers (mamba2.py) and Llama's attention (rotary on half of each head) at
 `attn_layer_indices`, a SwiGLU MLP (`feed_forward.gate_proj/up_proj/down_proj`) in every layer;
-norms `input_layernorm`, `pre_ff_layernorm` and `final_layernorm`. No prefix cache (recurrent.py)."""
+norms `input_layernorm`, `pre_ff_layernorm` and `final_layernorm`. Prefix cache with state snapshots (recurrent.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ request from its own state, or from zeros where its prompt starts in this batch.
 RMSNorm(o) * weight * silu(z) per head, then the out projection.
 
 The states live in the engine's `SlotStates`, indexed by the request's slot (recurrent.py says how
-they get along with the loops and why a prefix cache cannot serve such a model).
+they get along with the loops, and how the prefix cache restores them).
 """
 
 from __future__ import annotations

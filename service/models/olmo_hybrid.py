@@ -6,7 +6,7 @@ the linear ones are pre-norm (`input_layernorm`, `post_attention_layernorm` befo
 
 Its Gated DeltaNet: separate `q_proj`, `k_proj`, `v_proj` (one conv over the three), `g_proj` (the
 output gate), `a_proj`, `b_proj`; beta doubled where `linear_allow_neg_eigval`; the output's
-RMSNorm (`o_norm`) with eps 1e-5. No prefix cache (recurrent.py)."""
+RMSNorm (`o_norm`) with eps 1e-5. Prefix cache with state snapshots (recurrent.py)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Such a layer takes attention's place and keeps, per request slot, states instead
 engine's `SlotStates`, service/engine/kv_cache.py): what it left after the slot's last token. The
 forward reads and writes them in launch order, so the overlap loop needs nothing more; a request
 whose prompt starts in a batch (a new one, a retracted one re-prefilled, a slot's next owner) starts
-from zeros. A prefix cache cannot serve such a model: a cached prefix's K/V rows say nothing of the
-states after it (the engine turns it off).
+from zeros, unless the prefix cache copied a snapshot of the states after its cached prefix into its
+slot first (a cached prefix's K/V rows say nothing of them: service/engine/state_snapshots.py).
 
 Here: `RecurrentRows` (where a batch's requests' states and tokens are), the `RecurrentMixer`
 protocol a layer's shape meets, and the short causal depthwise conv over each slot's last inputs
