@@ -114,8 +114,8 @@ class ChunkStep:
         leaves, and at most `limit` tokens."""
         seq = req.prefill_ids  # a retracted request re-prefills its kept output tokens too
         take = min(len(seq) - start, self.budget - self.used, self.budget if limit is None else limit)
-        if start < req.snapshot_at:  # a chunk ends where the prefix cache keeps a snapshot
-            take = min(take, req.snapshot_at - start)
+        if start < req.snapshot_at and self.pending is None:  # a chunk ends where the prefix cache keeps
+            take = min(take, req.snapshot_at - start)  # a snapshot (not beside another part-way prompt)
         self.overtaken = self.overtaken or self.pending is not None
         self.rows.append(ExtendRow(req, seq[start : start + take], prefix_len=start, new_slot=fresh))
         self.used += take

@@ -373,3 +373,23 @@ def test_options_and_switch(tiny_llama_dir):
         assert c.engine.scheduler.chunker is None  # switched off: whole prompts per step
     finally:
         c.close()
+
+
+def test_a_cut_where_the_prefix_cache_keeps_a_snapshot_never_makes_a_second_part_way_prompt():
+    """A recurrent model's prompt that parts from a cached one (`snapshot_at`) has a chunk end there,
+    unless another prompt is part-way through: an overtaker goes whole, as the chunker assumes."""
+    chunker = PrefillChunker(size=256, mixed=False)
+    st = chunker.begin_step([], free_rows=10_000)
+    alone = SimpleNamespace(prefill_ids=list(range(100)), kv_len=0, finished=False, snapshot_at=40)
+    st.add(alone, 0, fresh=True)
+    chunker.settle(st)
+    assert [len(r.token_ids) for r in st.rows] == [40] and chunker.partial is alone
+    alone.kv_len = 40
+    st = chunker.begin_step([], free_rows=10_000)
+    short = SimpleNamespace(prefill_ids=list(range(30)), kv_len=0, finished=False, snapshot_at=20)
+    assert st.overtakes(30)
+    st.add(short, 0, fresh=True)
+    chunker.settle(st)
+    assert [len(r.token_ids) for r in st.rows] == [
+        30
+    ] and chunker.partial is alone  # whole; the chunk left out
