@@ -27,6 +27,7 @@ last prompt), and its tokens when it ends: all its KV rows, with a snapshot afte
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -350,7 +351,7 @@ class PrefixCacheManager:
         """A batch was formed: its number, and the state copies its forward makes first."""
         return (0, None) if self.states is None else self.states.formed()
 
-    def batch_done(self, number: int, ok: bool, live: list[Req]) -> list[Req]:
+    def batch_done(self, number: int, ok: bool, live: Iterable[Req]) -> list[Req]:
         """Batch `number`'s result was processed. A failed one may have left slots' states half
         updated (and a late row unwritten): the snapshots copied by it or after it go, and of the `live`
         requests those whose cached path runs through one's node are returned (they started from it,
@@ -358,8 +359,10 @@ class PrefixCacheManager:
         if self.states is None:
             return []
         spoiled = self.states.batch_done(number, ok)
+        if not spoiled:  # (every batch but a failed one: `live` is not looked at)
+            return []
         nodes = {id(s.node) for s in spoiled if s.node is not None}
-        hit = [r for r in live if r.finished is None and nodes and self._through(r.cache_node, nodes)]
+        hit = [r for r in live if r.finished is None and self._through(r.cache_node, nodes)]
         for snap in spoiled:
             self._drop(snap)
         return hit

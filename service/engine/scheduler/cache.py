@@ -8,7 +8,7 @@ request's rows straight to the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from service.core.forward_batch import ForwardMode, StateCopies
 from service.core.request import Req
@@ -60,7 +60,7 @@ class NullPrefixCache:
     def formed(self) -> tuple[int, StateCopies | None]:
         return 0, None
 
-    def batch_done(self, number: int, ok: bool, live: list[Req]) -> list[Req]:
+    def batch_done(self, number: int, ok: bool, live: Iterable[Req]) -> list[Req]:
         return []
 
     def prompt_snapshots(self, batch: ScheduleBatch) -> None:

@@ -322,7 +322,7 @@ class Scheduler:
         if batch.hook_error is not None and not isinstance(result, BaseException):
             result = batch.hook_error
         failed = isinstance(result, BaseException)
-        for req in self.prefix_cache.batch_done(batch.number, not failed, list(self.reqs.values())):
+        for req in self.prefix_cache.batch_done(batch.number, not failed, self.reqs.values()):
             self.output.finish(
                 req, FinishReason.ERROR, error=f"a cached state it started from was spoiled: {result!r}"
             )
