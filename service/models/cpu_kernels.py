@@ -6,7 +6,8 @@ layer and the grammar-mask apply of constrained decoding. `csrc/extend_attention
 the attention of long extends (prompts, chunks) over the pool in place, blocked like a
 GEMM. `csrc/moe_experts.c`: the routed experts of a mixture-of-experts layer in bf16, one
 parallel region per layer. `csrc/panel_linear.c`: linears through weights laid out in panels
-(float32 on AVX2, bf16 on AVX-512 BF16). All are compiled into one library on
+(float32 on AVX2, bf16 on AVX-512 BF16). `csrc/recurrent.c`: Gated DeltaNet's delta rule token
+by token, in place on the slots' states. All are compiled into one library on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
 (less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
 source, the flags and the CPU's feature flags, so a cache copied to another CPU
@@ -40,6 +41,7 @@ SOURCES = [
     CSRC / "extend_attention.c",
     CSRC / "moe_experts.c",
     CSRC / "panel_linear.c",
+    CSRC / "recurrent.c",
 ]
 HEADERS = [CSRC / "kernel_math.h"]
 # + the target flags of cpu_features(). -fno-trapping-math lets an AVX2 build vectorize the selects
@@ -119,6 +121,8 @@ def _build() -> ctypes.CDLL:
     lib.pack_panels_bf16.argtypes = [_P, _I64, _I64, _P]
     lib.panel_linear_bf16.restype = ctypes.c_int
     lib.panel_linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
+    lib.gated_delta_rule_f32.restype = ctypes.c_int
+    lib.gated_delta_rule_f32.argtypes = [_P] * 10 + [_I64] * 6 + [_INT]
     return lib
 
 
@@ -432,6 +436,44 @@ def moe_experts(
     if rc != 0:
         raise ValueError(f"moe_experts: refused (rc {rc}) x={tuple(x.shape)} ids={tuple(ids.shape)} E={e}")
     return out
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor | None,
+    lens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The gated delta rule token by token (`csrc/recurrent.c`), in place on `states` [slots, Hv, Dk,
+    Dv] (float32), for m requests right-padded to L tokens: q, k [m, L, Hk, Dk], v [m, L, Hv, Dv],
+    g, beta [m, L, Hv] (float32), slots [m], keep [m] bool (None: all continue their states), lens
+    [m] (None: all L) -> o [m, L, Hv, Dv], set at the real tokens. None (nothing done) where the
+    kernel does not apply."""
+    tensors = (q, k, v, g, beta, states)
+    if (
+        any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
+        or not states.is_contiguous()
+        or load() is None
+    ):
+        return None
+    m, length, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    index = [slots.to(torch.int64).contiguous()]
+    for t, dtype in ((keep, torch.uint8), (lens, torch.int64)):
+        index.append(None if t is None else t.to(dtype).contiguous())
+    out = torch.empty(m, length, hv, dv, dtype=torch.float32)
+    rc = _lib.gated_delta_rule_f32(  # type: ignore[union-attr]
+        *(t.data_ptr() for t in (q, k, v, g, beta, states)),
+        *(None if t is None else t.data_ptr() for t in index),
+        out.data_ptr(), m, length, hk, hv, dk, dv, max(1, min(torch.get_num_threads(), m * hv)),
+    )  # fmt: skip
+    return out if rc == 0 else None
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

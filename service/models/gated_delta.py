@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.models import cpu_kernels
 from service.models.recurrent import (
     ChunkRows,
     RecurrentRows,
@@ -188,30 +189,43 @@ class GatedDeltaNet(nn.Module):
     def _step(self, conv_state, state, mixed, g, beta, rows: StepRows) -> torch.Tensor:
         """One token per request: the conv and the rule a step on from each slot's states."""
         conv = conv_step(mixed, conv_state, self.conv_weight, None, rows)
-        q, k, v = self._heads(F.silu(conv).to(mixed.dtype))
+        q, k, v = self._heads(F.silu(conv).to(mixed.dtype), shared=True)
+        o = cpu_kernels.gated_delta_rule(
+            *(x.unsqueeze(1) for x in (q, k, v, g, beta)), state, rows.slots, rows.keep
+        )
+        if o is not None:
+            return o[:, 0]
+        q, k = self._per_v_head(q), self._per_v_head(k)  # not on a CPU, or no kernel library
         o, new = recurrent_step(q, k, v, g, beta, read_states(state, rows.slots, rows.keep))
         state.index_copy_(0, rows.slots, new)
         return o
 
-    def _heads(self, mixed: torch.Tensor):
-        """[.., conv_channels] -> q, k [.., Hv, Dk] (float32, normalised, q scaled), v [.., Hv, Dv]."""
+    def _heads(self, mixed: torch.Tensor, shared: bool = False):
+        """[.., conv_channels] -> q, k [.., Hv, Dk] (float32, normalised, q scaled; `shared`: [.., Hk,
+        Dk], each serving Hv / Hk v heads), v [.., Hv, Dv]."""
         s = self.s
         q, k, v = mixed.float().split([s.key_size, s.key_size, s.value_size], dim=-1)
-        q = q.unflatten(-1, (s.num_k_heads, s.k_dim))
-        k = k.unflatten(-1, (s.num_k_heads, s.k_dim))
-        group = s.num_v_heads // s.num_k_heads
-        if group > 1:
-            q, k = q.repeat_interleave(group, dim=-2), k.repeat_interleave(group, dim=-2)
-        q = l2_normalise(q) * s.k_dim**-0.5
-        return q, l2_normalise(k), v.unflatten(-1, (s.num_v_heads, s.v_dim))
+        q = l2_normalise(q.unflatten(-1, (s.num_k_heads, s.k_dim))) * s.k_dim**-0.5
+        k = l2_normalise(k.unflatten(-1, (s.num_k_heads, s.k_dim)))
+        v = v.unflatten(-1, (s.num_v_heads, s.v_dim))
+        return (q, k, v) if shared else (self._per_v_head(q), self._per_v_head(k), v)
+
+    def _per_v_head(self, x: torch.Tensor) -> torch.Tensor:
+        """q or k heads [.., Hk, Dk] -> one per v head [.., Hv, Dk]."""
+        group = self.s.num_v_heads // self.s.num_k_heads
+        return x.repeat_interleave(group, dim=-2) if group > 1 else x
 
     def _chunks(self, conv_state, state, mixed, g, beta, rows: ChunkRows) -> torch.Tensor:
         """Several tokens per request, from each slot's states (zeros where it starts afresh),
         right-padded and run together; the states written back. [tokens, Hv, Dv] in packed order."""
         conv = conv_extend(mixed, conv_state, self.conv_weight, None, rows)
-        q, k, v = self._heads(F.silu(conv).to(mixed.dtype))  # [m, L, H, D]
+        q, k, v = self._heads(F.silu(conv).to(mixed.dtype), shared=True)  # [m, L, H, D]
         valid = rows.valid.unsqueeze(-1)
         g, beta = (x[rows.packed] * valid for x in (g, beta))  # padding: no decay, no update
+        o = cpu_kernels.gated_delta_rule(q, k, v, g, beta, state, rows.slots, rows.keep, rows.lens)
+        if o is not None:
+            return o[rows.valid]
+        q, k = self._per_v_head(q), self._per_v_head(k)  # not on a CPU, or no kernel library
         o, new = chunked_rule(
             *(x.transpose(1, 2) for x in (q, k, v, g, beta)), read_states(state, rows.slots, rows.keep)
         )

@@ -24,6 +24,7 @@ import torch
 from service.config import ServerArgs
 from service.core.request import SamplingParams
 from service.engine.engine import SyncClient, collect
+from service.models import cpu_kernels
 from tests.conftest import TOKENIZER_FILES
 from tests.helpers import greedy_with_logprobs
 from tests.models.test_families import check_constraints
@@ -649,6 +650,88 @@ def test_the_chunked_rule_equals_the_step_by_step_rule():
                 torch.testing.assert_close(out[i, :, t], o[i], rtol=1e-9, atol=1e-9)
             if t == m - 1:
                 torch.testing.assert_close(final[i], state[i], rtol=1e-9, atol=1e-9)
+
+
+def _rule_inputs(m: int, n: int, hk: int, hv: int, dk: int, dv: int, seed: int = 0):
+    """Float32 inputs of the gated delta rule for m requests right-padded to n tokens (as the layer
+    lays them out: q, k per k head [m, n, hk, dk], v [m, n, hv, dv], g, beta [m, n, hv])."""
+    from service.models.gated_delta import l2_normalise
+
+    gen = torch.Generator().manual_seed(seed)
+    q = l2_normalise(torch.randn(m, n, hk, dk, generator=gen)) * dk**-0.5
+    k = l2_normalise(torch.randn(m, n, hk, dk, generator=gen))
+    v = torch.randn(m, n, hv, dv, generator=gen)
+    g = -torch.rand(m, n, hv, generator=gen)
+    beta = torch.rand(m, n, hv, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
+def test_the_native_rule_equals_the_step_by_step_rule():
+    """The CPU kernel (token by token, in place on the slots' states) against recurrent_step in
+    float64: padded requests of several lengths in scattered slots, one starting from zeros, k heads
+    shared by two v heads each, head sizes that fill no vector; other slots are left alone."""
+    from service.models.gated_delta import recurrent_step
+
+    m, n, hk, hv, dk, dv = 3, 40, 2, 4, 16, 24
+    q, k, v, g, beta = _rule_inputs(m, n, hk, hv, dk, dv)
+    lens, keep = torch.tensor([40, 17, 1]), torch.tensor([True, False, True])
+    states = torch.randn(7, hv, dk, dv, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([5, 0, 3])
+    before = states.clone()
+    out = cpu_kernels.gated_delta_rule(q, k, v, g, beta, states, slots, keep, lens)
+    assert out is not None
+    untouched = [i for i in range(7) if i not in slots.tolist()]
+    assert torch.equal(states[untouched], before[untouched])
+    rep = [x.double().repeat_interleave(hv // hk, dim=2) for x in (q, k)]
+    for i in range(m):
+        state = before[slots[i]].double().unsqueeze(0) * keep[i]
+        for t in range(int(lens[i])):
+            o, state = recurrent_step(
+                rep[0][i : i + 1, t], rep[1][i : i + 1, t], v[i : i + 1, t].double(),
+                g[i : i + 1, t].double(), beta[i : i + 1, t].double(), state,
+            )  # fmt: skip
+            torch.testing.assert_close(out[i, t].double(), o[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[slots[i]].double(), state[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
+def test_the_native_rule_gives_a_request_the_same_bits_in_any_chunk_and_any_batch():
+    """A prompt whole, cut in two chunks, or run token by token as decode steps, alone or beside
+    other requests: the same output bits and the same final state (the overlap and normal loops,
+    chunk sizes and neighbours never change a request's tokens)."""
+    n, hk, hv, dk, dv = 30, 2, 2, 32, 32
+    q, k, v, g, beta = _rule_inputs(3, n, hk, hv, dk, dv)
+    zero = torch.zeros(3, hv, dk, dv)
+
+    def run(states, slot, lo, hi, continues):  # request 0's tokens lo..hi-1, alone
+        x = [t[:1, lo:hi] for t in (q, k, v, g, beta)]
+        keep = torch.tensor([continues])
+        return cpu_kernels.gated_delta_rule(*x, states, torch.tensor([slot]), keep)
+
+    whole_states = zero.clone()
+    whole = run(whole_states, 0, 0, n, False)
+    cut_states = zero.clone()
+    cut = torch.cat([run(cut_states, 1, 0, 13, False), run(cut_states, 1, 13, n, True)], dim=1)
+    step_states = zero.clone()
+    steps = torch.cat([run(step_states, 2, t, t + 1, t > 0) for t in range(n)], dim=1)
+    batch_states = zero.clone()
+    slots, fresh, lens = torch.tensor([2, 0, 1]), torch.tensor([False] * 3), torch.tensor([n, 9, 21])
+    batch = cpu_kernels.gated_delta_rule(q, k, v, g, beta, batch_states, slots, fresh, lens)
+    alike = ((cut, cut_states, 1), (steps, step_states, 2), (batch[:1], batch_states, 2))
+    for other, other_states, slot in alike:
+        assert torch.equal(other, whole)
+        assert torch.equal(other_states[slot], whole_states[0])
+
+
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5"], indirect=True)
+def test_the_torch_rule_serves_where_the_native_one_does_not(hybrid_case, monkeypatch):
+    """Without the CPU kernel (a GPU, no C compiler) the layer runs the torch forms, chunked and
+    step by step, and still gives transformers' tokens and logprobs, in both loops."""
+    monkeypatch.setattr(cpu_kernels, "gated_delta_rule", lambda *args, **kwargs: None)
+    model_dir, refs = hybrid_case
+    _check(_run(model_dir, loop="normal")[0], refs)
+    _check(_run(model_dir, loop="overlap", chunked_prefill_size=7, enable_mixed_chunk=True)[0], refs)
 
 
 def test_the_chunked_scan_equals_the_step_by_step_scan():

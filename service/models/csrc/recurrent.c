@@ -1,0 +1,101 @@
+/* The gated delta rule (Gated DeltaNet: service/models/gated_delta.py) token by token, in place on
+ * the slots' states: a decode step and the prompt tokens of an extend batch alike.
+ *
+ * Layouts (all contiguous, float32), m requests right-padded to L tokens each (a decode: L = 1):
+ *   q, k     [m, L, kheads, dk]   q scaled and both L2-normalised; v head h reads q/k head
+ *                                 h / (vheads / kheads)
+ *   v        [m, L, vheads, dv]
+ *   g, beta  [m, L, vheads]       the log decay and the update's strength
+ *   states   [slots, vheads, dk, dv]
+ *   slots    [m] int64            request i's state row; keep[i] == 0 (keep may be NULL: all 1):
+ *                                 it starts from zeros
+ *   lens     [m] int64            request i's tokens (NULL: all L); its padding is not read
+ *   out      [m, L, vheads, dv]   written at the real tokens only
+ *
+ * Per token and head, as the torch form computes it (recurrent_step; the chunked form is the same
+ * recurrence regrouped):
+ *   S = e^g S;  S += k (beta (v - k^T S))^T;  o = q^T S
+ * Work items are (request, head), each running its tokens in order. A state (dk x dv, 64 KiB at
+ * 128 x 128) stays in L1/L2 across them and is read and written once per token: the pass that
+ * updates S for token t and sums o_t also sums token t+1's k^T (e^g S). Per token that is 3 dk dv
+ * multiply-adds, against the chunked form's ~5 dk dv per token in small matmuls and a triangular
+ * solve (torch, CHUNK = 64). Sums over dk run in order, so results differ from torch's einsums and
+ * matmuls by float32 rounding; and a request's results do not depend on its batch, nor on where
+ * its prompt was cut into chunks. OpenMP threads come from the runtime torch loaded (libgomp).
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define GD_MAX_DV 512
+
+int gated_delta_rule_f32(const float *q, const float *k, const float *v, const float *g,
+                         const float *beta, float *states, const int64_t *slots, const uint8_t *keep,
+                         const int64_t *lens, float *out, int64_t m, int64_t L, int64_t kheads,
+                         int64_t vheads, int64_t dk, int64_t dv, int nthreads) {
+    if (dv > GD_MAX_DV || kheads <= 0 || vheads % kheads) return -1;
+    const int64_t group = vheads / kheads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t item = 0; item < m * vheads; item++) {
+        const int64_t i = item / vheads, h = item % vheads, kh = h / group;
+        const int64_t n = lens ? lens[i] : L;
+        float *S = states + (slots[i] * vheads + h) * dk * dv;
+        float pred[GD_MAX_DV], next[GD_MAX_DV], delta[GD_MAX_DV], o[GD_MAX_DV];
+        if (n <= 0) continue;
+        if (keep && !keep[i]) memset(S, 0, (size_t)(dk * dv) * sizeof(float));
+#define TOKEN(t) ((i * L + (t)))
+        { /* the first token's predicted value: k^T (e^g S) */
+            const float *k0 = k + (TOKEN(0) * kheads + kh) * dk;
+            const float d0 = expf(g[TOKEN(0) * vheads + h]);
+            for (int64_t e = 0; e < dv; e++) pred[e] = 0.f;
+            for (int64_t kk = 0; kk < dk; kk++) {
+                const float kv = k0[kk];
+                const float *row = S + kk * dv;
+#pragma omp simd
+                for (int64_t e = 0; e < dv; e++) pred[e] += kv * (row[e] * d0);
+            }
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t r = TOKEN(t);
+            const float *qt = q + (r * kheads + kh) * dk, *kt = k + (r * kheads + kh) * dk;
+            const float *vt = v + (r * vheads + h) * dv;
+            const float d = expf(g[r * vheads + h]), b = beta[r * vheads + h];
+#pragma omp simd
+            for (int64_t e = 0; e < dv; e++) {
+                delta[e] = (vt[e] - pred[e]) * b;
+                o[e] = 0.f;
+                next[e] = 0.f;
+            }
+            if (t + 1 < n) { /* S' = e^g S + k delta^T; o = q^T S'; the next token's k^T (e^g' S') */
+                const float *kn = k + ((r + 1) * kheads + kh) * dk;
+                const float dn = expf(g[(r + 1) * vheads + h]);
+                for (int64_t kk = 0; kk < dk; kk++) {
+                    const float kv = kt[kk], qv = qt[kk], knv = kn[kk];
+                    float *row = S + kk * dv;
+#pragma omp simd
+                    for (int64_t e = 0; e < dv; e++) {
+                        const float s = row[e] * d + kv * delta[e];
+                        row[e] = s;
+                        o[e] += qv * s;
+                        next[e] += knv * (s * dn);
+                    }
+                }
+            } else {
+                for (int64_t kk = 0; kk < dk; kk++) {
+                    const float kv = kt[kk], qv = qt[kk];
+                    float *row = S + kk * dv;
+#pragma omp simd
+                    for (int64_t e = 0; e < dv; e++) {
+                        const float s = row[e] * d + kv * delta[e];
+                        row[e] = s;
+                        o[e] += qv * s;
+                    }
+                }
+            }
+            memcpy(out + (r * vheads + h) * dv, o, (size_t)dv * sizeof(float));
+            memcpy(pred, next, (size_t)dv * sizeof(float));
+        }
+#undef TOKEN
+    }
+    return 0;
+}
