@@ -6,8 +6,8 @@ layer and the grammar-mask apply of constrained decoding. `csrc/extend_attention
 the attention of long extends (prompts, chunks) over the pool in place, blocked like a
 GEMM. `csrc/moe_experts.c`: the routed experts of a mixture-of-experts layer in bf16, one
 parallel region per layer. `csrc/panel_linear.c`: linears through weights laid out in panels
-(float32 on AVX2, bf16 on AVX-512 BF16). `csrc/recurrent.c`: Gated DeltaNet's delta rule token
-by token, in place on the slots' states. All are compiled into one library on
+(float32 on AVX2, bf16 on AVX-512 BF16). `csrc/recurrent.c`: Gated DeltaNet's delta rule and
+Mamba-2's scan token by token, in place on the slots' states. All are compiled into one library on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
 (less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
 source, the flags and the CPU's feature flags, so a cache copied to another CPU
@@ -123,6 +123,8 @@ def _build() -> ctypes.CDLL:
     lib.panel_linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT]
     lib.gated_delta_rule_f32.restype = ctypes.c_int
     lib.gated_delta_rule_f32.argtypes = [_P] * 10 + [_I64] * 6 + [_INT]
+    lib.ssm_scan_f32.restype = ctypes.c_int
+    lib.ssm_scan_f32.argtypes = [_P] * 10 + [_I64] * 6 + [_INT]
     return lib
 
 
@@ -454,24 +456,67 @@ def gated_delta_rule(
     g, beta [m, L, Hv] (float32), slots [m], keep [m] bool (None: all continue their states), lens
     [m] (None: all L) -> o [m, L, Hv, Dv], set at the real tokens. None (nothing done) where the
     kernel does not apply."""
-    tensors = (q, k, v, g, beta, states)
+    m, length, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    return _scan(
+        "gated_delta_rule_f32", (q, k, v, g, beta), states, (slots, keep, lens), (m, length, hv, dv),
+        (m, length, hk, hv, dk, dv), m * hv,
+    )  # fmt: skip
+
+
+def ssm_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor | None,
+    lens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Mamba-2's scan token by token (`csrc/recurrent.c`), in place on `states` [slots, H, P, N]
+    (float32), for m requests right-padded to L tokens: x [m, L, H, P], dt [m, L, H], a [H], b, c
+    [m, L, G, N] (float32; head h reads group h // (H / G)); slots, keep, lens as gated_delta_rule's
+    -> S C per token [m, L, H, P], set at the real tokens. None (nothing done) where the kernel does
+    not apply."""
+    m, length, h, p = x.shape
+    groups, n = b.shape[2], b.shape[3]
+    return _scan(
+        "ssm_scan_f32", (x, dt, a, b, c), states, (slots, keep, lens), (m, length, h, p),
+        (m, length, h, groups, p, n), m * h,
+    )  # fmt: skip
+
+
+def _scan(
+    name: str,
+    inputs: tuple[torch.Tensor, ...],
+    states: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    out_shape: tuple[int, ...],
+    dims: tuple[int, ...],
+    items: int,
+) -> torch.Tensor | None:
+    """A recurrent kernel's call: float32 CPU inputs made contiguous, (slots, keep, lens) as int64 /
+    uint8 / int64 (keep and lens may be None), the output allocated; None where it does not apply."""
     if (
-        any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors)
+        any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (*inputs, states))
         or not states.is_contiguous()
         or load() is None
     ):
         return None
-    m, length, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    index = [slots.to(torch.int64).contiguous()]
-    for t, dtype in ((keep, torch.uint8), (lens, torch.int64)):
-        index.append(None if t is None else t.to(dtype).contiguous())
-    out = torch.empty(m, length, hv, dv, dtype=torch.float32)
-    rc = _lib.gated_delta_rule_f32(  # type: ignore[union-attr]
-        *(t.data_ptr() for t in (q, k, v, g, beta, states)),
-        *(None if t is None else t.data_ptr() for t in index),
-        out.data_ptr(), m, length, hk, hv, dk, dv, max(1, min(torch.get_num_threads(), m * hv)),
+    slots, keep, lens = index
+    ints = (
+        slots.to(torch.int64).contiguous(),
+        None if keep is None else keep.to(torch.uint8).contiguous(),
+        None if lens is None else lens.to(torch.int64).contiguous(),
+    )
+    inputs = tuple(t.contiguous() for t in inputs)
+    out = torch.empty(out_shape, dtype=torch.float32)
+    rc = getattr(_lib, name)(
+        *(t.data_ptr() for t in (*inputs, states)),
+        *(None if t is None else t.data_ptr() for t in ints),
+        out.data_ptr(), *dims, max(1, min(torch.get_num_threads(), items)),
     )  # fmt: skip
     return out if rc == 0 else None
 

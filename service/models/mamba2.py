@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.models import cpu_kernels
 from service.models.recurrent import (
     ChunkRows,
     RecurrentRows,
@@ -135,18 +136,29 @@ class Mamba2(nn.Module):
         return self.out(self._gated_norm(y.flatten(1), z))
 
     def _split(self, conv: torch.Tensor):
-        """silu(conv) [.., C] float32 -> x [.., H, P], b, c [.., H, N] (each group's b and c for its heads)."""
+        """silu(conv) [.., C] float32 -> x [.., H, P], b, c [.., G, N] (a group's b and c serve
+        H / G heads)."""
         s = self.s
         xs, b, c = F.silu(conv).split([s.inner, s.groups * s.d_state, s.groups * s.d_state], dim=-1)
-        per = s.heads // s.groups
-        b, c = (t.unflatten(-1, (s.groups, s.d_state)).repeat_interleave(per, dim=-2) for t in (b, c))
+        b, c = (t.unflatten(-1, (s.groups, s.d_state)) for t in (b, c))
         return xs.unflatten(-1, (s.heads, s.head_dim)), b, c
+
+    def _per_head(self, t: torch.Tensor) -> torch.Tensor:
+        """b or c per group [.., G, N] -> per head [.., H, N]."""
+        return t.repeat_interleave(self.s.heads // self.s.groups, dim=-2)
 
     def _step(self, conv_state, state, xbc, dt, rows: StepRows) -> torch.Tensor:
         conv = conv_step(xbc, conv_state, self.conv_weight, self.conv_bias, rows)
         xs, b, c = self._split(conv.to(xbc.dtype).float())
-        y, new = ssm_step(xs, dt, -self.A_log.float().exp(), b, c, read_states(state, rows.slots, rows.keep))
-        state.index_copy_(0, rows.slots, new)
+        a = -self.A_log.float().exp()
+        pad = (t.unsqueeze(1) for t in (xs, dt))  # one token per request: [n, 1, ...]
+        y = cpu_kernels.ssm_scan(*pad, a, b.unsqueeze(1), c.unsqueeze(1), state, rows.slots, rows.keep)
+        if y is not None:
+            y = y[:, 0]
+        else:  # not on a CPU, or no kernel library
+            b, c = self._per_head(b), self._per_head(c)
+            y, new = ssm_step(xs, dt, a, b, c, read_states(state, rows.slots, rows.keep))
+            state.index_copy_(0, rows.slots, new)
         return y + self.D.float().unsqueeze(-1) * xs
 
     def _chunks(self, conv_state, state, xbc, dt, rows: ChunkRows) -> torch.Tensor:
@@ -155,10 +167,12 @@ class Mamba2(nn.Module):
         # the chunked form's floor and ceiling on dt (`time_step_limit`); the step has none, as in
         # transformers and mamba_ssm (a one-token prompt chunk runs as a step: unclamped)
         dt = dt[rows.packed].clamp(*self.s.dt_limit) * rows.valid.unsqueeze(-1)
-        y, new = chunked_scan(
-            xs, dt, -self.A_log.float().exp(), b, c, read_states(state, rows.slots, rows.keep)
-        )
-        state.index_copy_(0, rows.slots, new)
+        a = -self.A_log.float().exp()
+        y = cpu_kernels.ssm_scan(xs, dt, a, b, c, state, rows.slots, rows.keep, rows.lens)
+        if y is None:  # not on a CPU, or no kernel library
+            b, c = self._per_head(b), self._per_head(c)
+            y, new = chunked_scan(xs, dt, a, b, c, read_states(state, rows.slots, rows.keep))
+            state.index_copy_(0, rows.slots, new)
         return (y + self.D.float().unsqueeze(-1) * xs)[rows.valid]
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

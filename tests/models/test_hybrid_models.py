@@ -724,11 +724,58 @@ def test_the_native_rule_gives_a_request_the_same_bits_in_any_chunk_and_any_batc
         assert torch.equal(other_states[slot], whole_states[0])
 
 
-@pytest.mark.parametrize("hybrid_case", ["qwen3_5"], indirect=True)
-def test_the_torch_rule_serves_where_the_native_one_does_not(hybrid_case, monkeypatch):
-    """Without the CPU kernel (a GPU, no C compiler) the layer runs the torch forms, chunked and
-    step by step, and still gives transformers' tokens and logprobs, in both loops."""
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
+def test_the_native_scan_equals_the_step_by_step_scan():
+    """Mamba-2's CPU kernel against ssm_step in float64: padded requests of several lengths in
+    scattered slots, one starting from zeros, groups of b and c shared by two heads each, sizes that
+    fill no vector; other slots are left alone; and a request's bits are the same cut in two chunks
+    or beside others."""
+    from service.models.mamba2 import ssm_step
+
+    m, n, h, groups, p, d = 3, 40, 4, 2, 6, 20
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, h, p, generator=gen)
+    dt = torch.rand(m, n, h, generator=gen)
+    a = -torch.rand(h, generator=gen) - 0.1
+    b, c = (torch.randn(m, n, groups, d, generator=gen) for _ in range(2))
+    lens, keep = torch.tensor([40, 17, 1]), torch.tensor([True, False, True])
+    states = torch.randn(7, h, p, d, generator=gen)
+    slots = torch.tensor([5, 0, 3])
+    before = states.clone()
+    y = cpu_kernels.ssm_scan(x, dt, a, b, c, states, slots, keep, lens)
+    assert y is not None
+    untouched = [i for i in range(7) if i not in slots.tolist()]
+    assert torch.equal(states[untouched], before[untouched])
+    per_head = [t.double().repeat_interleave(h // groups, dim=2) for t in (b, c)]
+    for i in range(m):
+        state = before[slots[i]].double().unsqueeze(0) * keep[i]
+        for t in range(int(lens[i])):
+            sl = slice(i, i + 1)
+            bt, ct = per_head[0][sl, t], per_head[1][sl, t]
+            want, state = ssm_step(x[sl, t].double(), dt[sl, t].double(), a.double(), bt, ct, state)
+            torch.testing.assert_close(y[i, t].double(), want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[slots[i]].double(), state[0], rtol=1e-5, atol=1e-5)
+
+    def alone(st, lo, hi, continues):  # request 0's tokens lo..hi-1
+        parts = [t[:1, lo:hi] for t in (x, dt)] + [a] + [t[:1, lo:hi] for t in (b, c)]
+        return cpu_kernels.ssm_scan(*parts, st, torch.tensor([0]), torch.tensor([continues]))
+
+    whole_states, cut_states = torch.zeros(1, h, p, d), torch.zeros(1, h, p, d)
+    whole = alone(whole_states, 0, n, False)
+    cut = torch.cat([alone(cut_states, 0, 13, False), alone(cut_states, 13, n, True)], dim=1)
+    assert torch.equal(cut, whole) and torch.equal(cut_states, whole_states)
+    batch_states = torch.zeros(3, h, p, d)
+    batch = cpu_kernels.ssm_scan(x, dt, a, b, c, batch_states, torch.tensor([0, 1, 2]), None, lens)
+    assert torch.equal(batch[:1], whole) and torch.equal(batch_states[:1], whole_states)
+
+
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5", "granite4_h"], indirect=True)
+def test_the_torch_forms_serve_where_the_native_kernels_do_not(hybrid_case, monkeypatch):
+    """Without the CPU kernels (a GPU, no C compiler) the delta rule and Mamba-2's scan run their
+    torch forms, chunked and step by step, and still give transformers' tokens and logprobs, in
+    both loops."""
     monkeypatch.setattr(cpu_kernels, "gated_delta_rule", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cpu_kernels, "ssm_scan", lambda *args, **kwargs: None)
     model_dir, refs = hybrid_case
     _check(_run(model_dir, loop="normal")[0], refs)
     _check(_run(model_dir, loop="overlap", chunked_prefill_size=7, enable_mixed_chunk=True)[0], refs)

@@ -99,3 +99,55 @@ int gated_delta_rule_f32(const float *q, const float *k, const float *v, const f
     }
     return 0;
 }
+
+/* Mamba-2's selective scan (service/models/mamba2.py) token by token, in place on the slots' states.
+ *
+ * Layouts (all contiguous, float32), m requests right-padded to L tokens each (a decode: L = 1):
+ *   x        [m, L, heads, p]
+ *   dt       [m, L, heads]        after softplus (and the chunked form's clamp, where it applies)
+ *   a        [heads]              A = -exp(A_log)
+ *   b, c     [m, L, groups, n]    head h reads group h / (heads / groups)
+ *   states   [slots, heads, p, n]
+ *   slots, keep, lens             as gated_delta_rule_f32's
+ *   y        [m, L, heads, p]     S C per real token (the caller adds D x)
+ *
+ * Per token and head, as ssm_step computes it: S = e^(dt a) S + (dt x) b^T;  y = S c. One pass over
+ * S per token, the state in L1/L2 across the item's tokens. The sum over n is vectorised (its order
+ * is fixed: a request's results do not depend on its batch nor on its chunks).
+ */
+int ssm_scan_f32(const float *x, const float *dt, const float *a, const float *b, const float *c,
+                 float *states, const int64_t *slots, const uint8_t *keep, const int64_t *lens,
+                 float *y, int64_t m, int64_t L, int64_t heads, int64_t groups, int64_t p, int64_t n,
+                 int nthreads) {
+    if (groups <= 0 || heads % groups) return -1;
+    const int64_t per = heads / groups;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t item = 0; item < m * heads; item++) {
+        const int64_t i = item / heads, h = item % heads, gr = h / per;
+        const int64_t tokens = lens ? lens[i] : L;
+        float *S = states + (slots[i] * heads + h) * p * n;
+        if (tokens <= 0) continue;
+        if (keep && !keep[i]) memset(S, 0, (size_t)(p * n) * sizeof(float));
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t r = i * L + t;
+            const float step = dt[r * heads + h];
+            const float decay = expf(step * a[h]);
+            const float *xt = x + (r * heads + h) * p;
+            const float *bt = b + (r * groups + gr) * n, *ct = c + (r * groups + gr) * n;
+            float *yt = y + (r * heads + h) * p;
+            for (int64_t pp = 0; pp < p; pp++) {
+                const float u = step * xt[pp];
+                float *row = S + pp * n;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t e = 0; e < n; e++) {
+                    const float s = row[e] * decay + u * bt[e];
+                    row[e] = s;
+                    acc += s * ct[e];
+                }
+                yt[pp] = acc;
+            }
+        }
+    }
+    return 0;
+}
