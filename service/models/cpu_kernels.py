@@ -7,7 +7,7 @@ the attention of long extends (prompts, chunks) over the pool in place, blocked 
 GEMM. `csrc/moe_experts.c`: the routed experts of a mixture-of-experts layer in bf16, one
 parallel region per layer. `csrc/panel_linear.c`: linears through weights laid out in panels
 (float32 on AVX2, bf16 on AVX-512 BF16). `csrc/recurrent.c`: Gated DeltaNet's delta rule and
-Mamba-2's scan token by token, in place on the slots' states. All are compiled into one library on
+Mamba-2's and Mamba-1's scans token by token, in place on the slots' states. All are compiled into one library on
 first use with `cc -O3 -march=native -fopenmp` into `$ZEROGAP_CACHE/kernels/`
 (less the extensions `ZEROGAP_CPU_ISA` caps, see `cpu_features`; keyed by the
 source, the flags and the CPU's feature flags, so a cache copied to another CPU
@@ -125,10 +125,13 @@ def _build() -> ctypes.CDLL:
     lib.gated_delta_rule_f32.argtypes = [_P] * 10 + [_I64] * 6 + [_INT]
     lib.ssm_scan_f32.restype = ctypes.c_int
     lib.ssm_scan_f32.argtypes = [_P] * 10 + [_I64] * 6 + [_INT]
+    lib.ssm1_scan_f32.restype = ctypes.c_int
+    lib.ssm1_scan_f32.argtypes = [_P] * 10 + [_I64] * 4 + [_INT]
     return lib
 
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SSM1_BLOCK = 64  # channels of one work item of ssm1_scan_f32 (csrc/recurrent.c)
 _SIGNATURES = {  # each has a _bf16 and an _f32 variant
     "paged_attention": (
         _INT,
@@ -485,6 +488,30 @@ def ssm_scan(
     return _scan(
         "ssm_scan_f32", (x, dt, a, b, c), states, (slots, keep, lens), (m, length, h, p),
         (m, length, h, groups, p, n), m * h,
+    )  # fmt: skip
+
+
+def ssm1_scan(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    keep: torch.Tensor | None,
+    lens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Mamba-1's scan token by token (`csrc/recurrent.c`), in place on `states` [slots, D, N]
+    (float32), for m requests right-padded to L tokens: u, dt [m, L, D], a [D, N], b, c [m, L, N]
+    (float32); slots, keep, lens as gated_delta_rule's -> S c per token [m, L, D], set at the real
+    tokens. None (nothing done) where the kernel does not apply."""
+    m, length, d = u.shape
+    n = a.shape[1]
+    blocks = -(-d // SSM1_BLOCK)
+    return _scan(
+        "ssm1_scan_f32", (u, dt, a, b, c), states, (slots, keep, lens), (m, length, d), (m, length, d, n),
+        m * blocks,
     )  # fmt: skip
 
 

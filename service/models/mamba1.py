@@ -7,8 +7,9 @@ model's dtype) and the SSM state S [d_inner, d_state] (float32).
     out_proj(y * silu(z))                                    (A = -exp(A_log) [d_inner, d_state])
 
 Unlike Mamba-2's, the decay differs per channel and state, so a chunk cannot be condensed into
-matmuls: prompt tokens run the recurrence token by token, every request of the batch at once
-(right-padded: padding has dt = 0, no decay, no update)."""
+matmuls: prompt tokens run the recurrence token by token, on a CPU in a native kernel
+(`cpu_kernels.ssm1_scan`), elsewhere every request of the batch at once in torch ops (right-padded:
+padding has dt = 0, no decay, no update)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.models import cpu_kernels
 from service.models.recurrent import (
     ChunkRows,
     RecurrentRows,
@@ -124,8 +126,14 @@ class Mamba1(nn.Module):
     def _step(self, conv_state, state, u, rows: StepRows) -> torch.Tensor:
         conv = conv_step(u, conv_state, self.conv_weight, self.conv_bias, rows)
         u, dt, b, c = self._ssm_inputs(conv, u.dtype)
-        y, new = ssm_step(u, dt, -self.A_log.float().exp(), b, c, read_states(state, rows.slots, rows.keep))
-        state.index_copy_(0, rows.slots, new)
+        a = -self.A_log.float().exp()
+        one = [t.unsqueeze(1) for t in (u, dt, b, c)]  # one token per request: [n, 1, ...]
+        y = cpu_kernels.ssm1_scan(one[0], one[1], a, one[2], one[3], state, rows.slots, rows.keep)
+        if y is not None:
+            y = y[:, 0]
+        else:  # not on a CPU, or no kernel library
+            y, new = ssm_step(u, dt, a, b, c, read_states(state, rows.slots, rows.keep))
+            state.index_copy_(0, rows.slots, new)
         return y + self.D.float() * u
 
     def _chunks(self, conv_state, state, u, rows: ChunkRows) -> torch.Tensor:
@@ -133,7 +141,10 @@ class Mamba1(nn.Module):
         xs, dt, b, c = self._ssm_inputs(conv, u.dtype)
         dt = dt * rows.valid.unsqueeze(-1)  # padding: no decay, no update
         a = -self.A_log.float().exp()
-        s = read_states(state, rows.slots, rows.keep)
+        y = cpu_kernels.ssm1_scan(xs, dt, a, b, c, state, rows.slots, rows.keep, rows.lens)
+        if y is not None:
+            return (y + self.D.float() * xs)[rows.valid]
+        s = read_states(state, rows.slots, rows.keep)  # not on a CPU, or no kernel library
         ys = []
         for t in range(xs.shape[1]):
             y, s = ssm_step(xs[:, t], dt[:, t], a, b[:, t], c[:, t], s)

@@ -769,13 +769,56 @@ def test_the_native_scan_equals_the_step_by_step_scan():
     assert torch.equal(batch[:1], whole) and torch.equal(batch_states[:1], whole_states)
 
 
-@pytest.mark.parametrize("hybrid_case", ["qwen3_5", "granite4_h"], indirect=True)
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
+def test_the_native_mamba1_scan_equals_the_step_by_step_scan():
+    """Mamba-1's CPU kernel against its ssm_step in float64 (a decay per channel and state):
+    padded requests in scattered slots, one from zeros, channels past one work item's block and a
+    state size that fills no vector; other slots are left alone; a request's bits are the same cut
+    in two chunks or beside others."""
+    from service.models.mamba1 import ssm_step
+
+    m, n, d, k = 3, 30, cpu_kernels.SSM1_BLOCK + 13, 12
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(m, n, d, generator=gen)
+    dt = torch.rand(m, n, d, generator=gen)
+    a = -torch.rand(d, k, generator=gen) - 0.1
+    b, c = (torch.randn(m, n, k, generator=gen) for _ in range(2))
+    lens, keep = torch.tensor([30, 11, 1]), torch.tensor([True, False, True])
+    states = torch.randn(6, d, k, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    before = states.clone()
+    y = cpu_kernels.ssm1_scan(u, dt, a, b, c, states, slots, keep, lens)
+    assert y is not None
+    assert torch.equal(states[[1, 3, 5]], before[[1, 3, 5]])
+    for i in range(m):
+        state = before[slots[i]].double().unsqueeze(0) * keep[i]
+        for t in range(int(lens[i])):
+            at = [x[i : i + 1, t].double() for x in (u, dt, b, c)]
+            want, state = ssm_step(at[0], at[1], a.double(), at[2], at[3], state)
+            torch.testing.assert_close(y[i, t].double(), want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[slots[i]].double(), state[0], rtol=1e-5, atol=1e-5)
+
+    def alone(st, lo, hi, continues):  # request 0's tokens lo..hi-1
+        parts = [t[:1, lo:hi] for t in (u, dt)] + [a] + [t[:1, lo:hi] for t in (b, c)]
+        return cpu_kernels.ssm1_scan(*parts, st, torch.tensor([0]), torch.tensor([continues]))
+
+    whole_states, cut_states = torch.zeros(1, d, k), torch.zeros(1, d, k)
+    whole = alone(whole_states, 0, n, False)
+    cut = torch.cat([alone(cut_states, 0, 13, False), alone(cut_states, 13, n, True)], dim=1)
+    assert torch.equal(cut, whole) and torch.equal(cut_states, whole_states)
+    batch_states = torch.zeros(3, d, k)
+    batch = cpu_kernels.ssm1_scan(u, dt, a, b, c, batch_states, torch.tensor([0, 1, 2]), None, lens)
+    assert torch.equal(batch[:1], whole) and torch.equal(batch_states[:1], whole_states)
+
+
+@pytest.mark.parametrize("hybrid_case", ["qwen3_5", "granite4_h", "jamba"], indirect=True)
 def test_the_torch_forms_serve_where_the_native_kernels_do_not(hybrid_case, monkeypatch):
-    """Without the CPU kernels (a GPU, no C compiler) the delta rule and Mamba-2's scan run their
-    torch forms, chunked and step by step, and still give transformers' tokens and logprobs, in
+    """Without the CPU kernels (a GPU, no C compiler) the delta rule and the Mamba-2 and Mamba-1
+    scans run their torch forms, chunked and step by step, and still give transformers' tokens and logprobs, in
     both loops."""
     monkeypatch.setattr(cpu_kernels, "gated_delta_rule", lambda *args, **kwargs: None)
     monkeypatch.setattr(cpu_kernels, "ssm_scan", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cpu_kernels, "ssm1_scan", lambda *args, **kwargs: None)
     model_dir, refs = hybrid_case
     _check(_run(model_dir, loop="normal")[0], refs)
     _check(_run(model_dir, loop="overlap", chunked_prefill_size=7, enable_mixed_chunk=True)[0], refs)

@@ -27,6 +27,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "kernel_math.h"
+
 #define GD_MAX_DV 512
 
 int gated_delta_rule_f32(const float *q, const float *k, const float *v, const float *g,
@@ -146,6 +148,56 @@ int ssm_scan_f32(const float *x, const float *dt, const float *a, const float *b
                     acc += s * ct[e];
                 }
                 yt[pp] = acc;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Mamba-1's selective scan (service/models/mamba1.py) token by token, in place on the slots' states.
+ *
+ * Layouts (all contiguous, float32), m requests right-padded to L tokens each (a decode: L = 1):
+ *   u, dt    [m, L, d]            the conv's output and the step (after softplus)
+ *   a        [d, n]               A = -exp(A_log): a decay per channel and state
+ *   b, c     [m, L, n]
+ *   states   [slots, d, n]
+ *   slots, keep, lens             as gated_delta_rule_f32's
+ *   y        [m, L, d]            S c per real token (the caller adds D u)
+ *
+ * Per token and channel, as ssm_step computes it: S = exp(dt a) S + (dt u) b^T;  y = S c. The decay
+ * differs per channel and state, so no chunk condenses into matmuls: the torch form loops over the
+ * tokens, several ops each. Work items are (request, block of SSM1_BLOCK channels), the block's
+ * states (SSM1_BLOCK x n) in L1 across the item's tokens. exp is exp_approx (relative ~2e-7).
+ */
+#define SSM1_BLOCK 64
+
+int ssm1_scan_f32(const float *u, const float *dt, const float *a, const float *b, const float *c,
+                  float *states, const int64_t *slots, const uint8_t *keep, const int64_t *lens,
+                  float *y, int64_t m, int64_t L, int64_t d, int64_t n, int nthreads) {
+    const int64_t blocks = (d + SSM1_BLOCK - 1) / SSM1_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t item = 0; item < m * blocks; item++) {
+        const int64_t i = item / blocks, d0 = (item % blocks) * SSM1_BLOCK;
+        const int64_t d1 = d0 + SSM1_BLOCK < d ? d0 + SSM1_BLOCK : d;
+        const int64_t tokens = lens ? lens[i] : L;
+        float *S = states + slots[i] * d * n;
+        if (tokens <= 0) continue;
+        if (keep && !keep[i]) memset(S + d0 * n, 0, (size_t)((d1 - d0) * n) * sizeof(float));
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t r = i * L + t;
+            const float *bt = b + r * n, *ct = c + r * n;
+            for (int64_t ch = d0; ch < d1; ch++) {
+                const float step = dt[r * d + ch], x = step * u[r * d + ch];
+                const float *ach = a + ch * n;
+                float *row = S + ch * n;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t e = 0; e < n; e++) {
+                    const float s = row[e] * exp_approx(step * ach[e]) + x * bt[e];
+                    row[e] = s;
+                    acc += s * ct[e];
+                }
+                y[r * d + ch] = acc;
             }
         }
     }
