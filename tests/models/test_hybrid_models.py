@@ -36,6 +36,9 @@ PROMPTS = [[5 + 13 * i + 7 * j for j in range(3 + 11 * i)] for i in range(4)] + 
     [9],  # a prompt of one token: a chunk of one, from zeroed states
 ]
 
+# The state-space LMs' configs name no attention heads (state-spaces/mamba-130m-hf's config.json,
+# Mamba2Config's fields): COMMON's are left out of theirs, as a real checkpoint would have them
+NO_ATTENTION = dict(num_attention_heads=None, num_key_value_heads=None)
 COMMON = dict(
     vocab_size=49152,
     hidden_size=64,
@@ -204,8 +207,17 @@ CONFIGS = {
     # Mamba-2 alone (Codestral Mamba's layout): no attention at all
     "mamba2": (
         "Mamba2Config",
-        dict(layer_types=None, num_heads=8, head_dim=16, n_groups=2, state_size=16, expand=2, use_bias=True),
-    ),
+        dict(
+            layer_types=None,
+            num_heads=8,
+            head_dim=16,
+            n_groups=2,
+            state_size=16,
+            expand=2,
+            use_bias=True,
+            **NO_ATTENTION,
+        ),
+    ),  # fmt: skip
     # LFM3: sliding (window 8) and full attention with a rope each (proportional, half the head, on
     # the full ones), a gate per head, sandwich norms, a conv of 7 taps
     "lfm3": (
@@ -244,10 +256,15 @@ CONFIGS = {
             time_step_rank=5,
             use_bias=True,
             tie_word_embeddings=True,
+            head_dim=None,
+            **NO_ATTENTION,
         ),
     ),
     # FalconMamba: B, C and dt RMS-normed
-    "falcon_mamba": ("FalconMambaConfig", dict(layer_types=None, state_size=8, expand=2, mixer_rms_eps=1e-6)),
+    "falcon_mamba": (
+        "FalconMambaConfig",
+        dict(layer_types=None, state_size=8, expand=2, mixer_rms_eps=1e-6, head_dim=None, **NO_ATTENTION),
+    ),
     # Jamba: Mamba with weighted dt/B/C norms, attention without positions at layer 2, experts at
     # the odd layers (softmax top-2 of 4, not renormalised)
     "jamba": (
