@@ -3,6 +3,9 @@
 attention expanded per head), served in process, the same prompts through each in one run.
 
     flock /tmp/zg-heavy.lock .venv/bin/python bench/bench_attention_kinds.py --layers 24
+
+Recurrent layers too (`--kinds qwen3.5-0.8b,granite4-h-1536,mamba-790m`); `--torch-recurrent` runs
+them in their torch forms instead of the CPU kernels (`csrc/recurrent.c`), for a before/after.
 """
 
 from __future__ import annotations
@@ -54,7 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt", type=int, default=300)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument(
+        "--torch-recurrent",
+        action="store_true",
+        help="recurrent layers in their torch forms (as on a GPU), not the CPU kernels: the before side",
+    )
     args = p.parse_args(argv)
+    if args.torch_recurrent:
+        from service.models import cpu_kernels
+
+        for name in ("gated_delta_rule", "ssm_scan", "ssm1_scan"):
+            setattr(cpu_kernels, name, lambda *a, **k: None)
     print(f"| model | {args.requests} x ({args.prompt} + {args.new}) | out tok/s | one request |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -50,6 +50,18 @@ SHAPES = {  # name: (transformers config class, the real model's layer shapes)
              head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
              linear_value_head_dim=128, tie_word_embeddings=True),
     ),
+    "granite4-h-1536": (  # Granite 4.0-H's layer kinds: Mamba-2 (48 heads of 64, d_state 128), NoPE
+        "GraniteMoeHybridConfig",  # attention in one layer of eight, a shared MLP, no routed experts
+        dict(hidden_size=1536, intermediate_size=4096, shared_intermediate_size=4096, num_local_experts=0,
+             num_attention_heads=12, num_key_value_heads=4, position_embedding_type="nope",
+             mamba_n_heads=48, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_expand=2,
+             mamba_d_conv=4, layer_pattern=("mamba",) * 7 + ("attention",), tie_word_embeddings=True),
+    ),
+    "mamba-790m": (  # Mamba (the first): a selective scan per channel and state
+        "MambaConfig",
+        dict(hidden_size=1536, state_size=16, expand=2, conv_kernel=4, time_step_rank=96,
+             tie_word_embeddings=True),
+    ),
     "youtu-1024": (  # DeepSeek-V3's latent attention (V2-Lite's head dims) on dense layers
         "YoutuConfig",
         dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16,
@@ -72,6 +84,9 @@ def make(name: str, layers: int, out: Path) -> Path:
     from service.model_prep import prepare_default_model
 
     cls, shape = SHAPES[name]
+    shape = dict(shape)
+    if pattern := shape.pop("layer_pattern", None):  # a hybrid's layer kinds, repeated over `layers`
+        shape["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
     cfg = getattr(transformers, cls)(**COMMON, **shape, num_hidden_layers=layers)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
