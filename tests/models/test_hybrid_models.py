@@ -669,163 +669,110 @@ def test_the_chunked_rule_equals_the_step_by_step_rule():
                 torch.testing.assert_close(final[i], state[i], rtol=1e-9, atol=1e-9)
 
 
-def _rule_inputs(m: int, n: int, hk: int, hv: int, dk: int, dv: int, seed: int = 0):
-    """Float32 inputs of the gated delta rule for m requests right-padded to n tokens (as the layer
-    lays them out: q, k per k head [m, n, hk, dk], v [m, n, hv, dv], g, beta [m, n, hv])."""
-    from service.models.gated_delta import l2_normalise
+def _native_case(kind: str):
+    """One recurrent CPU kernel's case: (call(per-token inputs, states, slots, keep[, lens]), its
+    per-token float32 inputs for 3 requests padded to 40 tokens, a slot's state shape, step(i, t,
+    state): request i's token t by the layer's torch step in float64). Head and state sizes fill no
+    vector; q/k heads (delta rule) and b/c groups (Mamba-2) serve two heads each; Mamba-1's channels
+    run past one work item's block."""
+    from service.models import gated_delta, mamba1, mamba2
 
-    gen = torch.Generator().manual_seed(seed)
-    q = l2_normalise(torch.randn(m, n, hk, dk, generator=gen)) * dk**-0.5
-    k = l2_normalise(torch.randn(m, n, hk, dk, generator=gen))
-    v = torch.randn(m, n, hv, dv, generator=gen)
-    g = -torch.rand(m, n, hv, generator=gen)
-    beta = torch.rand(m, n, hv, generator=gen)
-    return q, k, v, g, beta
+    gen = torch.Generator().manual_seed(0)
+    m, n = 3, 40
+    if kind == "delta_rule":
+        hk, hv, dk, dv = 2, 4, 16, 24
+        q = gated_delta.l2_normalise(torch.randn(m, n, hk, dk, generator=gen)) * dk**-0.5
+        k = gated_delta.l2_normalise(torch.randn(m, n, hk, dk, generator=gen))
+        v = torch.randn(m, n, hv, dv, generator=gen)
+        g, beta = -torch.rand(m, n, hv, generator=gen), torch.rand(m, n, hv, generator=gen)
+        inputs = [q, k, v, g, beta]
+
+        def rule_step(i, t, state):
+            qt, kt = (x[i : i + 1, t].double().repeat_interleave(hv // hk, dim=1) for x in (q, k))
+            return gated_delta.recurrent_step(
+                qt, kt, *(x[i : i + 1, t].double() for x in (v, g, beta)), state
+            )
+
+        return (lambda xs, *rest: cpu_kernels.gated_delta_rule(*xs, *rest)), inputs, (hv, dk, dv), rule_step
+    if kind == "mamba2":
+        h, groups, p, d = 4, 2, 6, 20
+        shape, per, module = (h, p), h // groups, mamba2
+        a = -torch.rand(h, generator=gen) - 0.1
+        call = lambda xs, *rest: cpu_kernels.ssm_scan(xs[0], xs[1], a, xs[2], xs[3], *rest)  # noqa: E731
+        bc_shape = (groups, d)
+    else:  # mamba1: a decay per channel and state
+        d, k = cpu_kernels.SSM1_BLOCK + 13, 12
+        shape, per, module = (d,), 1, mamba1
+        a = -torch.rand(d, k, generator=gen) - 0.1
+        call = lambda xs, *rest: cpu_kernels.ssm1_scan(xs[0], xs[1], a, xs[2], xs[3], *rest)  # noqa: E731
+        bc_shape = (k,)
+    x, dt = torch.randn(m, n, *shape, generator=gen), torch.rand(m, n, shape[0], generator=gen)
+    b, c = (torch.randn(m, n, *bc_shape, generator=gen) for _ in range(2))
+
+    def scan_step(i, t, state):
+        xt, dtt = (y[i : i + 1, t].double() for y in (x, dt))
+        bt, ct = (y[i : i + 1, t].double() for y in (b, c))
+        if per > 1:
+            bt, ct = (y.repeat_interleave(per, dim=1) for y in (bt, ct))
+        return module.ssm_step(xt, dtt, a.double(), bt, ct, state)
+
+    return call, [x, dt, b, c], (*shape, bc_shape[-1]), scan_step
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
-def test_the_native_rule_equals_the_step_by_step_rule():
-    """The CPU kernel (token by token, in place on the slots' states) against recurrent_step in
-    float64: padded requests of several lengths in scattered slots, one starting from zeros, k heads
-    shared by two v heads each, head sizes that fill no vector; other slots are left alone."""
-    from service.models.gated_delta import recurrent_step
+NATIVE_KINDS = ["delta_rule", "mamba2", "mamba1"]
+needs_cc = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)"
+)
 
-    m, n, hk, hv, dk, dv = 3, 40, 2, 4, 16, 24
-    q, k, v, g, beta = _rule_inputs(m, n, hk, hv, dk, dv)
-    lens, keep = torch.tensor([40, 17, 1]), torch.tensor([True, False, True])
-    states = torch.randn(7, hv, dk, dv, generator=torch.Generator().manual_seed(1))
-    slots = torch.tensor([5, 0, 3])
+
+@needs_cc
+@pytest.mark.parametrize("kind", NATIVE_KINDS)
+def test_native_recurrent_kernels_equal_their_step_forms(kind):
+    """Each CPU kernel (token by token, in place on the slots' states) against the layer's torch
+    step in float64: padded requests of several lengths in scattered slots, one starting from
+    zeros; the other slots are left alone."""
+    call, inputs, state_shape, step = _native_case(kind)
+    lens, keep, slots = torch.tensor([40, 17, 1]), torch.tensor([True, False, True]), torch.tensor([5, 0, 3])
+    states = torch.randn(7, *state_shape, generator=torch.Generator().manual_seed(1))
     before = states.clone()
-    out = cpu_kernels.gated_delta_rule(q, k, v, g, beta, states, slots, keep, lens)
+    out = call(inputs, states, slots, keep, lens)
     assert out is not None
     untouched = [i for i in range(7) if i not in slots.tolist()]
     assert torch.equal(states[untouched], before[untouched])
-    rep = [x.double().repeat_interleave(hv // hk, dim=2) for x in (q, k)]
-    for i in range(m):
+    for i in range(3):
         state = before[slots[i]].double().unsqueeze(0) * keep[i]
         for t in range(int(lens[i])):
-            o, state = recurrent_step(
-                rep[0][i : i + 1, t], rep[1][i : i + 1, t], v[i : i + 1, t].double(),
-                g[i : i + 1, t].double(), beta[i : i + 1, t].double(), state,
-            )  # fmt: skip
-            torch.testing.assert_close(out[i, t].double(), o[0], rtol=1e-5, atol=1e-5)
+            want, state = step(i, t, state)
+            torch.testing.assert_close(out[i, t].double(), want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(states[slots[i]].double(), state[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
-def test_the_native_rule_gives_a_request_the_same_bits_in_any_chunk_and_any_batch():
+@needs_cc
+@pytest.mark.parametrize("kind", NATIVE_KINDS)
+def test_native_recurrent_kernels_give_a_request_the_same_bits_in_any_chunk_and_any_batch(kind):
     """A prompt whole, cut in two chunks, or run token by token as decode steps, alone or beside
     other requests: the same output bits and the same final state (the overlap and normal loops,
     chunk sizes and neighbours never change a request's tokens)."""
-    n, hk, hv, dk, dv = 30, 2, 2, 32, 32
-    q, k, v, g, beta = _rule_inputs(3, n, hk, hv, dk, dv)
-    zero = torch.zeros(3, hv, dk, dv)
+    call, inputs, state_shape, _ = _native_case(kind)
+    n = inputs[0].shape[1]
+    zero = torch.zeros(3, *state_shape)
 
-    def run(states, slot, lo, hi, continues):  # request 0's tokens lo..hi-1, alone
-        x = [t[:1, lo:hi] for t in (q, k, v, g, beta)]
-        keep = torch.tensor([continues])
-        return cpu_kernels.gated_delta_rule(*x, states, torch.tensor([slot]), keep)
+    def alone(states, slot, lo, hi, continues):  # request 0's tokens lo..hi-1
+        return call([x[:1, lo:hi] for x in inputs], states, torch.tensor([slot]), torch.tensor([continues]))
 
     whole_states = zero.clone()
-    whole = run(whole_states, 0, 0, n, False)
+    whole = alone(whole_states, 0, 0, n, False)
     cut_states = zero.clone()
-    cut = torch.cat([run(cut_states, 1, 0, 13, False), run(cut_states, 1, 13, n, True)], dim=1)
+    cut = torch.cat([alone(cut_states, 1, 0, 13, False), alone(cut_states, 1, 13, n, True)], dim=1)
     step_states = zero.clone()
-    steps = torch.cat([run(step_states, 2, t, t + 1, t > 0) for t in range(n)], dim=1)
+    steps = torch.cat([alone(step_states, 2, t, t + 1, t > 0) for t in range(n)], dim=1)
     batch_states = zero.clone()
     slots, fresh, lens = torch.tensor([2, 0, 1]), torch.tensor([False] * 3), torch.tensor([n, 9, 21])
-    batch = cpu_kernels.gated_delta_rule(q, k, v, g, beta, batch_states, slots, fresh, lens)
+    batch = call(inputs, batch_states, slots, fresh, lens)
     alike = ((cut, cut_states, 1), (steps, step_states, 2), (batch[:1], batch_states, 2))
     for other, other_states, slot in alike:
         assert torch.equal(other, whole)
         assert torch.equal(other_states[slot], whole_states[0])
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
-def test_the_native_scan_equals_the_step_by_step_scan():
-    """Mamba-2's CPU kernel against ssm_step in float64: padded requests of several lengths in
-    scattered slots, one starting from zeros, groups of b and c shared by two heads each, sizes that
-    fill no vector; other slots are left alone; and a request's bits are the same cut in two chunks
-    or beside others."""
-    from service.models.mamba2 import ssm_step
-
-    m, n, h, groups, p, d = 3, 40, 4, 2, 6, 20
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, n, h, p, generator=gen)
-    dt = torch.rand(m, n, h, generator=gen)
-    a = -torch.rand(h, generator=gen) - 0.1
-    b, c = (torch.randn(m, n, groups, d, generator=gen) for _ in range(2))
-    lens, keep = torch.tensor([40, 17, 1]), torch.tensor([True, False, True])
-    states = torch.randn(7, h, p, d, generator=gen)
-    slots = torch.tensor([5, 0, 3])
-    before = states.clone()
-    y = cpu_kernels.ssm_scan(x, dt, a, b, c, states, slots, keep, lens)
-    assert y is not None
-    untouched = [i for i in range(7) if i not in slots.tolist()]
-    assert torch.equal(states[untouched], before[untouched])
-    per_head = [t.double().repeat_interleave(h // groups, dim=2) for t in (b, c)]
-    for i in range(m):
-        state = before[slots[i]].double().unsqueeze(0) * keep[i]
-        for t in range(int(lens[i])):
-            sl = slice(i, i + 1)
-            bt, ct = per_head[0][sl, t], per_head[1][sl, t]
-            want, state = ssm_step(x[sl, t].double(), dt[sl, t].double(), a.double(), bt, ct, state)
-            torch.testing.assert_close(y[i, t].double(), want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(states[slots[i]].double(), state[0], rtol=1e-5, atol=1e-5)
-
-    def alone(st, lo, hi, continues):  # request 0's tokens lo..hi-1
-        parts = [t[:1, lo:hi] for t in (x, dt)] + [a] + [t[:1, lo:hi] for t in (b, c)]
-        return cpu_kernels.ssm_scan(*parts, st, torch.tensor([0]), torch.tensor([continues]))
-
-    whole_states, cut_states = torch.zeros(1, h, p, d), torch.zeros(1, h, p, d)
-    whole = alone(whole_states, 0, n, False)
-    cut = torch.cat([alone(cut_states, 0, 13, False), alone(cut_states, 13, n, True)], dim=1)
-    assert torch.equal(cut, whole) and torch.equal(cut_states, whole_states)
-    batch_states = torch.zeros(3, h, p, d)
-    batch = cpu_kernels.ssm_scan(x, dt, a, b, c, batch_states, torch.tensor([0, 1, 2]), None, lens)
-    assert torch.equal(batch[:1], whole) and torch.equal(batch_states[:1], whole_states)
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs cc (the native kernels are built with it)")
-def test_the_native_mamba1_scan_equals_the_step_by_step_scan():
-    """Mamba-1's CPU kernel against its ssm_step in float64 (a decay per channel and state):
-    padded requests in scattered slots, one from zeros, channels past one work item's block and a
-    state size that fills no vector; other slots are left alone; a request's bits are the same cut
-    in two chunks or beside others."""
-    from service.models.mamba1 import ssm_step
-
-    m, n, d, k = 3, 30, cpu_kernels.SSM1_BLOCK + 13, 12
-    gen = torch.Generator().manual_seed(0)
-    u = torch.randn(m, n, d, generator=gen)
-    dt = torch.rand(m, n, d, generator=gen)
-    a = -torch.rand(d, k, generator=gen) - 0.1
-    b, c = (torch.randn(m, n, k, generator=gen) for _ in range(2))
-    lens, keep = torch.tensor([30, 11, 1]), torch.tensor([True, False, True])
-    states = torch.randn(6, d, k, generator=gen)
-    slots = torch.tensor([4, 0, 2])
-    before = states.clone()
-    y = cpu_kernels.ssm1_scan(u, dt, a, b, c, states, slots, keep, lens)
-    assert y is not None
-    assert torch.equal(states[[1, 3, 5]], before[[1, 3, 5]])
-    for i in range(m):
-        state = before[slots[i]].double().unsqueeze(0) * keep[i]
-        for t in range(int(lens[i])):
-            at = [x[i : i + 1, t].double() for x in (u, dt, b, c)]
-            want, state = ssm_step(at[0], at[1], a.double(), at[2], at[3], state)
-            torch.testing.assert_close(y[i, t].double(), want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(states[slots[i]].double(), state[0], rtol=1e-5, atol=1e-5)
-
-    def alone(st, lo, hi, continues):  # request 0's tokens lo..hi-1
-        parts = [t[:1, lo:hi] for t in (u, dt)] + [a] + [t[:1, lo:hi] for t in (b, c)]
-        return cpu_kernels.ssm1_scan(*parts, st, torch.tensor([0]), torch.tensor([continues]))
-
-    whole_states, cut_states = torch.zeros(1, d, k), torch.zeros(1, d, k)
-    whole = alone(whole_states, 0, n, False)
-    cut = torch.cat([alone(cut_states, 0, 13, False), alone(cut_states, 13, n, True)], dim=1)
-    assert torch.equal(cut, whole) and torch.equal(cut_states, whole_states)
-    batch_states = torch.zeros(3, d, k)
-    batch = cpu_kernels.ssm1_scan(u, dt, a, b, c, batch_states, torch.tensor([0, 1, 2]), None, lens)
-    assert torch.equal(batch[:1], whole) and torch.equal(batch_states[:1], whole_states)
 
 
 @pytest.mark.parametrize("hybrid_case", ["qwen3_5", "granite4_h", "jamba"], indirect=True)
