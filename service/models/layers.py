@@ -274,7 +274,7 @@ def base_shape(config, **overrides) -> ModelShape:
     Per-layer windows follow `layer_types` where the config has them (Qwen2/3's max_window_layers,
     Gemma's alternation), else `sliding_window` applies to every layer (Mistral, Phi-3). A family
     without attention (Mamba's configs name no attention heads) gives the head fields itself."""
-    heads = overrides["num_q_heads"] if "num_q_heads" in overrides else config.num_attention_heads
+    heads = overrides.get("num_q_heads") or config.num_attention_heads
     window = getattr(config, "sliding_window", None) or None
     types = getattr(config, "layer_types", None)
     n = config.num_hidden_layers
@@ -287,10 +287,8 @@ def base_shape(config, **overrides) -> ModelShape:
         num_layers=n,
         hidden_size=config.hidden_size,
         num_q_heads=heads,
-        num_kv_heads=overrides.get("num_kv_heads") or getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=overrides.get("head_dim")
-        or getattr(config, "head_dim", None)
-        or config.hidden_size // heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         intermediate_size=getattr(config, "intermediate_size", None),
         vocab_size=config.vocab_size,
         norm_eps=getattr(config, "rms_norm_eps", None),

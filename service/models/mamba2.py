@@ -151,8 +151,8 @@ class Mamba2(nn.Module):
         conv = conv_step(xbc, conv_state, self.conv_weight, self.conv_bias, rows)
         xs, b, c = self._split(conv.to(xbc.dtype).float())
         a = -self.A_log.float().exp()
-        pad = (t.unsqueeze(1) for t in (xs, dt))  # one token per request: [n, 1, ...]
-        y = cpu_kernels.ssm_scan(*pad, a, b.unsqueeze(1), c.unsqueeze(1), state, rows.slots, rows.keep)
+        one = [t.unsqueeze(1) for t in (xs, dt, b, c)]  # one token per request: [n, 1, ...]
+        y = cpu_kernels.ssm_scan(one[0], one[1], a, one[2], one[3], state, rows.slots, rows.keep)
         if y is not None:
             y = y[:, 0]
         else:  # not on a CPU, or no kernel library

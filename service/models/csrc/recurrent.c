@@ -31,6 +31,18 @@
 
 #define GD_MAX_DV 512
 
+/* Work item helpers shared by the kernels below: request i's token count (lens may be NULL: all L),
+ * and its slot's state for the item (`size` floats at `offset` within the slot's `row` floats),
+ * zeroed where the request starts afresh (keep may be NULL: all continue). */
+static inline int64_t item_tokens(const int64_t *lens, int64_t i, int64_t L) { return lens ? lens[i] : L; }
+
+static inline float *item_state(float *states, const int64_t *slots, const uint8_t *keep, int64_t i,
+                                int64_t row, int64_t offset, int64_t size) {
+    float *S = states + slots[i] * row + offset;
+    if (keep && !keep[i]) memset(S, 0, (size_t)size * sizeof(float));
+    return S;
+}
+
 int gated_delta_rule_f32(const float *q, const float *k, const float *v, const float *g,
                          const float *beta, float *states, const int64_t *slots, const uint8_t *keep,
                          const int64_t *lens, float *out, int64_t m, int64_t L, int64_t kheads,
@@ -40,11 +52,10 @@ int gated_delta_rule_f32(const float *q, const float *k, const float *v, const f
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t item = 0; item < m * vheads; item++) {
         const int64_t i = item / vheads, h = item % vheads, kh = h / group;
-        const int64_t n = lens ? lens[i] : L;
-        float *S = states + (slots[i] * vheads + h) * dk * dv;
+        const int64_t n = item_tokens(lens, i, L);
         float pred[GD_MAX_DV], next[GD_MAX_DV], delta[GD_MAX_DV], o[GD_MAX_DV];
         if (n <= 0) continue;
-        if (keep && !keep[i]) memset(S, 0, (size_t)(dk * dv) * sizeof(float));
+        float *S = item_state(states, slots, keep, i, vheads * dk * dv, h * dk * dv, dk * dv);
 #define TOKEN(t) ((i * L + (t)))
         { /* the first token's predicted value: k^T (e^g S) */
             const float *k0 = k + (TOKEN(0) * kheads + kh) * dk;
@@ -126,10 +137,9 @@ int ssm_scan_f32(const float *x, const float *dt, const float *a, const float *b
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t item = 0; item < m * heads; item++) {
         const int64_t i = item / heads, h = item % heads, gr = h / per;
-        const int64_t tokens = lens ? lens[i] : L;
-        float *S = states + (slots[i] * heads + h) * p * n;
+        const int64_t tokens = item_tokens(lens, i, L);
         if (tokens <= 0) continue;
-        if (keep && !keep[i]) memset(S, 0, (size_t)(p * n) * sizeof(float));
+        float *S = item_state(states, slots, keep, i, heads * p * n, h * p * n, p * n);
         for (int64_t t = 0; t < tokens; t++) {
             const int64_t r = i * L + t;
             const float step = dt[r * heads + h];
@@ -179,17 +189,16 @@ int ssm1_scan_f32(const float *u, const float *dt, const float *a, const float *
     for (int64_t item = 0; item < m * blocks; item++) {
         const int64_t i = item / blocks, d0 = (item % blocks) * SSM1_BLOCK;
         const int64_t d1 = d0 + SSM1_BLOCK < d ? d0 + SSM1_BLOCK : d;
-        const int64_t tokens = lens ? lens[i] : L;
-        float *S = states + slots[i] * d * n;
+        const int64_t tokens = item_tokens(lens, i, L);
         if (tokens <= 0) continue;
-        if (keep && !keep[i]) memset(S + d0 * n, 0, (size_t)((d1 - d0) * n) * sizeof(float));
+        float *S = item_state(states, slots, keep, i, d * n, d0 * n, (d1 - d0) * n); /* channels d0.. */
         for (int64_t t = 0; t < tokens; t++) {
             const int64_t r = i * L + t;
             const float *bt = b + r * n, *ct = c + r * n;
             for (int64_t ch = d0; ch < d1; ch++) {
                 const float step = dt[r * d + ch], x = step * u[r * d + ch];
                 const float *ach = a + ch * n;
-                float *row = S + ch * n;
+                float *row = S + (ch - d0) * n;
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
                 for (int64_t e = 0; e < n; e++) {
