@@ -24,9 +24,7 @@ class ServerArgs:
     max_running_requests: int = 64
     max_queued_requests: int = 1024
     kv_cache_tokens: int | None = None  # None: derived from kv_mem_fraction
-    kv_mem_fraction: float = (
-        0.05  # of total host memory (CUDA: of free GPU memory), when kv_cache_tokens is None
-    )
+    kv_mem_fraction: float = 0.05  # of the memory granted (host, or cgroup limit; CUDA: free GPU memory), when kv_cache_tokens is None
     context_length: int | None = None  # None: the model's max_position_embeddings
     max_prefill_tokens: int = 4096  # tokens per prefill batch
     chunked_prefill_size: int = (
@@ -170,7 +168,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--kv-mem-fraction",
         type=float,
         default=d.kv_mem_fraction,
-        help="KV pool size as a fraction of host memory, or of free GPU memory on CUDA (when --kv-cache-tokens is not given)",
+        help="KV pool size as a fraction of the memory granted (the host's, or its cgroup's limit in a container), "
+        "or of free GPU memory on CUDA (when --kv-cache-tokens is not given)",
     )
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)

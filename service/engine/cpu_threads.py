@@ -1,5 +1,6 @@
-"""The CPUs the engine is granted (affinity mask, cgroup quota) and the forward's adaptive OpenMP
-team on contended cores. Which threads may run parallel CPU work at all: service/core/omp.py."""
+"""What the engine is granted (CPUs: affinity mask, cgroup quota; memory: the machine's, or its
+cgroup's limit) and the forward's adaptive OpenMP team on contended cores. Which threads may run
+parallel CPU work at all: service/core/omp.py."""
 
 from __future__ import annotations
 
@@ -53,28 +54,67 @@ def _read_quota(d: Path, v2: bool) -> float | None:
         return None
 
 
-def _cgroup_quota(root: Path, proc_cgroup: str) -> float | None:
-    """The tightest CPU quota on the path from this process's cgroup up to the root (v2 or v1)."""
-    quotas: list[float] = []
+def _read_memory_limit(d: Path, v2: bool) -> float | None:
+    """The memory limit set in cgroup folder d, in bytes; None if none is set (or readable) there."""
+    try:
+        text = (d / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        if text == "max":
+            return None
+        limit = int(text)  # v1 writes "no limit" as a page-rounded 2^63 - 1
+        return None if limit <= 0 or limit >= 1 << 62 else float(limit)
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_limit(
+    root: Path, proc_cgroup: str, controller: str, read: Callable[[Path, bool], float | None]
+) -> float | None:
+    """The tightest limit `read` finds on the path from this process's cgroup up to the root (v2 or
+    v1, where `controller` names the v1 hierarchy)."""
+    limits: list[float] = []
     for line in proc_cgroup.splitlines():
         hier, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         v2 = hier == "0" and not controllers
         if v2:
             base = root
-        elif "cpu" in controllers.split(","):
-            base = next(
-                (root / d for d in ("cpu,cpuacct", "cpu", "cpuacct,cpu") if (root / d).is_dir()), root / "cpu"
-            )
+        elif controller in controllers.split(","):
+            names = (controllers, controller, ",".join(reversed(controllers.split(","))))
+            base = next((root / d for d in names if (root / d).is_dir()), root / controller)
         else:
             continue
         parts = [p for p in path.strip("/").split("/") if p]
         # In a container the cgroup namespace's root is its own cgroup: its files lie at the base.
         for depth in range(len(parts), -1, -1):
-            q = _read_quota(base.joinpath(*parts[:depth]), v2)
-            if q is not None:
-                quotas.append(q)
-    return min(quotas) if quotas else None
+            limit = read(base.joinpath(*parts[:depth]), v2)
+            if limit is not None:
+                limits.append(limit)
+    return min(limits) if limits else None
+
+
+def _cgroup_quota(root: Path, proc_cgroup: str) -> float | None:
+    """The tightest CPU quota on the path from this process's cgroup up to the root (v2 or v1)."""
+    return _cgroup_limit(root, proc_cgroup, "cpu", _read_quota)
+
+
+def _proc_cgroup(proc_cgroup: Path) -> str:
+    try:
+        return proc_cgroup.read_text()
+    except OSError:
+        return ""
+
+
+def granted_memory_bytes(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit where that is less (a pod
+    limited to 4 GiB on a 128 GiB node has 4 GiB: shares of it are what fit)."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        physical = 8 << 30
+    limit = _cgroup_limit(root, _proc_cgroup(proc_cgroup), "memory", _read_memory_limit)
+    return physical if limit is None else min(physical, int(limit))
 
 
 def cpu_grant(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> CpuGrant:
@@ -83,11 +123,8 @@ def cpu_grant(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/pr
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         affinity = os.cpu_count() or 1
-    try:
-        text = proc_cgroup.read_text()
-    except OSError:
-        text = ""
-    return CpuGrant(affinity=affinity, quota=_cgroup_quota(root, text), online=os.cpu_count() or affinity)
+    quota = _cgroup_quota(root, _proc_cgroup(proc_cgroup))
+    return CpuGrant(affinity=affinity, quota=quota, online=os.cpu_count() or affinity)
 
 
 class AdaptiveTeam:

@@ -8,7 +8,6 @@ construction (called on the scheduler thread, once per step with all deltas).
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -35,7 +34,7 @@ from service.core.request import (
 from service.core.text import IncrementalDetokenizer
 from service.engine.cache_manager import PrefixCacheInfo, PrefixCacheManager
 from service.engine.chunking import PrefillChunker
-from service.engine.cpu_threads import AdaptiveTeam, cpu_grant
+from service.engine.cpu_threads import AdaptiveTeam, cpu_grant, granted_memory_bytes
 from service.engine.cuda_graph import build_decode_graphs
 from service.engine.kv_cache import ReqToTokenPool, SlotStates, TokenToKVPool
 from service.engine.model_worker import ModelWorker
@@ -89,13 +88,6 @@ class EngineOccupancy:
 
 
 MIN_STATE_SNAPSHOTS = 8  # by default, whatever the KV share (see Engine._state_snapshot_count)
-
-
-def _host_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 << 30
 
 
 class Engine:
@@ -319,11 +311,12 @@ class Engine:
         return "overlap" if self.overlap else "normal"
 
     def _kv_share_bytes(self) -> int:
-        """--kv-mem-fraction of host memory (CUDA: of free GPU memory)."""
+        """--kv-mem-fraction of the memory granted (the host's, or its cgroup's limit; CUDA: of free GPU
+        memory)."""
         if self.device.is_cuda:
             memory = torch.cuda.mem_get_info(self.device.device)[0]
         else:
-            memory = _host_memory_bytes()
+            memory = granted_memory_bytes()
         return int(memory * self.args.kv_mem_fraction)
 
     def _state_snapshot_count(self, specs: list) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from service.config import ServerArgs, resolve_dtype
 from service.core.request import SamplingParams
-from service.engine.cpu_threads import CpuGrant, _cgroup_quota, cpu_grant
+from service.engine.cpu_threads import CpuGrant, _cgroup_quota, cpu_grant, granted_memory_bytes
 from service.engine.engine import SyncClient, collect
 from service.models import cpu_features as cf
 from service.models.linear import packed_twin
@@ -101,6 +101,30 @@ def test_cgroup_v1_quota(tmp_path):
     text = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/\n"
     assert _cgroup_quota(tmp_path, text) == 0.5
     assert _cgroup_quota(tmp_path, "3:cpu,cpuacct:/\n") is None
+
+
+def test_memory_granted_is_the_cgroup_limit_where_less_than_the_machine(tmp_path):
+    """A pod limited to 1 GiB sizes its KV share from 1 GiB, not from the node's memory (the pool is
+    zero-filled at start: sized from the node, it outgrows the limit and the pod is OOM-killed)."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    proc = tmp_path / "self_cgroup"
+    v2 = tmp_path / "v2"
+    _write(v2 / "memory.max", "max\n")
+    _write(v2 / "kubepods" / "memory.max", "8589934592\n")
+    _write(v2 / "kubepods" / "pod1" / "memory.max", "1073741824\n")
+    _write(v2 / "kubepods" / "pod1" / "c1" / "memory.max", "max\n")
+    _write(proc, "0::/kubepods/pod1/c1\n")
+    assert granted_memory_bytes(v2, proc) == min(physical, 1 << 30)
+    _write(proc, "0::/\n")
+    assert granted_memory_bytes(v2, proc) == physical  # no limit on the path: the machine's
+    v1 = tmp_path / "v1"  # "no limit" in v1 is a page-rounded 2^63 - 1
+    _write(v1 / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")
+    _write(v1 / "memory" / "docker" / "abc" / "memory.limit_in_bytes", "536870912\n")
+    _write(proc, "5:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
+    assert granted_memory_bytes(v1, proc) == min(physical, 512 << 20)
+    _write(proc, "5:memory:/\n")
+    assert granted_memory_bytes(v1, proc) == physical
+    assert granted_memory_bytes(tmp_path / "none", tmp_path / "missing") == physical
 
 
 def test_threads_follow_the_grant():

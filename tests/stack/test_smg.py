@@ -96,15 +96,32 @@ class Replica:
 
 
 class Gateway:
+    """`smg launch` in front of the replicas, given as grpc:// URLs, or with `discovery` set, as the bare
+    ip:port entries of a discovery manifest file (what its Kubernetes discovery registers for a pod:
+    the gateway then probes HTTP and gRPC to tell which the worker speaks)."""
+
     def __init__(
-        self, replicas: list[Replica], model_dir: Path, tmp: Path, policy: str = "cache_aware", *extra: str
+        self,
+        replicas: list[Replica],
+        model_dir: Path,
+        tmp: Path,
+        policy: str = "cache_aware",
+        *extra: str,
+        discovery: bool = False,
     ):
         self.port, self.metrics_port = free_port(), free_port()
-        self.log_path = tmp / f"smg-{policy}{''.join(extra)}.log"
+        self.log_path = tmp / f"smg-{policy}{''.join(extra)}{'-discovery' if discovery else ''}.log"
+        if discovery:
+            manifest = tmp / "workers.json"
+            manifest.write_text(
+                json.dumps({"version": 1, "workers": [{"url": f"127.0.0.1:{r.port}"} for r in replicas]})
+            )
+            workers = ["--discovery-provider", "file", "--discovery-file", str(manifest)]
+        else:
+            workers = ["--worker-urls", *[f"grpc://127.0.0.1:{r.port}" for r in replicas]]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *[f"grpc://127.0.0.1:{r.port}" for r in replicas],
+            [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port), *workers,
              "--model-path", str(model_dir), "--policy", policy,
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
              "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
@@ -336,6 +353,26 @@ def test_multi_turn_conversations_stay_with_their_prefix(stack):
     )
     assert reached == 2, "a burst of new conversations all went to one replica"
     assert min(hit, whole, sticky) / total >= 0.9, (hit, whole, sticky, total)
+
+
+def test_workers_found_by_discovery_as_bare_addresses_register_as_grpc(stack, tmp_path):
+    """Discovery (Kubernetes pods, or a manifest file) gives the gateway a bare ip:port; it probes HTTP and
+    gRPC at once and takes HTTP if both answer: a replica's port must answer gRPC only."""
+    _, replicas, model = stack
+    found = Gateway(replicas, Path(replicas[0].model_dir), tmp_path, discovery=True)
+    try:
+        found.wait_ready(2)
+        workers = found.workers()
+        assert {(w["connection_mode"], w["runtime_type"]) for w in workers} == {("grpc", "vllm")}
+        assert sorted(w["url"] for w in workers) == sorted(f"grpc://127.0.0.1:{r.port}" for r in replicas)
+        assert (
+            chat(
+                found.client(), model, [{"role": "user", "content": "Name a colour."}]
+            ).usage.completion_tokens
+            == 8
+        )
+    finally:
+        found.stop()
 
 
 def test_round_robin_finds_the_history_about_half_the_time(stack, tmp_path):
