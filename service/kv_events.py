@@ -242,7 +242,8 @@ class KvEventPublisher:
             )
         ]
 
-    def _stored(self, blocks: list[Block]) -> common_pb2.KvCacheEvent:
+    def _stored(self, blocks: list[Block], event_id: int | None = None) -> common_pb2.KvCacheEvent:
+        """One `stored` event of a chain of blocks (each the previous one's child)."""
         stored = common_pb2.KvBlocksStored(
             blocks=[
                 common_pb2.KvBlock(block_hash=b.hash, token_ids=b.tokens, block_size=self.block_size)
@@ -251,13 +252,34 @@ class KvEventPublisher:
         )
         if blocks[0].parent is not None:
             stored.parent_block_hash = blocks[0].parent
-        return common_pb2.KvCacheEvent(event_id=self._event_id(), stored=stored)
+        return common_pb2.KvCacheEvent(
+            event_id=self._event_id() if event_id is None else event_id, stored=stored
+        )
 
-    def _snapshot(self) -> common_pb2.KvEventBatch:
-        """The live blocks as one batch numbered like the last one sent: cleared, then every block."""
+    def _chains(self) -> list[tuple[int, list[Block]]]:
+        """The live blocks as runs of parent-to-child chains (insertion order holds parents before
+        children), each with the event id it will be sent under. On the loop: it reads `live`."""
+        runs: list[list[Block]] = []
+        for b in self.live.values():
+            if runs and b.parent == runs[-1][-1].hash:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        return [(self._event_id(), run) for run in runs]
+
+    def _snapshot(
+        self, chains: list[tuple[int, list[Block]]], sequence: int, load: common_pb2.EngineLoad | None
+    ) -> common_pb2.KvEventBatch:
+        """The live blocks (`_chains`) as one batch numbered `sequence`, the last one sent when they
+        were taken: cleared, then a `stored` event per chain; `load` with it. Reads nothing the loop
+        changes, so it is built on a worker thread: a large cache's blocks take a while (300,000:
+        about a second) and the loop serves the replica's streams meanwhile."""
         events = [common_pb2.KvCacheEvent(event_id=0, cleared=common_pb2.KvCacheCleared())]
-        events += [self._stored([b]) for b in self.live.values()]
-        return common_pb2.KvEventBatch(sequence_number=self.sequence, timestamp=time.time(), events=events)
+        events += [self._stored(run, event_id) for event_id, run in chains]
+        batch = common_pb2.KvEventBatch(sequence_number=sequence, timestamp=time.time(), events=events)
+        if load is not None:
+            batch.load.CopyFrom(load)
+        return batch
 
     async def subscribe(
         self, start_sequence: int, early_loads: bool = False
@@ -266,8 +288,12 @@ class KvEventPublisher:
         with `early_loads`, load-only batches numbered 0 before the first one. Raises
         Unavailable(OUT_OF_RANGE) when those batches are gone, (DATA_LOSS) when it falls behind."""
         stream = _Stream(early_loads)
+        chains: list[tuple[int, list[Block]]] | None = None
+        first: list[common_pb2.KvEventBatch] = []
+        sequence = self.sequence
         if start_sequence == 0:
-            first = [self._snapshot()] if self.sequence else []
+            if sequence:  # the live blocks first, as of the last batch sent
+                chains, stream.sequence = self._chains(), sequence
         elif start_sequence > self.sequence:
             raise Unavailable(
                 "OUT_OF_RANGE",
@@ -280,14 +306,19 @@ class KvEventPublisher:
         else:
             first = [_carrying(b, None) for b in self.history if b.sequence_number > start_sequence]
             stream.sequence = start_sequence
-        if first and self._read_load is not None:  # the stream's first record: all of it
-            first[-1] = _carrying(first[-1], self._load(full=True))
+        load = self._load(full=True) if self._read_load is not None and (first or chains) else None
+        if first and load is not None:  # the stream's first record: all of it
+            first[-1] = _carrying(first[-1], load)
+        elif load is not None:  # it goes with the snapshot
+            stream.told, stream.told_at = _routing(load), time.monotonic()
         for batch in first:
             stream.put(batch)
         self._subscribers.add(stream)  # no await since the first batches were taken: no gap
         if self._read_load is not None and (self._ticker is None or self._ticker.done()):
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
         try:
+            if chains is not None:  # later batches wait in the queue meanwhile
+                yield await asyncio.to_thread(self._snapshot, chains, sequence, load)
             while True:
                 batch = await stream.queue.get()
                 if batch is None:

@@ -322,6 +322,53 @@ def test_batches_carry_the_load_and_load_only_batches_follow_its_changes(monkeyp
     asyncio.run(run())
 
 
+def test_a_subscription_from_zero_gets_the_live_chains_built_off_the_loop(monkeypatch):
+    """The live blocks go as one `stored` event per chain, in a batch built on a worker thread (a large
+    cache's take a while and the loop serves the replica's streams meanwhile); a batch published while
+    it is built follows it, without a gap, and the replay is the cache's blocks."""
+    import asyncio
+
+    from service.kv_events import KvEventPublisher
+
+    built_on: list[threading.Thread] = []
+    original = KvEventPublisher._snapshot
+
+    def recording(self, *args):
+        built_on.append(threading.current_thread())
+        time.sleep(0.05)  # a slow build: the loop publishes meanwhile
+        return original(self, *args)
+
+    monkeypatch.setattr(KvEventPublisher, "_snapshot", recording)
+    paths = [tuple(range(100 * i, 100 * i + 12)) for i in range(1, 4)]  # 3 chains of 3 blocks
+
+    async def run() -> None:
+        publisher = _loaded_publisher(monkeypatch, lambda full: common_pb2.EngineLoad(running_requests=1))
+        for path in paths:
+            publisher.observe(CacheEvent("stored", path, 0))
+            await asyncio.sleep(0)
+        await _until(lambda: publisher.sequence == 3)
+        got: list = []
+        task = asyncio.create_task(_collect(publisher.subscribe(0), got))
+        await _until(lambda: bool(built_on))
+        publisher.observe(CacheEvent("stored", paths[0] + (1, 2, 3, 4), 12))  # while it builds
+        await _until(lambda: any(b.sequence_number == 4 for b in got))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert built_on[0] is not threading.main_thread()
+        snapshot = got[0]
+        assert snapshot.sequence_number == 3 and snapshot.load.running_requests == 1
+        stored = [e.stored for e in snapshot.events if e.WhichOneof("data") == "stored"]
+        assert [len(s.blocks) for s in stored] == [3, 3, 3]
+        replay = Replay(block_size=4)
+        for batch in got:
+            if not batch.load.load_only:
+                replay.apply(batch)
+        assert replay.orphans == 0
+        assert replay.prefixes() == tree_blocks([paths[0] + (1, 2, 3, 4), *paths[1:]], 4)
+
+    asyncio.run(run())
+
+
 def test_a_failing_load_read_costs_no_batch_and_a_slow_reader_no_pile_of_loads(monkeypatch):
     """A load read that raises: the batch goes out without a load, in sequence, and the checks go on
     once reads work again. A reader that stalls gets no load-only batches queued behind the ones it
