@@ -44,6 +44,8 @@ from zerogap.v1 import generation_pb2_grpc as pb2_grpc
 log = logging.getLogger("zerogap.server")
 
 SERVICE_NAME = "zerogap.v1.Generation"
+HEALTH_WATCH_S = 1.0  # how often the engine's fault is looked for (watch_engine_health)
+HEALTH_NAMES = ("", SERVICE_NAME, SMG_WORKER_SERVICE)  # the services grpc.health.v1 reports on
 FINISH_REASONS = {
     FinishReason.STOP: pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb2.FINISH_REASON_LENGTH,
@@ -428,10 +430,13 @@ class RunningServer:
     port: int
     metrics_http: object | None = None  # (HTTP server, thread) from prometheus_client
     smg_worker: SmgWorkerServicer | None = None  # vLLM's worker contract for SMG (service/smg_worker.py)
+    health_watch: asyncio.Task | None = None  # watch_engine_health
 
     async def drain_and_stop(self, grace_s: float) -> None:
         """Stop admitting, let in-flight requests finish within grace_s, then stop."""
         self.servicer.draining = True
+        if self.health_watch is not None:
+            self.health_watch.cancel()
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
@@ -565,8 +570,9 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
         engine.shutdown()
         raise
     await server.start()
-    for name in ("", SERVICE_NAME, SMG_WORKER_SERVICE):
+    for name in HEALTH_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_watch = asyncio.get_running_loop().create_task(watch_engine_health(engine, health_servicer))
     metrics_http = None
     if args.metrics_port is not None:
         metrics_http = start_metrics_server(args.metrics_port, args.host, engine, router)
@@ -580,8 +586,18 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
         ", token auth" if len(intercept) > 1 else "",
     )
     return RunningServer(
-        args, engine, server, servicer, health_servicer, router, port, metrics_http, smg_worker
+        args, engine, server, servicer, health_servicer, router, port, metrics_http, smg_worker, health_watch
     )
+
+
+async def watch_engine_health(engine: Engine, health_servicer: health.aio.HealthServicer) -> None:
+    """grpc.health.v1 answers NOT_SERVING for good once the engine reports a fault (its scheduler
+    thread gone, a failure it could not recover from): a liveness probe then restarts the replica."""
+    while engine.fault() is None:
+        await asyncio.sleep(HEALTH_WATCH_S)
+    log.error("engine fault: %s; health is NOT_SERVING", engine.fault())
+    for name in HEALTH_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def serve(args: ServerArgs) -> int:

@@ -42,6 +42,7 @@ from features.constrained import ConstraintSpec
 from features.logprobs import LogprobParams
 from service import __version__
 from service.core.request import (
+    GENERATION_DEFAULTS,
     MAX_SAMPLES,
     FinishReason,
     Req,
@@ -84,19 +85,25 @@ def _f32(v: float) -> float:
     return float(f"{v:.7g}") if math.isfinite(v) else v
 
 
-def sampling_from_vllm(sp: Any) -> SamplingParams:
-    """vLLM's SamplingParams -> ours. proto3 zeros that mean "unset" keep vLLM's defaults."""
-    p = SamplingParams()
+def sampling_from_vllm(sp: Any, defaults: SamplingParams | None = None) -> SamplingParams:
+    """vLLM's SamplingParams -> ours. Unset fields (proto3 zeros that mean "unset": top_p, top_k,
+    min_p, repetition_penalty) take `defaults`, the model's generation_config.json values as
+    the engine keeps them (`--sampling-defaults`), else the built-in ones, as vLLM's worker does.
+    max_tokens unset: None here (the worker gives the request the rest of the context)."""
+    p = replace(defaults) if defaults is not None else SamplingParams()
     if sp.HasField("temperature"):
         p.temperature = _f32(sp.temperature)
-    p.top_p = _f32(sp.top_p) if sp.top_p else 1.0
-    p.top_k = sp.top_k if sp.top_k > 0 else -1  # 0: off
-    p.min_p = _f32(sp.min_p)
+    if sp.top_p:
+        p.top_p = _f32(sp.top_p)
+    if sp.top_k:
+        p.top_k = sp.top_k if sp.top_k > 0 else -1  # -1: off
+    if sp.min_p:
+        p.min_p = _f32(sp.min_p)
     p.frequency_penalty = _f32(sp.frequency_penalty)
     p.presence_penalty = _f32(sp.presence_penalty)
-    p.repetition_penalty = _f32(sp.repetition_penalty) if sp.repetition_penalty else 1.0
-    if sp.HasField("max_tokens"):
-        p.max_new_tokens = sp.max_tokens
+    if sp.repetition_penalty:
+        p.repetition_penalty = _f32(sp.repetition_penalty)
+    p.max_new_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
     p.min_new_tokens = sp.min_tokens
     p.stop = list(sp.stop)
     p.stop_token_ids = list(sp.stop_token_ids)
@@ -120,7 +127,10 @@ def constraint_from_vllm(sp: Any) -> ConstraintSpec | None:
     if kind == "choice":
         if not sp.choice.choices:
             raise RequestError("INVALID_ARGUMENT", "sampling_params.choice: empty")
-        return ConstraintSpec("ebnf", "root ::= " + " | ".join(json.dumps(c) for c in sp.choice.choices))
+        # EBNF string literals as JSON writes them, but not \u-escaped: xgrammar reads a surrogate
+        # pair ("\ud83d\ude00") as two code points no text can hold
+        literals = (json.dumps(c, ensure_ascii=False) for c in sp.choice.choices)
+        return ConstraintSpec("ebnf", "root ::= " + " | ".join(literals))
     return ConstraintSpec(kind, getattr(sp, kind))
 
 
@@ -230,7 +240,10 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ):
         self.engine = engine
         self.router = router
-        self.model_path = model_path
+        self.model_path = str(Path(model_path).resolve())  # the gateway reads it from its own directory
+        # the longest sequence a request can have: the context, or the KV pool if that is smaller
+        self.max_context = min(engine.context_length, engine.kv_pool.size)
+        self.sampling_defaults_json = _defaults_json(engine.sampling_defaults)
         self.draining = draining
         self.kv_events = kv_events
         self.limits = InputLimits.from_args(engine.args)  # the bounds zerogap.v1 keeps, same flags
@@ -259,8 +272,14 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise RequestError("OUT_OF_RANGE", f"text: does not fit the context length: {e}") from None
         else:
             raise RequestError("INVALID_ARGUMENT", "input: set tokenized or text")
-        if sp.HasField("truncate_prompt_tokens") and sp.truncate_prompt_tokens > 0:
-            ids = ids[-sp.truncate_prompt_tokens :]
+        if sp.HasField("truncate_prompt_tokens"):  # the last k tokens; -1: as many as fit the context
+            keep = sp.truncate_prompt_tokens
+            if keep < -1:
+                raise RequestError("INVALID_ARGUMENT", f"sampling_params.truncate_prompt_tokens: {keep}")
+            if keep == -1:
+                keep = self.engine.context_length - 1
+            if keep > 0:
+                ids = ids[-keep:]
         features: dict[str, Any] = {}
         constraint = constraint_from_vllm(sp)
         if constraint is not None:
@@ -269,7 +288,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if logprobs is not None:
             features["logprobs"] = logprobs
         rid = request.request_id or f"smg-{uuid.uuid4().hex}"
-        params = sampling_from_vllm(sp)
+        params = sampling_from_vllm(sp, self.engine.sampling_defaults)
+        if params.max_new_tokens is None and len(ids) < self.max_context:
+            params.max_new_tokens = self.max_context - len(ids)  # unset: up to the end of the context
         n = max(sp.n, 1)
         if n > self.engine.args.max_queued_requests:  # never fits the queue: not worth a retry
             raise RequestError(
@@ -309,7 +330,10 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             )
             for req in reqs:
                 for fut in self.engine.features.pending(req):  # a grammar's errors before admission
-                    await asyncio.wrap_future(fut)
+                    try:
+                        await asyncio.wrap_future(fut)
+                    except RequestError as e:
+                        raise _final(e) from None
             if self.starting.get(key):
                 raise RequestError("CANCELLED", f"request {rid!r} was aborted before it started")
             self.engine.submit_all(reqs)
@@ -327,6 +351,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def Generate(self, request, context):
         rid, reqs, queue, lp = await self._start(request, context)
+        stop_ids = frozenset(request.sampling_params.stop_token_ids)  # the client's own
         mine = self.samples.get(rid)
         index = {r.rid: i for i, r in enumerate(reqs)}
         live = set(index)  # the samples not finished yet
@@ -364,11 +389,11 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         )
                         fresh.discard(i)
                     if done:
-                        yield self._complete(tokens, group, lp, i, stream=True)
+                        yield self._complete(tokens, group, lp, i, True, stop_ids)
             if not request.stream:
                 for i, sample in enumerate(outs):
                     yield self._complete(
-                        [t for o in sample for t in o.token_ids], sample, lp, i, stream=False
+                        [t for o in sample for t in o.token_ids], sample, lp, i, False, stop_ids
                     )
         finally:
             for sample in live:  # the gateway went away or sent a deadline: free the samples' KV now
@@ -379,7 +404,13 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 del self.samples[rid]
 
     def _complete(
-        self, tokens: list[int], outs: list[RequestOutput], lp: OutputLog, index: int, stream: bool
+        self,
+        tokens: list[int],
+        outs: list[RequestOutput],
+        lp: OutputLog,
+        index: int,
+        stream: bool,
+        stop_ids: frozenset[int],
     ) -> vllm_engine_pb2.GenerateResponse:
         """A sample's final message: all tokens (streamed: the last delta, as vLLM sends it)."""
         last = outs[-1]
@@ -395,8 +426,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
         if isinstance(last.matched_stop, str):
             complete.matched_stop_str = last.matched_stop
-        elif isinstance(last.matched_stop, int):
-            complete.matched_token_id = last.matched_stop
+        elif isinstance(last.matched_stop, int) and last.matched_stop in stop_ids:
+            complete.matched_token_id = last.matched_stop  # vLLM's: none for the model's own EOS
         return vllm_engine_pb2.GenerateResponse(complete=complete)
 
     async def Abort(self, request, context):
@@ -426,6 +457,9 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def HealthCheck(self, request, context):
         if self.draining():
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="shutting down")
+        fault = self.engine.fault()
+        if fault is not None:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=fault)
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
 
     async def GetModelInfo(self, request, context):
@@ -436,7 +470,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             tokenizer_path=self.model_path,
             served_model_name=Path(self.model_path).name,
             is_generation=True,
-            max_context_length=e.context_length,
+            max_context_length=self.max_context,
             vocab_size=e.vocab_size,
             supports_vision=False,
             model_type=getattr(e.hf_config, "model_type", "") or "",
@@ -444,7 +478,8 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             eos_token_ids=sorted(e.eos_ids),
             pad_token_id=_int(getattr(cfg, "pad_token_id", None), getattr(tok, "pad_token_id", None)),
             bos_token_id=_int(getattr(cfg, "bos_token_id", None)),
-            max_req_input_len=e.context_length - 1,
+            max_req_input_len=self.max_context - 1,
+            default_sampling_params_json=self.sampling_defaults_json,
         )
 
     async def GetServerInfo(self, request, context):
@@ -514,18 +549,28 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # ---- tokenizer, cache ----------------------------------------------------------
     def _zip_tokenizer(self) -> tuple[bytes, str]:
+        """The model directory's tokenizer files (chat templates and tiktoken files included) as a zip
+        and its sha256; RequestError when it holds no tokenizer."""
         if self._tokenizer_zip is None:
             buf, root = io.BytesIO(), Path(self.model_path)
+            names = sorted(
+                {n for n in TOKENIZER_FILES if (root / n).is_file()}
+                | {f.name for pattern in ("*.jinja", "*.tiktoken") for f in root.glob(pattern) if f.is_file()}
+            )
+            if not names or names == ["config.json"]:
+                raise RequestError("FAILED_PRECONDITION", f"no tokenizer files in {root}")
             with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-                for name in TOKENIZER_FILES:
-                    if (root / name).is_file():
-                        zf.write(root / name, name)
+                for name in names:
+                    zf.write(root / name, name)
             data = buf.getvalue()
             self._tokenizer_zip = data, hashlib.sha256(data).hexdigest()
         return self._tokenizer_zip
 
     async def GetTokenizer(self, request, context):
-        data, digest = await asyncio.get_running_loop().run_in_executor(None, self._zip_tokenizer)
+        try:
+            data, digest = await asyncio.get_running_loop().run_in_executor(None, self._zip_tokenizer)
+        except RequestError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         for i in range(0, len(data), TOKENIZER_CHUNK):
             last = i + TOKENIZER_CHUNK >= len(data)
             yield common_pb2.GetTokenizerChunk(
@@ -566,6 +611,27 @@ def _by_request(outputs: list[RequestOutput]) -> list[tuple[str, list[RequestOut
     for o in outputs:
         groups.setdefault(o.rid, []).append(o)
     return list(groups.items())
+
+
+def _final(e: RequestError) -> RequestError:
+    """A grammar over the compile limits (time, memory) as INVALID_ARGUMENT: the gateway retries
+    DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (five times, each a whole compile), and the same schema
+    would fail the same way."""
+    if e.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+        return RequestError("INVALID_ARGUMENT", f"{e.message} (the constraint is over the compile limits)")
+    return e
+
+
+def _defaults_json(defaults: SamplingParams) -> str:
+    """The model's sampling defaults as vLLM's worker publishes them (GetModelInfo): the gateway fills
+    a request's unset fields with them. Only the fields that differ from the built-in defaults."""
+    built_in = SamplingParams()
+    found = {
+        name: getattr(defaults, name)
+        for name in GENERATION_DEFAULTS
+        if getattr(defaults, name) != getattr(built_in, name)
+    }
+    return json.dumps(found, separators=(",", ":")) if found else ""
 
 
 def _int(*values: Any) -> int:

@@ -387,9 +387,9 @@ class Engine:
                 "OUT_OF_RANGE",
                 f"sampling.max_new_tokens: prompt ({n}) + max_new_tokens ({params.max_new_tokens}) exceeds the context length {self.context_length}",
             )
-        if n + params.max_new_tokens > self.kv_pool.size:
+        if n + params.max_new_tokens > self.kv_pool.size:  # never fits, however long it waits
             raise RequestError(
-                "RESOURCE_EXHAUSTED",
+                "OUT_OF_RANGE",
                 f"request needs {n + params.max_new_tokens} KV tokens but the pool holds {self.kv_pool.size}",
             )
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -431,6 +431,13 @@ class Engine:
         if found:
             self.scheduler.abort_request(rid)
         return found
+
+    def fault(self) -> str | None:
+        """Why the engine cannot serve (its scheduler thread is gone, or a failure it could not recover
+        from); None while it can. Health checks report it."""
+        if not self._thread.is_alive():
+            return "the scheduler thread has stopped"
+        return self.scheduler.broken
 
     def num_live(self) -> int:
         with self._live_lock:

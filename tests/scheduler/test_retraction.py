@@ -373,12 +373,13 @@ def test_client_cancel_while_retracted(tiny_llama_dir, reference):
 
 
 def test_request_that_cannot_fit_alone_is_refused(tiny_llama_dir):
-    """Optimistic admission never admits what could not finish alone: RESOURCE_EXHAUSTED at once."""
+    """Optimistic admission never admits what could not finish alone: OUT_OF_RANGE at once (it never
+    fits, however long it waits: not a status clients retry)."""
     client = make_client(tiny_llama_dir, "normal", kv=64)
     try:
         with pytest.raises(RequestError) as e:
             client.engine.build_request("big", [5] * 20, SamplingParams(max_new_tokens=45), None)
-        assert e.value.code == "RESOURCE_EXHAUSTED" and "pool holds 64" in e.value.message
+        assert e.value.code == "OUT_OF_RANGE" and "pool holds 64" in e.value.message
         client.engine.build_request("fits", [5] * 20, SamplingParams(max_new_tokens=44), None)
     finally:
         client.close()

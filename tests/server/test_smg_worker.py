@@ -17,8 +17,16 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from service.config import ServerArgs
+from service.core.request import RequestError, SamplingParams
 from service.server import BackgroundServer
-from service.smg_worker import RateMeter, SmgWorkerServicer
+from service.smg_worker import (
+    RateMeter,
+    SmgWorkerServicer,
+    _defaults_json,
+    _final,
+    constraint_from_vllm,
+    sampling_from_vllm,
+)
 from tests.helpers import wait_until
 from zerogap.v1 import generation_pb2 as pb2
 from zerogap.v1 import generation_pb2_grpc as pb2_grpc
@@ -106,6 +114,102 @@ def test_seed_stop_and_sampling_fields(stubs):
     assert len(generate(vllm, max_tokens=12, min_tokens=12, ignore_eos=True)[0].complete.output_ids) == 12
     biased = generate(vllm, max_tokens=4, ignore_eos=True, logit_bias={777: 100.0})[0].complete
     assert list(biased.output_ids) == [777] * 4
+
+
+def test_unset_fields_take_the_models_defaults_and_the_gateway_is_told_them():
+    """A model's generation_config.json sampling values fill what a request leaves unset (as zerogap.v1
+    and vLLM's worker do), and GetModelInfo publishes them for the gateway, which fills them itself."""
+    model = SamplingParams(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
+    unset = sampling_from_vllm(vpb.SamplingParams(), model)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.6, 0.9, 20, 1.05)
+    assert unset.max_new_tokens is None  # the worker gives it the rest of the context
+    given = sampling_from_vllm(vpb.SamplingParams(temperature=0.0, top_p=0.5, top_k=5, max_tokens=3), model)
+    assert (given.temperature, given.top_p, given.top_k, given.max_new_tokens) == (0.0, 0.5, 5, 3)
+    assert sampling_from_vllm(vpb.SamplingParams()).temperature == SamplingParams().temperature
+    assert json.loads(_defaults_json(model)) == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+    }
+    assert _defaults_json(SamplingParams()) == ""
+
+
+def test_max_tokens_unset_runs_to_the_end_of_the_context(stubs):
+    """As vLLM's worker and the OpenAI API: no max_tokens, no cut at a default length (SMG sends none
+    when the client sets none)."""
+    vllm, _ = stubs
+    req = vpb.GenerateRequest(
+        tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+        sampling_params=vpb.SamplingParams(temperature=0.0, ignore_eos=True),
+    )
+    (one,) = list(vllm.Generate(req, timeout=120))
+    info = vllm.GetModelInfo(vpb.GetModelInfoRequest())
+    assert one.complete.finish_reason == "length"
+    assert one.complete.completion_tokens == info.max_context_length - len(PROMPT)
+
+
+def test_the_models_eos_is_no_matched_stop_but_a_listed_stop_token_is(stubs):
+    vllm, _ = stubs
+    eos = generate(vllm, logit_bias={2: 100.0})[0].complete  # the model's EOS (id 2) at once
+    assert eos.finish_reason == "stop" and list(eos.output_ids) == [2]
+    assert eos.WhichOneof("matched_stop") is None  # vLLM's: the gateway shows matched_stop null
+    listed = generate(vllm, logit_bias={2: 100.0}, stop_token_ids=[2])[0].complete
+    assert listed.finish_reason == "stop" and listed.matched_token_id == 2
+
+
+def test_refusals_the_gateway_would_retry_in_vain_are_final():
+    """The gateway retries DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED five times: a grammar over the
+    compile limits answers INVALID_ARGUMENT (the same schema fails the same way); a full queue stays
+    RESOURCE_EXHAUSTED (worth a retry)."""
+    for code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+        assert _final(RequestError(code, "grammar compile took over 30 s")).code == "INVALID_ARGUMENT"
+    assert _final(RequestError("INVALID_ARGUMENT", "bad")).message == "bad"
+
+
+def test_a_choice_outside_the_basic_plane_stays_a_literal_the_grammar_can_match():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    spec = constraint_from_vllm(vpb.SamplingParams(choice=vpb.ChoiceConstraint(choices=["😀 yes", "no"])))
+    assert "\\u" not in spec.text and "😀 yes" in spec.text
+    grammar = xgr.Grammar.from_ebnf(spec.text)
+    assert _is_grammar_accept_string(grammar, "😀 yes") and _is_grammar_accept_string(grammar, "no")
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_fits_the_context(stubs):
+    vllm, _ = stubs
+    long = PROMPT * 60  # 720 tokens, over the context (512)
+    kept = generate(vllm, ids=long, truncate_prompt_tokens=-1, max_tokens=1)[0].complete
+    assert kept.prompt_tokens == 511
+    assert refused(vllm, {"sampling_params": sampling(truncate_prompt_tokens=-2)}).code() == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+
+
+def test_a_faulted_engine_is_unhealthy_on_both_health_services(tiny_llama_dir):
+    """A failure the scheduler could not recover from: the worker contract's HealthCheck says so (the
+    gateway stops routing to it) and grpc.health.v1 turns NOT_SERVING (a liveness probe restarts it)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    srv = BackgroundServer(
+        ServerArgs(model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=1024)
+    )
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            vllm, probe = vllm_engine_pb2_grpc.VllmEngineStub(ch), health_pb2_grpc.HealthStub(ch)
+            assert vllm.HealthCheck(vpb.HealthCheckRequest()).healthy
+            srv.running.engine.scheduler.broken = "recovery failed after: RuntimeError('boom')"
+            answer = vllm.HealthCheck(vpb.HealthCheckRequest())
+            assert not answer.healthy and "boom" in answer.message
+
+            def not_serving() -> bool:
+                status = probe.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            assert wait_until(not_serving, 10, 0.1)
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._stop = False
         self.last_error: str | None = None
+        self.broken: str | None = None  # a failure recovery could not undo: the engine is unhealthy
         self.sync_points = 0  # overlap loop: launches that had to wait for an older result
         self.chunker = chunker
         self.prefix_cache = prefix_cache or NullPrefixCache(req_pool, kv_pool)
@@ -182,7 +183,7 @@ class Scheduler:
                         self.recover(f"scheduler failure: {e!r}")
                     except Exception:
                         log.exception("recovery failed")
-                        self.last_error = f"recovery failed after: {e!r}"
+                        self.last_error = self.broken = f"recovery failed after: {e!r}"
         if self.overlap_worker is not None:
             self.overlap_worker.shutdown()
 
