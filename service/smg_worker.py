@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import math
+import re
 import time
 import uuid
 import zipfile
@@ -342,7 +343,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for i, req in enumerate(reqs):
                 self.router.open(req.rid, queue, prefill=req if i == 0 or not shared else None)
         except RequestError as e:
-            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            await context.abort(getattr(grpc.StatusCode, e.code), in_vllm_terms(e.message))
         finally:
             self.starting.pop(key, None)
         if len(reqs) > 1:
@@ -611,6 +612,22 @@ def _by_request(outputs: list[RequestOutput]) -> list[tuple[str, list[RequestOut
     for o in outputs:
         groups.setdefault(o.rid, []).append(o)
     return list(groups.items())
+
+
+VLLM_NAMES = {  # the engine's field names (zerogap.v1's) -> this contract's
+    "sampling.max_new_tokens": "sampling_params.max_tokens",
+    "sampling.min_new_tokens": "sampling_params.min_tokens",
+    "max_new_tokens": "max_tokens",
+    "sampling.": "sampling_params.",
+    "input.token_ids": "tokenized.input_ids",
+}
+_VLLM_NAME = re.compile("|".join(re.escape(k) for k in VLLM_NAMES))
+
+
+def in_vllm_terms(message: str) -> str:
+    """A refusal's message naming the fields as the client sent them (max_tokens, not zerogap.v1's
+    max_new_tokens)."""
+    return _VLLM_NAME.sub(lambda m: VLLM_NAMES[m.group(0)], message)
 
 
 def _final(e: RequestError) -> RequestError:

@@ -177,6 +177,15 @@ def test_a_choice_outside_the_basic_plane_stays_a_literal_the_grammar_can_match(
     assert _is_grammar_accept_string(grammar, "😀 yes") and _is_grammar_accept_string(grammar, "no")
 
 
+def test_refusals_name_the_fields_as_this_contract_does(stubs):
+    """max_tokens, not zerogap.v1's max_new_tokens: what the client sent, through the gateway."""
+    error = refused(stubs[0], {"sampling_params": sampling(max_tokens=600)})  # 12 + 600 > 512
+    assert error.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert error.details().startswith("sampling_params.max_tokens: prompt (12) + max_tokens (600)")
+    error = refused(stubs[0], {"sampling_params": sampling(top_p=2.0, temperature=1.0)})
+    assert error.details().startswith("sampling_params.top_p:"), error.details()
+
+
 def test_truncate_prompt_tokens_minus_one_keeps_what_fits_the_context(stubs):
     vllm, _ = stubs
     long = PROMPT * 60  # 720 tokens, over the context (512)
