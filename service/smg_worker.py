@@ -496,6 +496,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             block_size=self.kv_events.block_size if self.kv_events else BLOCK_SIZE,
             model_dtype=str(self.engine.dtype).removeprefix("torch."),
             max_num_seqs=self.engine.args.max_running_requests,
+            constrained_decoding_start="first_token",  # a constraint applies from the first output token
         )
 
     def engine_load(self, full: bool) -> common_pb2.EngineLoad:

@@ -78,6 +78,7 @@ def test_health_model_and_server_info(server, stubs, tiny_llama_dir):
     s = vllm.GetServerInfo(vpb.GetServerInfoRequest())
     assert s.block_size == 16 and s.max_num_seqs == 8 and s.data_parallel_size == 1
     assert s.server_type.startswith("zerogap")
+    assert s.constrained_decoding_start == "first_token"  # SMG shapes forced tool-call grammars by it
 
 
 def test_generate_equals_zerogap_v1_streamed_or_not(stubs):
