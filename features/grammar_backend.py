@@ -67,10 +67,13 @@ class GrammarLimits:
 
 
 class GrammarError(RequestError):
-    """A grammar that cannot be served, with the gRPC status for the client and the field named."""
+    """A grammar that cannot be served, with the gRPC status for the client and the field named.
+    `heavy`: stopped at a compile limit (time, memory) that its own compile reached, not the wait for
+    a worker: the same grammar fails the same way again (a gateway's retries are in vain)."""
 
-    def __init__(self, code: str, kind: str, detail: str):
+    def __init__(self, code: str, kind: str, detail: str, heavy: bool = False):
         super().__init__(code, f"constraint.{kind}: {detail}")
+        self.heavy = heavy
 
 
 def nesting_depth(text: str, kind: str) -> int:
@@ -467,10 +470,14 @@ class GrammarBackend:
             self._fail(job, self._timeout_error(job))
 
     def _timeout_error(self, job: _Job) -> GrammarError:
+        """Heavy when the compile itself ran for at least half the timeout (else the wait for a worker
+        took most of it: the load's fault, not the grammar's)."""
+        ran = time.monotonic() - job.started if job.started is not None else 0.0
         return GrammarError(
             "DEADLINE_EXCEEDED",
             job.kind,
             f"grammar compilation took longer than {self.limits.compile_timeout_s:g}s",
+            heavy=ran >= self.limits.compile_timeout_s / 2,
         )
 
     def _why_stop(self, job: _Job, pid: int | None) -> GrammarError | None:
@@ -487,6 +494,7 @@ class GrammarBackend:
                 "RESOURCE_EXHAUSTED",
                 job.kind,
                 f"compiling the grammar needs more than {self.limits.max_worker_rss_mb} MB",
+                heavy=True,
             )
         return None
 

@@ -306,7 +306,8 @@ class KvEventPublisher:
         else:
             first = [_carrying(b, None) for b in self.history if b.sequence_number > start_sequence]
             stream.sequence = start_sequence
-        load = self._load(full=True) if self._read_load is not None and (first or chains) else None
+        taken = bool(first) or chains is not None  # (no live blocks: a snapshot of just `cleared`)
+        load = self._load(full=True) if self._read_load is not None and taken else None
         if first and load is not None:  # the stream's first record: all of it
             first[-1] = _carrying(first[-1], load)
         elif load is not None:  # it goes with the snapshot

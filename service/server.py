@@ -572,10 +572,10 @@ async def start_server(args: ServerArgs, features: list | None = None) -> Runnin
     await server.start()
     for name in HEALTH_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    health_watch = asyncio.get_running_loop().create_task(watch_engine_health(engine, health_servicer))
     metrics_http = None
     if args.metrics_port is not None:
         metrics_http = start_metrics_server(args.metrics_port, args.host, engine, router)
+    health_watch = asyncio.get_running_loop().create_task(watch_engine_health(engine, health_servicer))
     log.info(
         "serving %s on %s:%d (%s, %s%s)",
         model_dir.name,

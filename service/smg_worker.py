@@ -86,24 +86,21 @@ def _f32(v: float) -> float:
     return float(f"{v:.7g}") if math.isfinite(v) else v
 
 
-def sampling_from_vllm(sp: Any, defaults: SamplingParams | None = None) -> SamplingParams:
-    """vLLM's SamplingParams -> ours. Unset fields (proto3 zeros that mean "unset": top_p, top_k,
-    min_p, repetition_penalty) take `defaults`, the model's generation_config.json values as
-    the engine keeps them (`--sampling-defaults`), else the built-in ones, as vLLM's worker does.
-    max_tokens unset: None here (the worker gives the request the rest of the context)."""
-    p = replace(defaults) if defaults is not None else SamplingParams()
+def sampling_from_vllm(sp: Any) -> SamplingParams:
+    """vLLM's SamplingParams -> ours, as vLLM's worker reads them: proto3 zeros keep vLLM's meaning
+    (top_k 0 = off, top_p 0 = 1) and an unset temperature is 1. The model's defaults reach a request
+    through the gateway, which fills the fields a client left unset from GetModelInfo's
+    `default_sampling_params_json` (so a client can still turn top_k off with 0). max_tokens unset:
+    None here (the worker gives the request the model's max_new_tokens, or the rest of the context)."""
+    p = SamplingParams()
     if sp.HasField("temperature"):
         p.temperature = _f32(sp.temperature)
-    if sp.top_p:
-        p.top_p = _f32(sp.top_p)
-    if sp.top_k:
-        p.top_k = sp.top_k if sp.top_k > 0 else -1  # -1: off
-    if sp.min_p:
-        p.min_p = _f32(sp.min_p)
+    p.top_p = _f32(sp.top_p) if sp.top_p else 1.0
+    p.top_k = sp.top_k if sp.top_k > 0 else -1  # 0: off
+    p.min_p = _f32(sp.min_p)
     p.frequency_penalty = _f32(sp.frequency_penalty)
     p.presence_penalty = _f32(sp.presence_penalty)
-    if sp.repetition_penalty:
-        p.repetition_penalty = _f32(sp.repetition_penalty)
+    p.repetition_penalty = _f32(sp.repetition_penalty) if sp.repetition_penalty else 1.0
     p.max_new_tokens = sp.max_tokens if sp.HasField("max_tokens") else None
     p.min_new_tokens = sp.min_tokens
     p.stop = list(sp.stop)
@@ -241,10 +238,13 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ):
         self.engine = engine
         self.router = router
-        self.model_path = str(Path(model_path).resolve())  # the gateway reads it from its own directory
+        self.model_path = str(Path(model_path).absolute())  # the gateway reads it from its own directory
         # the longest sequence a request can have: the context, or the KV pool if that is smaller
         self.max_context = min(engine.context_length, engine.kv_pool.size)
         self.sampling_defaults_json = _defaults_json(engine.sampling_defaults)
+        most = engine.generation_config.get("max_new_tokens")  # what max_tokens unset takes, if set
+        self.model_max_new_tokens = most if type(most) is int and most >= 1 else None
+        self.primary_eos = engine.tokenizer.hf.eos_token_id  # None: every EOS id is named
         self.draining = draining
         self.kv_events = kv_events
         self.limits = InputLimits.from_args(engine.args)  # the bounds zerogap.v1 keeps, same flags
@@ -278,7 +278,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if keep < -1:
                 raise RequestError("INVALID_ARGUMENT", f"sampling_params.truncate_prompt_tokens: {keep}")
             if keep == -1:
-                keep = self.engine.context_length - 1
+                keep = self.max_context - 1
             if keep > 0:
                 ids = ids[-keep:]
         features: dict[str, Any] = {}
@@ -289,9 +289,10 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if logprobs is not None:
             features["logprobs"] = logprobs
         rid = request.request_id or f"smg-{uuid.uuid4().hex}"
-        params = sampling_from_vllm(sp, self.engine.sampling_defaults)
-        if params.max_new_tokens is None and len(ids) < self.max_context:
-            params.max_new_tokens = self.max_context - len(ids)  # unset: up to the end of the context
+        params = sampling_from_vllm(sp)
+        if params.max_new_tokens is None and len(ids) < self.max_context:  # unset: as vLLM's worker
+            room = self.max_context - len(ids)  # the model's max_new_tokens, else the rest of the context
+            params.max_new_tokens = min(self.model_max_new_tokens or room, room)
         n = max(sp.n, 1)
         if n > self.engine.args.max_queued_requests:  # never fits the queue: not worth a retry
             raise RequestError(
@@ -427,8 +428,10 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
         if isinstance(last.matched_stop, str):
             complete.matched_stop_str = last.matched_stop
-        elif isinstance(last.matched_stop, int) and last.matched_stop in stop_ids:
-            complete.matched_token_id = last.matched_stop  # vLLM's: none for the model's own EOS
+        elif isinstance(last.matched_stop, int) and (
+            last.matched_stop in stop_ids or last.matched_stop != self.primary_eos
+        ):  # as vLLM's: none for the tokenizer's EOS unless listed, the model's other EOS ids named
+            complete.matched_token_id = last.matched_stop
         return vllm_engine_pb2.GenerateResponse(complete=complete)
 
     async def Abort(self, request, context):
@@ -632,10 +635,11 @@ def in_vllm_terms(message: str) -> str:
 
 
 def _final(e: RequestError) -> RequestError:
-    """A grammar over the compile limits (time, memory) as INVALID_ARGUMENT: the gateway retries
-    DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (five times, each a whole compile), and the same schema
-    would fail the same way."""
-    if e.code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
+    """A grammar whose own compile reached a limit (time, memory: GrammarError.heavy) as
+    INVALID_ARGUMENT: the gateway retries DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (five times, each a
+    whole compile), and the same schema would fail the same way. One that waited too long for a
+    compile worker keeps its status: under less load it compiles."""
+    if getattr(e, "heavy", False):
         return RequestError("INVALID_ARGUMENT", f"{e.message} (the constraint is over the compile limits)")
     return e
 

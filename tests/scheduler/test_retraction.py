@@ -478,5 +478,19 @@ def test_new_token_ratio_decays_and_backs_off():
     assert AdmissionPolicy(RetractionConfig(policy="reserve")).cost(r) == r.budget_tokens == 110
 
 
+def test_expected_tokens_are_clipped_for_requests_that_may_run_long():
+    """A request that may run to the end of a long context (max_tokens unset on the vLLM contract) is
+    expected to take at most EXPECTED_TOKENS_CLIP more tokens: 0.7 x 30,000 set aside would keep one
+    such request running at a time."""
+    from service.engine.scheduler.admission import EXPECTED_TOKENS_CLIP
+
+    p = AdmissionPolicy(RetractionConfig(init_ratio=0.5))
+    long = _req("long", 10, 0, 30_000, 1.0)
+    assert p.cost(long) == 10 + EXPECTED_TOKENS_CLIP // 2
+    long.launched = 100
+    assert p.future_rows(long) == EXPECTED_TOKENS_CLIP // 2
+    assert AdmissionPolicy(RetractionConfig(policy="reserve")).cost(long) == 30_010  # reserve: all of it
+
+
 def test_matrix_workload_is_registered():
     assert "retraction" in WORKLOADS

@@ -117,16 +117,11 @@ def test_seed_stop_and_sampling_fields(stubs):
     assert list(biased.output_ids) == [777] * 4
 
 
-def test_unset_fields_take_the_models_defaults_and_the_gateway_is_told_them():
-    """A model's generation_config.json sampling values fill what a request leaves unset (as zerogap.v1
-    and vLLM's worker do), and GetModelInfo publishes them for the gateway, which fills them itself."""
+def test_the_gateway_is_told_the_models_sampling_defaults():
+    """A model's generation_config.json sampling values go to the gateway (GetModelInfo's
+    default_sampling_params_json, as vLLM's worker publishes them), which fills a request's unset fields
+    with them; the worker reads the fields as vLLM's does, so a client can still turn top_k off (0)."""
     model = SamplingParams(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05)
-    unset = sampling_from_vllm(vpb.SamplingParams(), model)
-    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty) == (0.6, 0.9, 20, 1.05)
-    assert unset.max_new_tokens is None  # the worker gives it the rest of the context
-    given = sampling_from_vllm(vpb.SamplingParams(temperature=0.0, top_p=0.5, top_k=5, max_tokens=3), model)
-    assert (given.temperature, given.top_p, given.top_k, given.max_new_tokens) == (0.0, 0.5, 5, 3)
-    assert sampling_from_vllm(vpb.SamplingParams()).temperature == SamplingParams().temperature
     assert json.loads(_defaults_json(model)) == {
         "temperature": 0.6,
         "top_p": 0.9,
@@ -134,6 +129,10 @@ def test_unset_fields_take_the_models_defaults_and_the_gateway_is_told_them():
         "repetition_penalty": 1.05,
     }
     assert _defaults_json(SamplingParams()) == ""
+    unset = sampling_from_vllm(vpb.SamplingParams())
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.max_new_tokens) == (1.0, 1.0, -1, None)
+    given = sampling_from_vllm(vpb.SamplingParams(temperature=0.0, top_p=0.5, top_k=5, max_tokens=3))
+    assert (given.temperature, given.top_p, given.top_k, given.max_new_tokens) == (0.0, 0.5, 5, 3)
 
 
 def test_max_tokens_unset_runs_to_the_end_of_the_context(stubs):
@@ -160,12 +159,29 @@ def test_the_models_eos_is_no_matched_stop_but_a_listed_stop_token_is(stubs):
 
 
 def test_refusals_the_gateway_would_retry_in_vain_are_final():
-    """The gateway retries DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED five times: a grammar over the
-    compile limits answers INVALID_ARGUMENT (the same schema fails the same way); a full queue stays
-    RESOURCE_EXHAUSTED (worth a retry)."""
+    """The gateway retries DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED five times: a grammar whose own
+    compile reached a limit answers INVALID_ARGUMENT (the same schema fails the same way); one that
+    waited too long for a worker, and a full queue, keep theirs (worth a retry)."""
+    from features.grammar_backend import GrammarError
+
     for code in ("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"):
-        assert _final(RequestError(code, "grammar compile took over 30 s")).code == "INVALID_ARGUMENT"
-    assert _final(RequestError("INVALID_ARGUMENT", "bad")).message == "bad"
+        assert (
+            _final(GrammarError(code, "json_schema", "over the limit", heavy=True)).code == "INVALID_ARGUMENT"
+        )
+        waited = GrammarError(code, "json_schema", "no worker was free in time")  # the load's fault
+        assert _final(waited) is waited
+    assert (
+        _final(RequestError("RESOURCE_EXHAUSTED", "the request queue is full")).code == "RESOURCE_EXHAUSTED"
+    )
+    # a timeout is heavy when the compile itself ran for at least half of it, not the wait for a worker
+    from types import SimpleNamespace
+
+    from features.grammar_backend import GrammarBackend
+
+    backend = SimpleNamespace(limits=SimpleNamespace(compile_timeout_s=10.0))
+    for ran, heavy in ((6.0, True), (1.0, False), (None, False)):
+        job = SimpleNamespace(kind="regex", started=None if ran is None else time.monotonic() - ran)
+        assert GrammarBackend._timeout_error(backend, job).heavy is heavy, ran
 
 
 def test_a_choice_outside_the_basic_plane_stays_a_literal_the_grammar_can_match():
@@ -197,17 +213,35 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_fits_the_context(stubs):
     )
 
 
-def test_a_faulted_engine_is_unhealthy_on_both_health_services(tiny_llama_dir):
-    """A failure the scheduler could not recover from: the worker contract's HealthCheck says so (the
-    gateway stops routing to it) and grpc.health.v1 turns NOT_SERVING (a liveness probe restarts it)."""
+def test_a_models_generation_config_reaches_the_gateway_and_a_faulted_engine_is_unhealthy(
+    tiny_llama_dir, tmp_path
+):
+    """A model whose generation_config.json sets sampling values and max_new_tokens: GetModelInfo
+    publishes the sampling values, and a request without max_tokens takes its max_new_tokens (as
+    vLLM's worker). Then a failure the scheduler could not recover from: the worker contract's
+    HealthCheck says so (the gateway stops routing to it) and grpc.health.v1 turns NOT_SERVING (a
+    liveness probe restarts it)."""
+    import shutil
+
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    srv = BackgroundServer(
-        ServerArgs(model=str(tiny_llama_dir), port=0, dtype="float32", kv_cache_tokens=1024)
-    )
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.5, top_k=7, max_new_tokens=5)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    srv = BackgroundServer(ServerArgs(model=str(model), port=0, dtype="float32", kv_cache_tokens=1024))
     try:
         with grpc.insecure_channel(srv.address) as ch:
             vllm, probe = vllm_engine_pb2_grpc.VllmEngineStub(ch), health_pb2_grpc.HealthStub(ch)
+            info = vllm.GetModelInfo(vpb.GetModelInfoRequest())
+            assert json.loads(info.default_sampling_params_json) == {"temperature": 0.5, "top_k": 7}
+            req = vpb.GenerateRequest(
+                tokenized=vpb.TokenizedInput(input_ids=PROMPT),
+                sampling_params=vpb.SamplingParams(temperature=0.0, ignore_eos=True),
+            )
+            assert list(vllm.Generate(req, timeout=60))[-1].complete.completion_tokens == 5
+
             assert vllm.HealthCheck(vpb.HealthCheckRequest()).healthy
             srv.running.engine.scheduler.broken = "recovery failed after: RuntimeError('boom')"
             answer = vllm.HealthCheck(vpb.HealthCheckRequest())

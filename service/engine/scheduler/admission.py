@@ -14,6 +14,11 @@ from features.retraction import retractions_of
 from service.core.request import Req
 
 POLICIES = ("optimistic", "reserve")
+# Optimistic admission expects at most this many more tokens of a request, whatever its max_new_tokens
+# (SGLang clips its estimate the same way): a request that may run to the end of a long context
+# (max_tokens unset on the vLLM contract) would otherwise set aside most of the pool for tokens it
+# rarely makes; retraction covers the ones that do.
+EXPECTED_TOKENS_CLIP = 4096
 
 
 @dataclass
@@ -73,7 +78,7 @@ class AdmissionPolicy:
         """Rows a running request is expected to take from now on."""
         if self.reserved(req):
             return max(0, req.budget_tokens - req.kv_len)
-        left = req.max_new_tokens - req.launched
+        left = min(req.max_new_tokens - req.launched, EXPECTED_TOKENS_CLIP)
         return max(1, math.ceil(self.ratio * left)) if left > 0 else 0
 
     def cost(self, req: Req) -> int:
@@ -81,7 +86,8 @@ class AdmissionPolicy:
         if self.reserved(req):
             return req.budget_tokens
         kept = len(req.output_ids)
-        return len(req.prompt_ids) + kept + max(1, math.ceil(self.ratio * (req.max_new_tokens - kept)))
+        left = min(req.max_new_tokens - kept, EXPECTED_TOKENS_CLIP)
+        return len(req.prompt_ids) + kept + max(1, math.ceil(self.ratio * left))
 
     def admitted(self, running: int) -> None:
         self.stats.peak_running = max(self.stats.peak_running, running)
@@ -115,5 +121,5 @@ class AdmissionPolicy:
         if not survivors:
             return
         used = sum(r.launched + self.config.headroom_steps for r in survivors)
-        budget = sum(r.max_new_tokens for r in survivors)
+        budget = sum(min(r.max_new_tokens, EXPECTED_TOKENS_CLIP) for r in survivors)
         self.ratio = min(1.0, max(self.ratio, used / budget))
