@@ -8,7 +8,8 @@ Admission. `reserve` sets aside a request's whole budget (prompt + max_new_token
 when it is admitted: nothing ever runs out, and the pool mostly idles because
 most requests stop long before max_new_tokens. `optimistic` (the default) sets
 aside the prompt plus an estimate: `new_token_ratio` × the tokens it may still
-generate. The ratio starts at `init_ratio`, decays towards `min_ratio` with every
+generate, at most 4,096 of them (`EXPECTED_TOKENS_CLIP`: a request that may run to
+the end of a long context would otherwise set most of the pool aside). The ratio starts at `init_ratio`, decays towards `min_ratio` with every
 decode step that needed no retraction, and backs off after a retraction to at
 least the share of max_new_tokens the surviving requests already used (plus a
 few steps of headroom): admitting below what running requests demonstrably use
