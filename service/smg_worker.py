@@ -263,24 +263,21 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         sp = request.sampling_params
         self.limits.check(request.request_id, sp, "sampling_params")
         check_supported(request)
+        keep = 0  # truncate_prompt_tokens: the last k tokens; -1: as many as fit the context
+        if sp.HasField("truncate_prompt_tokens"):
+            keep = sp.truncate_prompt_tokens
+            if keep < -1:
+                raise RequestError("INVALID_ARGUMENT", f"sampling_params.truncate_prompt_tokens: {keep}")
+            keep = self.max_context - 1 if keep == -1 else keep
         which = request.WhichOneof("input")
         if which == "tokenized":
             ids = list(request.tokenized.input_ids)
         elif which == "text":
-            try:
-                ids = self.engine.tokenizer.encode_bounded(request.text, self.engine.context_length - 1)
-            except InputTooLong as e:
-                raise RequestError("OUT_OF_RANGE", f"text: does not fit the context length: {e}") from None
+            ids = self._encode(request.text, keep)
         else:
             raise RequestError("INVALID_ARGUMENT", "input: set tokenized or text")
-        if sp.HasField("truncate_prompt_tokens"):  # the last k tokens; -1: as many as fit the context
-            keep = sp.truncate_prompt_tokens
-            if keep < -1:
-                raise RequestError("INVALID_ARGUMENT", f"sampling_params.truncate_prompt_tokens: {keep}")
-            if keep == -1:
-                keep = self.max_context - 1
-            if keep > 0:
-                ids = ids[-keep:]
+        if keep > 0:
+            ids = ids[-keep:]
         features: dict[str, Any] = {}
         constraint = constraint_from_vllm(sp)
         if constraint is not None:
@@ -314,6 +311,19 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             reqs[0].prompt_ids,
         )
         return rid, reqs, log_shape
+
+    def _encode(self, text: str, keep: int) -> list[int]:
+        """A text prompt's ids; with truncation (`keep` > 0) only its tail is tokenized: the last `keep`
+        tokens lie in its last `keep` x max_token_bytes characters (no token covers more bytes), and a
+        margin keeps the tail's first tokens, cut where the text was, out of them."""
+        tok = self.engine.tokenizer
+        if keep > 0:
+            tail = (keep + 16) * tok.max_token_bytes
+            return tok.encode(text[-tail:], add_special_tokens=len(text) <= tail)
+        try:
+            return tok.encode_bounded(text, self.engine.context_length - 1)
+        except InputTooLong as e:
+            raise RequestError("OUT_OF_RANGE", f"text: does not fit the context length: {e}") from None
 
     async def _start(
         self, request: Any, context: Any

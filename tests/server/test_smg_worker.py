@@ -208,6 +208,12 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_fits_the_context(stubs):
     long = PROMPT * 60  # 720 tokens, over the context (512)
     kept = generate(vllm, ids=long, truncate_prompt_tokens=-1, max_tokens=1)[0].complete
     assert kept.prompt_tokens == 511
+    text = "The quick brown fox jumps over the lazy dog. " * 400  # ~4,000 tokens: far over the context
+    for keep, expected in ((-1, 511), (20, 20)):
+        req = vpb.GenerateRequest(
+            text=text, sampling_params=sampling(truncate_prompt_tokens=keep, max_tokens=1)
+        )
+        assert list(vllm.Generate(req, timeout=60))[-1].complete.prompt_tokens == expected
     assert refused(vllm, {"sampling_params": sampling(truncate_prompt_tokens=-2)}).code() == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
