@@ -242,8 +242,6 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         # the longest sequence a request can have: the context, or the KV pool if that is smaller
         self.max_context = min(engine.context_length, engine.kv_pool.size)
         self.sampling_defaults_json = _defaults_json(engine.sampling_defaults)
-        most = engine.generation_config.get("max_new_tokens")  # what max_tokens unset takes, if set
-        self.model_max_new_tokens = most if type(most) is int and most >= 1 else None
         self.primary_eos = engine.tokenizer.hf.eos_token_id  # None: every EOS id is named
         self.draining = draining
         self.kv_events = kv_events
@@ -289,7 +287,7 @@ class SmgWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         params = sampling_from_vllm(sp)
         if params.max_new_tokens is None and len(ids) < self.max_context:  # unset: as vLLM's worker
             room = self.max_context - len(ids)  # the model's max_new_tokens, else the rest of the context
-            params.max_new_tokens = min(self.model_max_new_tokens or room, room)
+            params.max_new_tokens = min(self.engine.model_max_new_tokens or room, room)
         n = max(sp.n, 1)
         if n > self.engine.args.max_queued_requests:  # never fits the queue: not worth a retry
             raise RequestError(

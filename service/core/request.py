@@ -136,7 +136,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
-def generation_defaults(generation: dict) -> tuple[SamplingParams, int]:
+def generation_defaults(generation: dict) -> tuple[SamplingParams, int | None]:
     """What a model's generation_config.json sets for a request that leaves it unset: the sampling
     fields (temperature, top_p, top_k, min_p, repetition_penalty) and max_new_tokens (the engine
     caps it by the context); the built-in defaults elsewhere, and for values of the wrong kind or
@@ -147,7 +147,7 @@ def generation_defaults(generation: dict) -> tuple[SamplingParams, int]:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and takes(v):
             setattr(p, name, int(v) if name == "top_k" else float(v))
     most = generation.get("max_new_tokens")
-    return p, most if type(most) is int and most >= 1 else DEFAULT_MAX_NEW_TOKENS  # not a bool
+    return p, most if type(most) is int and most >= 1 else None  # not a bool; None: the model sets none
 
 
 @dataclass

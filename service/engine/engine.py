@@ -118,16 +118,18 @@ class Engine:
                 f"{self.model_dir}: no tokenizer transformers can load", e
             ) from None
         self.generation_config = load_generation_config(self.model_dir)  # EOS ids, sampling defaults
-        # what a request's unset sampling fields take, and its max_new_tokens (capped by the context)
-        self.sampling_defaults, self.default_max_new_tokens = (
+        # what a request's unset sampling fields take, and its max_new_tokens (capped by the context):
+        # the model's (None: it sets none), else the built-in default
+        self.sampling_defaults, self.model_max_new_tokens = (
             generation_defaults(self.generation_config)
             if args.sampling_defaults == "model"
-            else (SamplingParams(), DEFAULT_MAX_NEW_TOKENS)
+            else (SamplingParams(), None)
         )
+        self.default_max_new_tokens = self.model_max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         built_in = SamplingParams()
         changed = {k: v for k, v in vars(self.sampling_defaults).items() if v != getattr(built_in, k)}
-        if self.default_max_new_tokens != DEFAULT_MAX_NEW_TOKENS:
-            changed["max_new_tokens"] = self.default_max_new_tokens
+        if self.model_max_new_tokens is not None:
+            changed["max_new_tokens"] = self.model_max_new_tokens
         if changed:
             log.info("sampling defaults from generation_config.json: %s", changed)
         self.device = Device.of(args.device)

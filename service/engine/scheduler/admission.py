@@ -78,16 +78,19 @@ class AdmissionPolicy:
         """Rows a running request is expected to take from now on."""
         if self.reserved(req):
             return max(0, req.budget_tokens - req.kv_len)
-        left = min(req.max_new_tokens - req.launched, EXPECTED_TOKENS_CLIP)
-        return max(1, math.ceil(self.ratio * left)) if left > 0 else 0
+        left = req.max_new_tokens - req.launched
+        return self._expected(left) if left > 0 else 0
 
     def cost(self, req: Req) -> int:
         """Rows to set aside to admit a waiting (new or retracted) request."""
         if self.reserved(req):
             return req.budget_tokens
         kept = len(req.output_ids)
-        left = min(req.max_new_tokens - kept, EXPECTED_TOKENS_CLIP)
-        return len(req.prompt_ids) + kept + max(1, math.ceil(self.ratio * left))
+        return len(req.prompt_ids) + kept + self._expected(req.max_new_tokens - kept)
+
+    def _expected(self, left: int) -> int:
+        """Rows expected of a request that may make `left` more tokens (at least one)."""
+        return max(1, math.ceil(self.ratio * min(left, EXPECTED_TOKENS_CLIP)))
 
     def admitted(self, running: int) -> None:
         self.stats.peak_running = max(self.stats.peak_running, running)
