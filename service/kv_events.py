@@ -109,6 +109,19 @@ class _Stream:
             self.told, self.told_at = _routing(batch.load), time.monotonic()
 
 
+@dataclass(eq=False)
+class _SnapshotBuild:
+    """The live blocks as of batch `sequence`, being built on a worker thread for each subscriber
+    from 0 that asks while that is still the last batch sent (a gateway's replicas reconnecting
+    at once share one build); `stop` ends it early when all of them have gone."""
+
+    sequence: int
+    load: common_pb2.EngineLoad | None  # read when it started: it goes with the snapshot
+    task: asyncio.Future[common_pb2.KvEventBatch | None]
+    stop: threading.Event
+    waiters: int = 0
+
+
 def _routing(load: common_pb2.EngineLoad) -> tuple[object, ...]:
     """What a gateway routes by: a change sends a load-only batch (the rate alone does not)."""
     return (
@@ -137,6 +150,7 @@ class KvEventPublisher:
         self._load_sample = 0  # numbers the load records, in the order they are made
         self._ticker: asyncio.Task[None] | None = None
         self._load_failing = False
+        self._building: _SnapshotBuild | None = None
 
     def report_load(self, read: LoadReader) -> None:
         """Attach `read`'s record to every batch and send load-only batches when it changes."""
@@ -268,18 +282,57 @@ class KvEventPublisher:
         return [(self._event_id(), run) for run in runs]
 
     def _snapshot(
-        self, chains: list[tuple[int, list[Block]]], sequence: int, load: common_pb2.EngineLoad | None
-    ) -> common_pb2.KvEventBatch:
+        self,
+        chains: list[tuple[int, list[Block]]],
+        sequence: int,
+        load: common_pb2.EngineLoad | None,
+        stop: threading.Event,
+    ) -> common_pb2.KvEventBatch | None:
         """The live blocks (`_chains`) as one batch numbered `sequence`, the last one sent when they
         were taken: cleared, then a `stored` event per chain; `load` with it. Reads nothing the loop
         changes, so it is built on a worker thread: a large cache's blocks take a while (300,000:
-        about a second) and the loop serves the replica's streams meanwhile."""
+        about a second) and the loop serves the replica's streams meanwhile. None once `stop` is
+        set (nobody waits for it any more)."""
         events = [common_pb2.KvCacheEvent(event_id=0, cleared=common_pb2.KvCacheCleared())]
-        events += [self._stored(run, event_id) for event_id, run in chains]
+        for event_id, run in chains:
+            if stop.is_set():
+                return None
+            events.append(self._stored(run, event_id))
         batch = common_pb2.KvEventBatch(sequence_number=sequence, timestamp=time.time(), events=events)
         if load is not None:
             batch.load.CopyFrom(load)
         return batch
+
+    def _snapshot_build(self, sequence: int) -> _SnapshotBuild:
+        """The build under way for `sequence`, or a new one: the chains and the load taken now."""
+        build = self._building
+        if build is None or build.sequence != sequence:
+            load = self._load(full=True) if self._read_load is not None else None
+            stop = threading.Event()
+            task = asyncio.ensure_future(
+                asyncio.to_thread(self._snapshot, self._chains(), sequence, load, stop)
+            )
+            build = self._building = _SnapshotBuild(sequence, load, task, stop)
+            task.add_done_callback(lambda _: self._forget(build))
+        return build
+
+    def _forget(self, build: _SnapshotBuild) -> None:
+        """`build` is done or abandoned: later subscribers start their own."""
+        if self._building is build:
+            self._building = None
+
+    async def _wait_for(self, build: _SnapshotBuild) -> common_pb2.KvEventBatch:
+        """The snapshot, once built; the last waiter to leave stops the build."""
+        build.waiters += 1
+        try:
+            snapshot = await asyncio.shield(build.task)
+        finally:
+            build.waiters -= 1
+            if not build.waiters and not build.task.done():
+                build.stop.set()
+                self._forget(build)
+        assert snapshot is not None  # stopped only once no one waits
+        return snapshot
 
     async def subscribe(
         self, start_sequence: int, early_loads: bool = False
@@ -288,12 +341,12 @@ class KvEventPublisher:
         with `early_loads`, load-only batches numbered 0 before the first one. Raises
         Unavailable(OUT_OF_RANGE) when those batches are gone, (DATA_LOSS) when it falls behind."""
         stream = _Stream(early_loads)
-        chains: list[tuple[int, list[Block]]] | None = None
+        build: _SnapshotBuild | None = None
         first: list[common_pb2.KvEventBatch] = []
         sequence = self.sequence
         if start_sequence == 0:
             if sequence:  # the live blocks first, as of the last batch sent
-                chains, stream.sequence = self._chains(), sequence
+                build, stream.sequence = self._snapshot_build(sequence), sequence
         elif start_sequence > self.sequence:
             raise Unavailable(
                 "OUT_OF_RANGE",
@@ -306,8 +359,10 @@ class KvEventPublisher:
         else:
             first = [_carrying(b, None) for b in self.history if b.sequence_number > start_sequence]
             stream.sequence = start_sequence
-        taken = bool(first) or chains is not None  # (no live blocks: a snapshot of just `cleared`)
-        load = self._load(full=True) if self._read_load is not None and taken else None
+        if build is not None:
+            load = build.load
+        else:
+            load = self._load(full=True) if self._read_load is not None and first else None
         if first and load is not None:  # the stream's first record: all of it
             first[-1] = _carrying(first[-1], load)
         elif load is not None:  # it goes with the snapshot
@@ -318,8 +373,8 @@ class KvEventPublisher:
         if self._read_load is not None and (self._ticker is None or self._ticker.done()):
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
         try:
-            if chains is not None:  # later batches wait in the queue meanwhile
-                yield await asyncio.to_thread(self._snapshot, chains, sequence, load)
+            if build is not None:  # later batches wait in the queue meanwhile
+                yield await self._wait_for(build)
             while True:
                 batch = await stream.queue.get()
                 if batch is None:

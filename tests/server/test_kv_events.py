@@ -369,6 +369,76 @@ def test_a_subscription_from_zero_gets_the_live_chains_built_off_the_loop(monkey
     asyncio.run(run())
 
 
+def test_subscribers_from_zero_at_once_share_one_build_and_the_last_to_leave_stops_it(monkeypatch):
+    """Gateways reconnecting at once (subscriptions from 0 while the last batch sent is the same)
+    share one snapshot build; one that leaves keeps it going for the others; when the last one
+    leaves mid-build the worker thread stops at its next chain, and a later subscriber gets a
+    build of its own, whole."""
+    import asyncio
+
+    from service.kv_events import KvEventPublisher
+
+    release = threading.Event()
+    entered: list[int] = []
+    results: list = []
+    original = KvEventPublisher._snapshot
+
+    def held(self, chains, sequence, load, stop):
+        entered.append(sequence)
+        release.wait(5)  # a build that takes a while: subscribers come and go meanwhile
+        result = original(self, chains, sequence, load, stop)
+        results.append(result)
+        return result
+
+    monkeypatch.setattr(KvEventPublisher, "_snapshot", held)
+    paths = [tuple(range(100 * i, 100 * i + 8)) for i in range(1, 4)]
+
+    async def run() -> None:
+        publisher = _loaded_publisher(monkeypatch, lambda full: common_pb2.EngineLoad(running_requests=2))
+        for path in paths:
+            publisher.observe(CacheEvent("stored", path, 0))
+            await asyncio.sleep(0)
+        await _until(lambda: publisher.sequence == 3)
+        got = [[], [], []]
+        tasks = [asyncio.create_task(_collect(publisher.subscribe(0), got[i])) for i in range(3)]
+        await _until(lambda: len(entered) == 1)
+        await asyncio.sleep(0.02)  # all three are waiting on it now
+        tasks[2].cancel()  # one leaves: the others still wait for the same build
+        await asyncio.gather(tasks[2], return_exceptions=True)
+        release.set()
+        await _until(lambda: bool(got[0]) and bool(got[1]))
+        assert entered == [3] and len(results) == 1  # one build for all of them
+        assert got[0][0] is got[1][0] and got[0][0].load.running_requests == 2
+        assert [len(e.stored.blocks) for e in got[0][0].events[1:]] == [2, 2, 2]
+        for t in tasks[:2]:
+            t.cancel()
+        await asyncio.gather(*tasks[:2], return_exceptions=True)
+
+        # The last subscriber leaves mid-build: the thread gives up, the next one builds anew.
+        release.clear()
+        publisher.observe(CacheEvent("stored", paths[0] + (1, 2, 3, 4), 8))
+        await _until(lambda: publisher.sequence == 4)
+        gone: list = []
+        task = asyncio.create_task(_collect(publisher.subscribe(0), gone))
+        await _until(lambda: len(entered) == 2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        release.set()
+        await _until(lambda: len(results) == 2)
+        assert results[1] is None and not gone  # stopped at its first chain
+        again: list = []
+        task = asyncio.create_task(_collect(publisher.subscribe(0), again))
+        await _until(lambda: bool(again))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert entered == [3, 4, 4]
+        replay = Replay(block_size=4)
+        replay.apply(again[0])
+        assert replay.prefixes() == tree_blocks([paths[0] + (1, 2, 3, 4), *paths[1:]], 4)
+
+    asyncio.run(run())
+
+
 def test_a_failing_load_read_costs_no_batch_and_a_slow_reader_no_pile_of_loads(monkeypatch):
     """A load read that raises: the batch goes out without a load, in sequence, and the checks go on
     once reads work again. A reader that stalls gets no load-only batches queued behind the ones it
