@@ -181,6 +181,44 @@ def test_extend_attention_kernel_matches_reference(dtype, hq, hkv, d, window, so
 
 
 @needs_extend_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (5, 5, 80)])
+@pytest.mark.parametrize("window", [None, 200])
+def test_bf16_rows_get_the_same_bits_from_the_paged_and_the_extend_kernel_nearly_always(hq, hkv, d, window):
+    """A prompt's rows go to the paged kernel in short chunks and to the extend kernel in long
+    ones: a row must come out the same from either, or the two loops (and any two chunkings) part.
+    With AVX-512 BF16 both round the softmax weights to bf16 against a running max kept a whole
+    power of two, so a weight does not depend on the kernel's blocks (nor a window's offset from
+    them); only float32 sums differ in order. Nearly every output has the same bits (0.01-0.08%
+    apart when measured, as with float32 weights before), and both stay within bf16's reach of
+    float64 attention."""
+    lens, news = [1000], [100]
+    q, k_cache, v_cache, table, rows = _extend_case(torch.bfloat16, hq, hkv, d, lens, news, seed=d + hq)
+    q = (q.float() * 2).to(torch.bfloat16)  # sharper scores: a few keys weigh most
+    positions = [list(range(900, 1000))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ext = _extend(q, k_cache, v_cache, table, rows, window)
+        paged = cpu_kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            torch.zeros(100, dtype=torch.int64),
+            torch.tensor(positions[0]),
+            0.125,
+            window,
+        ).view(q.shape)
+    finally:
+        torch.set_num_threads(threads)
+    assert (ext != paged).float().mean() < 0.005
+    ref = _reference_attention(q, k_cache, v_cache, table, lens, positions, window)
+    for out in (ext, paged):
+        err = (out.double() - ref).abs()
+        assert err.mean() < 2.0**-8 * ref.abs().mean(), (err.mean(), ref.abs().mean())
+
+
+@needs_extend_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,window", [(9, 3, 64, None), (8, 2, 128, 50), (5, 5, 80, None)])
 def test_extend_attention_rows_give_the_same_bits_in_any_chunk(dtype, hq, hkv, d, window):

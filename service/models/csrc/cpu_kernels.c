@@ -18,7 +18,8 @@
  * a group share each K/V row load. Which items run never changes a row's bits
  * (each path is one function for both item kinds): a row's attention does not
  * depend on the batch it runs in. Scores are computed block by block with an
- * online softmax in float32. Element type: bf16 (uint16 bits) or float32.
+ * online softmax in float32 (the bf16 row items round the weights to bf16, as the
+ * extend kernel does). Element type: bf16 (uint16 bits) or float32.
  * OpenMP threads come from the runtime torch already loaded (libgomp).
  */
 #include <math.h>
@@ -181,10 +182,11 @@ AVX512_DISPATCH(avx512_f32)
  * tokens lie far apart in the pool, and a request's K and V outgrow the caches, 30 layers of
  * 1,000 tokens being 46 MB in SmolLM2); q.k runs on bf16 pairs (vdpbf16ps, float32 sums) and 16 tokens'
  * partial sums are reduced together (one transpose-add tree, not 16 horizontal sums).
- * Softmax and P.V are float32 as in the other paths. Taken when d is 64 or 128 and the
- * heads fit the item's buffers; else the (row, kv head) items below run. */
+ * The weights are rounded to bf16 (`bf16_softmax_block`, as the extend kernel's on AVX-512 BF16,
+ * so a row gets the same weights from either kernel), P.V is float32. Taken when d is 64 or 128
+ * and the heads fit the item's buffers (ROW_MAX_HQ); else the (row, kv head) items below run. */
 #define ROW_BLOCK 64
-#define ROW_MAX_HQ 32
+#define ROW_MAX_HQ BF16_ROW_MAX_HQ
 /* 32 tokens ahead into L2: 3 decode rows over 1,000 keys, 30 layers whose pools outgrow the caches,
  * one Zen 4 thread: 9.3 ms a step with 16 ahead into L1, 6.3 with 32 into L2 (64: 6.2, 128: 6.9;
  * 32 into L1: 9.0). Into L1 that far, the prefetches crowd out the item's own buffers and misses. */
@@ -274,7 +276,7 @@ static inline __m512 reduce16(const __m512 *v) {
             }                                                                                               \
             for (int64_t a = h0 * g; a < h1 * g; a++) {                                                     \
                 if (softcap > 0.f) cap_scores(s[a], n, softcap);                                            \
-                const __m512 corr = _mm512_set1_ps(online_softmax_block(s[a], n, &m[a], &l[a]));            \
+                const __m512 corr = _mm512_set1_ps(bf16_softmax_block(s[a], n, 1.44269504088896341f, &m[a], &l[a])); \
                 for (int x = 0; x < D / 16; x++)                                                            \
                     _mm512_storeu_ps(&acc[a][16 * x], _mm512_mul_ps(_mm512_loadu_ps(&acc[a][16 * x]), corr)); \
             }                                                                                               \

@@ -14,11 +14,13 @@
  *
  * Per request and kv head: the head's K rows are packed once into key blocks of KB positions
  * (blocks at fixed positions: block b holds keys b*KB .. b*KB+KB-1), its V rows read in place
- * (widened to float32 as P.V loads them); then work items of up to R_MAX rows (consecutive query
- * positions x the g query heads of the kv head, which share every K/V load) run in parallel. An item takes the blocks its rows
- * reach: the scores of the block for its rows are a small GEMM (bf16 pairs with vdpbf16ps on
- * AVX-512 BF16, exact products summed in float32; float32 FMAs elsewhere, AVX-512F or AVX2),
- * then an online softmax per row and P.V in float32, register-blocked over rows.
+ * (widened to float32 as P.V loads them) or, with bf16 weights, packed as pairs of keys; then
+ * work items of up to R_MAX rows (consecutive query positions x the g query heads of the kv
+ * head, which share every K/V load) run in parallel. An item takes the blocks its rows reach:
+ * the scores of the block for its rows are a small GEMM (bf16 pairs with vdpbf16ps on AVX-512
+ * BF16, exact products summed in float32; float32 FMAs elsewhere, AVX-512F or AVX2), then an
+ * online softmax per row and P.V, register-blocked over rows: float32, or on AVX-512 BF16 (head
+ * sizes 64 and 128) on bf16 weights by vdpbf16ps, as flash attention does on GPUs.
  *
  * A row's arithmetic depends only on its query, its position and the keys (a block a row does
  * not reach is skipped for it, the keys it must not see weigh exactly 0): the same row gives the
@@ -47,7 +49,7 @@
 #define VL 16
 #define QK_NR 4 /* rows x QK_NV vectors of accumulators in a score tile */
 #define QK_NV 4 /* vectors of keys in a score tile */
-#define PV_NR 4 /* rows x PV_NV vectors of accumulators in a P.V tile */
+#define PV_NR 6 /* rows x PV_NV vectors of accumulators in a P.V tile: 24 of the 32 registers */
 #define PV_NV 4 /* vectors of head_dim in a P.V tile */
 typedef __m512 vf;
 #define vload _mm512_loadu_ps
@@ -127,8 +129,13 @@ static inline vf vexp2(vf t) {
 
 /* The paths: float32 scores of float32 inputs, or of bf16 inputs widened (where vdpbf16ps is
  * missing), or bf16 scores by vdpbf16ps, whose lanes sum two exact products of bf16 pairs into
- * float32. Weights and P.V are float32 in every path: the same precision as paged_attention, so
- * a row computed by one kernel or the other rounds to the same bf16 but rarely apart. */
+ * float32. Weights and P.V are float32 in the first two, and in the third where paged_attention's
+ * row items do not run (head sizes other than 64 and 128). Where they run, both kernels round the
+ * weights to bf16 alike (`bf16_softmax_block`, kernel_math.h) and this one's P.V takes vdpbf16ps:
+ * half the instructions of float32 FMAs, most of the kernel's time before (a 22-row turn over
+ * 1,022 keys, one layer of SmolLM2 on a Zen 4: 476 -> 381 us). Either way a row computed by one
+ * kernel or the other rounds to the same bf16 but rarely apart (a prompt's rows go to either by
+ * chunk length: tests/models/test_cpu_speed_paths.py). */
 enum { PATH_F32 = 0, PATH_BF16_INPUT = 1, PATH_BF16_DP = 2 };
 
 typedef struct {
@@ -146,6 +153,8 @@ typedef struct {
     int64_t b_lo; /* first block packed */
     void *kpack;         /* the head's K blocks, as the path's score tile reads them */
     const void **vrows;  /* per key of those blocks, its V row in the pool */
+    int bf16_weights;    /* P.V on bf16 weights (vdpbf16ps), the V rows packed as pairs of keys */
+    void *vpairs;        /* then: the blocks' V rows (pack_v_pairs) */
 } Job;
 
 static inline int64_t row_start(const Job *j, int64_t pos) {
@@ -200,6 +209,27 @@ static inline void pack_copy1(int path, const void *row, int64_t e, float *out) 
         memcpy(out, (const char *)row + 4 * e, 4); /* float32, or a bf16 pair: its bits as they are */
 }
 
+/* A block's V rows as the bf16 P.V tile reads them: pairs of consecutive keys (2i, 2i + 1) per
+ * element, [KB/2][d] 32-bit lanes, key 2i in the low half (bits copied; keys past n zeros). */
+static void pack_v_pairs(const Job *jb, uint32_t *out, int64_t j0, int64_t n) {
+    const int64_t d = jb->d;
+    for (int64_t t = 0; t < KB; t += 2) {
+        uint32_t *dst = out + (t / 2) * d;
+        if (t >= n) {
+            memset(dst, 0, d * sizeof(uint32_t));
+            continue;
+        }
+        const uint16_t *a = kv_row(jb, jb->v, j0 + t);
+        const uint16_t *b = t + 1 < n ? (const uint16_t *)kv_row(jb, jb->v, j0 + t + 1) : NULL;
+        for (int64_t e = 0; e < d; e += 8) {
+            const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + e)));
+            const __m256i hi = b ? _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + e))), 16)
+                                 : _mm256_setzero_si256();
+            _mm256_storeu_si256((__m256i *)(dst + e), _mm256_or_si256(lo, hi));
+        }
+    }
+}
+
 /* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
  * or bf16 pairs [d/2][KB] (bits copied), keys past kv_len zeros; V stays in the pool, the block
  * keeps a pointer to each key's row (P.V widens bf16 rows as it reads them). Keys go eight at a
@@ -234,6 +264,7 @@ static void pack_block(const Job *jb, int64_t b) {
     }
     for (; t < KB; t++)
         for (int64_t e = 0; e < cols; e++) kb[e * KB + t] = 0.f; /* all bits 0: a zero pair too */
+    if (jb->bf16_weights) pack_v_pairs(jb, (uint32_t *)jb->vpairs + slot * (KB / 2) * d, j0, n); /* rows in cache now */
 }
 
 /* Scores of nr rows (q float32, row stride d) over QK_NV * VL keys of a [d][KB] block. */
@@ -309,12 +340,9 @@ static void qk_bf16(const uint16_t *q, int64_t nrows, int64_t d, const uint32_t 
 }
 #endif
 
-/* One row's block of dot products s[KB] (keys j0 ..) -> softmax weights exp(score - new max) in
- * place (float32), keys outside [lo, hi] weighing exactly 0; score = dot * scale (soft-capped if
- * softcap). The running max m (in the units s holds: dots, or capped scores) and sum l move on;
- * returns the factor the row's accumulators take. */
-static inline float softmax_block(float *s, int64_t j0, int64_t lo, int64_t hi, float scale,
-                                  float softcap, float *m, float *l) {
+/* A row's block of dot products s[KB] (keys j0 ..): soft-capped scores in place if softcap, keys
+ * outside [lo, hi] -inf; returns the score per unit of s (the scale, or 1 once capped). */
+static inline float cap_and_mask(float *s, int64_t j0, int64_t lo, int64_t hi, float scale, float softcap) {
     float unit = scale; /* score per unit of s */
     if (softcap > 0.f) {
         for (int t = 0; t < KB; t++) s[t] = tanhf(s[t] * scale / softcap) * softcap;
@@ -323,6 +351,16 @@ static inline float softmax_block(float *s, int64_t j0, int64_t lo, int64_t hi, 
     if (j0 < lo || j0 + KB - 1 > hi)
         for (int t = 0; t < KB; t++)
             if (j0 + t < lo || j0 + t > hi) s[t] = -INFINITY;
+    return unit;
+}
+
+/* One row's block of dot products s[KB] (keys j0 ..) -> softmax weights exp(score - new max) in
+ * place (float32), keys outside [lo, hi] weighing exactly 0; score = dot * scale (soft-capped if
+ * softcap). The running max m (in the units s holds: dots, or capped scores) and sum l move on;
+ * returns the factor the row's accumulators take. */
+static inline float softmax_block(float *s, int64_t j0, int64_t lo, int64_t hi, float scale,
+                                  float softcap, float *m, float *l) {
+    const float unit = cap_and_mask(s, j0, lo, hi, scale, softcap);
     vf mx = vload(s);
     for (int x = 1; x < KB / VL; x++) mx = vmax(mx, vload(s + x * VL));
     const float block_max = vhmax(mx), bm = block_max > *m ? block_max : *m;
@@ -407,6 +445,73 @@ static void pv_rows(float *acc, int64_t d, const float *p, const float *corr, co
     }
 }
 
+#if defined(__AVX512BF16__)
+/* A row's KB weights (float32 values of bf16 numbers) -> KB/2 bf16 pairs (keys 2i, 2i + 1), exact,
+ * in place at the row's start (each half is read before its pairs are written over it). */
+static inline void weights_to_pairs(float *s) {
+    for (int x = 0; x < KB / 32; x++) {
+        const __m512 a = _mm512_loadu_ps(s + 32 * x), b = _mm512_loadu_ps(s + 32 * x + 16);
+        _mm512_storeu_si512((uint32_t *)s + 16 * x, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+}
+
+/* acc[nr rows][nv vectors] = acc * corr + P . V over key pairs 0 .. np-1 of the block: bf16 weights
+ * times bf16 values by vdpbf16ps (each lane adds two exact products), summed in float32. */
+static inline __attribute__((always_inline)) void pv_bf16_tile(const int nr, const int nv, float *acc, int64_t d,
+                                                               const uint32_t *p, const float *corr,
+                                                               const uint32_t *vp, int64_t e0, int64_t np) {
+    __m512 a[PV_NR][PV_NV];
+    for (int r = 0; r < nr; r++) {
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int x = 0; x < nv; x++) a[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + x * 16), c);
+    }
+    for (int64_t t = 0; t < np; t++) {
+        __m512bh vv[PV_NV];
+        for (int x = 0; x < nv; x++) vv[x] = (__m512bh)_mm512_loadu_si512(vp + t * d + e0 + x * 16);
+        for (int r = 0; r < nr; r++) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p[r * KB + t]);
+            for (int x = 0; x < nv; x++) a[r][x] = _mm512_dpbf16_ps(a[r][x], pb, vv[x]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int x = 0; x < nv; x++) _mm512_storeu_ps(acc + r * d + x * 16, a[r][x]);
+}
+
+#define PV_BF16_CASES(NV)                                                                           \
+    switch (nr) {                                                                                   \
+        case 1: pv_bf16_tile(1, NV, ac, d, pr, cr, vp, e0, np); break;                              \
+        case 2: pv_bf16_tile(2, NV, ac, d, pr, cr, vp, e0, np); break;                              \
+        case 3: pv_bf16_tile(3, NV, ac, d, pr, cr, vp, e0, np); break;                              \
+        case 4: pv_bf16_tile(4, NV, ac, d, pr, cr, vp, e0, np); break;                              \
+        case 5: pv_bf16_tile(5, NV, ac, d, pr, cr, vp, e0, np); break;                              \
+        default: pv_bf16_tile(PV_NR, NV, ac, d, pr, cr, vp, e0, np); break;                         \
+    }
+
+/* pv_rows on bf16 weights: p holds each row's weights as pairs (weights_to_pairs), vp the block's V
+ * pairs (pack_v_pairs). A row weighs the pairs up to its last key (past it its weights are 0). */
+static void pv_bf16_rows(float *acc, int64_t d, const float *p, const float *corr, const uint32_t *vp,
+                         int64_t r0, int64_t r1, const int64_t *nk_of) {
+    for (int64_t ra = r0; ra < r1; ra += PV_NR) {
+        const int64_t nr = r1 - ra < PV_NR ? r1 - ra : PV_NR;
+        int64_t nk = 0;
+        for (int64_t r = ra; r < ra + nr; r++) nk = nk_of[r] > nk ? nk_of[r] : nk;
+        const int64_t np = (nk + 1) / 2;
+        for (int64_t e0 = 0; e0 < d;) {
+            float *ac = acc + ra * d + e0;
+            const uint32_t *pr = (const uint32_t *)(p + ra * KB);
+            const float *cr = corr + ra;
+            if (d - e0 >= PV_NV * 16) {
+                PV_BF16_CASES(PV_NV);
+                e0 += PV_NV * 16;
+            } else {
+                PV_BF16_CASES(1);
+                e0 += 16;
+            }
+        }
+    }
+}
+#endif
+
 /* Per-thread buffers of an item: its queries, scores, accumulators, running max / sum. */
 typedef struct {
     float *qf;     /* [R_MAX][d] queries as float32 (the float32 path) */
@@ -466,6 +571,21 @@ static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t
         else
 #endif
             qk_f32(w->qf + ra * d, rb - ra, d, (const float *)jb->kpack + slot * KB * d, w->s + ra * KB);
+#if defined(__AVX512BF16__)
+        if (jb->bf16_weights) {
+            for (int64_t r = ra; r < rb; r++) {
+                const int64_t pos = pos_lo + r / g;
+                float *s = w->s + r * KB;
+                const float unit = cap_and_mask(s, j0, row_start(jb, pos), pos, jb->scale, jb->softcap);
+                w->corr[r] = bf16_softmax_block(s, KB, unit * 1.44269504088896341f, &w->m[r], &w->l[r]);
+                w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
+                weights_to_pairs(s);
+            }
+            pv_bf16_rows(w->acc, d, w->s, w->corr, (const uint32_t *)jb->vpairs + slot * (KB / 2) * d, ra, rb,
+                         w->nk);
+            continue;
+        }
+#endif
         for (int64_t r = ra; r < rb; r++) {
             const int64_t pos = pos_lo + r / g;
             w->corr[r] = softmax_block(w->s + r * KB, j0, row_start(jb, pos), pos, jb->scale, jb->softcap,
@@ -510,9 +630,10 @@ static void extend_head(Job *jb, char *threads, int nthreads) {
     }
 }
 
-/* One kv head's packed K (float32 or bf16 pairs: at most 4 bytes an element) and V row pointers. */
+/* One kv head's packed K (float32 or bf16 pairs: at most 4 bytes an element), V row pointers and
+ * V pairs (bf16 weights: 2 bytes an element). */
 static int64_t pack_bytes(int64_t max_len, int64_t d) {
-    return (max_len + KB - 1) / KB * KB * (d * sizeof(float) + sizeof(void *));
+    return (max_len + KB - 1) / KB * KB * (d * sizeof(float) + d * sizeof(uint16_t) + sizeof(void *));
 }
 
 static int extend_attention(int path, const void *q, int64_t q_stride, const void *k, const void *v,
@@ -534,6 +655,10 @@ static int extend_attention(int path, const void *q, int64_t q_stride, const voi
             .hq = hq, .hkv = hkv, .g = hq / hkv, .d = d, .scale = scale, .softcap = softcap,
             .window = window, .out = out, .out_stride = out_stride, .path = path,
             .kpack = scratch, .vrows = (const void **)((float *)scratch + blocks * KB * d),
+            .vpairs = (const void **)((float *)scratch + blocks * KB * d) + blocks * KB,
+            /* where paged_attention's row items weigh with bf16 weights too (cpu_kernels.c), so
+             * that a row gets the same weights in either kernel */
+            .bf16_weights = path == PATH_BF16_DP && (d == 64 || d == 128) && hq <= BF16_ROW_MAX_HQ,
         };
         for (int64_t h = 0; h < hkv; h++) {
             jb.h = h;

@@ -59,4 +59,61 @@ static inline float exp_approx(float x) {
 /* silu(x) = x * sigmoid(x), with exp_approx. */
 static inline float silu_f32(float x) { return x / (1.f + exp_approx(-x)); }
 
+/* Query heads a bf16 row item of paged_attention holds at most (AVX-512 BF16, d 64 or 128): the
+ * shapes whose rows weigh with bf16_softmax_block in both kernels. */
+#define BF16_ROW_MAX_HQ 32
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* Softmax weights rounded to bf16, for P.V on bf16 weights (vdpbf16ps), one block of n <= 64
+ * scores at a time (online): x = s * k in log2 units (k = log2 e, times the scale where s is not
+ * scaled yet). The running max m is kept a whole number N >= every x so far, so that a weight
+ * 2^(x - N) is the polynomial of x's fraction times an exact power of two: its bf16 rounding does
+ * not depend on which blocks came before, and the accumulators' factor 2^(N_old - N) is exact.
+ * The paged kernel's row items and the extend kernel both weigh with it: a row rounds the same
+ * weights in either, whatever the chunk, batch or window. s[0..n) -> the weights (float32 values
+ * of bf16 numbers), l += their sum; returns the accumulators' factor (0 on the first block). */
+static inline float bf16_softmax_block(float *s, int64_t n, float k, float *m, float *l) {
+    const __m512 vk = _mm512_set1_ps(k), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        mx = _mm512_max_ps(mx, _mm512_mul_ps(_mm512_mask_loadu_ps(ninf, live, s + j), vk));
+    }
+    const float block_max = _mm512_reduce_max_ps(mx);
+    const float top = block_max > *m ? ceilf(block_max) : *m;
+    if (top == -INFINITY) { /* no key seen yet: nothing weighs */
+        memset(s, 0, n * sizeof(float));
+        return 1.f;
+    }
+    const float corr = *m == -INFINITY ? 0.f : ldexpf(1.f, (int)(*m - top));
+    const __m512 vtop = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
+        /* 2^t, t <= 0: -inf (a masked key) and below 2^-150 give exactly 0 */
+        const __m512 t = _mm512_max_ps(_mm512_set1_ps(-150.f),
+                                       _mm512_sub_ps(_mm512_mul_ps(_mm512_mask_loadu_ps(ninf, live, s + j), vk), vtop));
+        const __m512 e = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_sub_ps(t, e);
+        __m512 p = _mm512_set1_ps(1.5403530e-4f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+        p = _mm512_scalef_ps(p, e);
+        p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p)), 16));
+        p = _mm512_maskz_mov_ps(live, p);
+        _mm512_mask_storeu_ps(s + j, live, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    *m = top;
+    *l = *l * corr + _mm512_reduce_add_ps(sum);
+    return corr;
+}
+#endif
+
 #endif
