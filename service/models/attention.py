@@ -38,14 +38,16 @@ from service.models.eager_attention import AlibiSlopes, allowed, eager_attention
 # Extend chunks up to this many tokens go through the paged kernel (its cost grows
 # with tokens x context; the extend kernel's or SDPA's blocked matmuls win for long chunks).
 KERNEL_MAX_EXTEND = 64
-# With the extend kernel's AVX2 tiles (no AVX-512: a Zen 3) the blocked kernel wins from far
-# fewer rows: 1.3-3.7x the paged kernel at 8-64 rows over 800-4,000 keys, float32, 1 or 2
-# threads; in bf16 with AVX-512 BF16 from 32 rows on two threads (1.1x), from 16 on one (1.3x);
-# float32 with AVX-512 keeps the paged kernel's items up to 64 rows (it is ahead there)
-# (docs/benchmarks.md, "Short chunks on AVX2").
-KERNEL_MAX_EXTEND_AVX2 = 7
-KERNEL_MAX_EXTEND_BF16 = 31
-KERNEL_MAX_EXTEND_BF16_ONE_THREAD = 15  # a one-CPU replica: 1.27-1.30x at 16 rows, even at 8
+# Where the extend kernel is built it wins from a few rows (one layer of SmolLM2's attention over
+# 822 and 4,000 keys, paged / extend time, Zen 4, docs/benchmarks.md "P.V on bf16 weights"): its
+# AVX2 tiles (no AVX-512: a Zen 3) from 2 rows (1.3-1.8x, float32 or bf16, 1 or 2 threads); bf16
+# with AVX-512 BF16 from 4 rows on two threads (1.1-1.3x; 0.9-1.1 at 3) and from 2 on one
+# (1.1-1.2x); float32 with AVX-512 from 4 rows (1.1-1.4x; 0.75-0.99 at 2). AVX-512F without BF16
+# in bf16 (widened inputs) keeps 64: the paged kernel stays ahead up to 16-32 rows on two threads.
+KERNEL_MAX_EXTEND_AVX2 = 1
+KERNEL_MAX_EXTEND_BF16 = 3
+KERNEL_MAX_EXTEND_BF16_ONE_THREAD = 1  # a one-CPU replica
+KERNEL_MAX_EXTEND_AVX512_F32 = 3
 # With AMX (a Sapphire Rapids Xeon) the extend kernel overtakes the paged kernel sooner, and ATen's
 # flash kernel, whose bf16 matmuls run on AMX tiles, overtakes the extend kernel from ~80 rows
 # (a 256-row chunk over 1,024 keys, one SmolLM2 layer: paged 9.7, extend 4.3, flash 2.4 ms at two
@@ -66,6 +68,8 @@ def kernel_max_extend(dtype: torch.dtype | None = None, team: int | None = None)
         if cpu_features().onednn_amx_bf16:
             return KERNEL_MAX_EXTEND_AMX_ONE_THREAD if one else KERNEL_MAX_EXTEND_AMX
         return KERNEL_MAX_EXTEND_BF16_ONE_THREAD if one else KERNEL_MAX_EXTEND_BF16
+    if isa >= 16 and dtype == torch.float32:
+        return KERNEL_MAX_EXTEND_AVX512_F32
     return KERNEL_MAX_EXTEND
 
 

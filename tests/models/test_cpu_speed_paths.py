@@ -24,6 +24,7 @@ from service.models.attention import (
     KERNEL_MAX_EXTEND_AMX,
     KERNEL_MAX_EXTEND_AMX_ONE_THREAD,
     KERNEL_MAX_EXTEND_AVX2,
+    KERNEL_MAX_EXTEND_AVX512_F32,
     KERNEL_MAX_EXTEND_BF16,
     KERNEL_MAX_EXTEND_BF16_ONE_THREAD,
     TorchAttention,
@@ -506,6 +507,8 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
             32: KERNEL_MAX_EXTEND_AMX_ONE_THREAD if amx else KERNEL_MAX_EXTEND_BF16_ONE_THREAD,
         }
         assert kernel_max_extend(torch.bfloat16, team=1) == one.get(isa, 64)
+        f32 = {8: KERNEL_MAX_EXTEND_AVX2, 16: KERNEL_MAX_EXTEND_AVX512_F32, 32: KERNEL_MAX_EXTEND_AVX512_F32}
+        assert kernel_max_extend(torch.float32, team=2) == f32[isa]
         long = [(1, 1, 120, 120)] + ([(3, 122, 20, 20)] if avx2 else [])
         assert meta.extend_kernel is not None and meta.extend_kernel.rows == long
         short = [0, 121] + ([] if avx2 else list(range(122, 142))) + [142]
