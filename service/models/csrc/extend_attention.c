@@ -64,9 +64,7 @@ typedef __m512 vf;
 #define vfma _mm512_fmadd_ps
 static inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 static inline float vhsum(vf x) { return _mm512_reduce_add_ps(x); }
-static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-#define EXP2_MIN -150.f /* 2^-150 rounds to 0: a weight below it is exactly 0 */
-static inline vf vtimes_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p * 2^n, n integral */
+static inline vf vexp2(vf t) { return exp2_nonpositive16(t); } /* kernel_math.h */
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -110,10 +108,8 @@ static inline vf vtimes_pow2(vf p, vf n) { /* p * 2^n, n integral in [-127, 0] *
 static inline vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
-#endif
-
-/* 2^t for t <= 0 (a softmax weight): exp_approx's split into 2^n * 2^f and its polynomial;
- * t below EXP2_MIN (a key the row must not see: -inf) gives exactly 0. */
+/* 2^t for t <= 0 (a softmax weight), exp2_nonpositive16's steps on 8 lanes (kernel_math.h); t below
+ * EXP2_MIN (a key the row must not see: -inf) gives exactly 0. */
 static inline vf vexp2(vf t) {
     t = vmax(vset1(EXP2_MIN), t);
     const vf n = vround(t), f = vsub(t, n);
@@ -126,6 +122,7 @@ static inline vf vexp2(vf t) {
     p = vfma(p, f, vset1(1.0f));
     return vtimes_pow2(p, n);
 }
+#endif
 
 /* The paths: float32 scores of float32 inputs, or of bf16 inputs widened (where vdpbf16ps is
  * missing), or bf16 scores by vdpbf16ps, whose lanes sum two exact products of bf16 pairs into

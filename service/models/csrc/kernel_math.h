@@ -59,13 +59,32 @@ static inline float exp_approx(float x) {
 /* silu(x) = x * sigmoid(x), with exp_approx. */
 static inline float silu_f32(float x) { return x / (1.f + exp_approx(-x)); }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 2^t for t <= 0, 16 lanes (a softmax weight): exp_approx's split into 2^n * 2^f, f in [-0.5,
+ * 0.5], and its polynomial (fused here); t below -150 (a key the row must not see: -inf) gives
+ * exactly 0, as 2^-150 rounds to 0. */
+static inline __m512 exp2_nonpositive16(__m512 t) {
+    t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
 /* Query heads a bf16 row item of paged_attention holds at most (AVX-512 BF16, d 64 or 128): the
  * shapes whose rows weigh with bf16_softmax_block in both kernels. */
 #define BF16_ROW_MAX_HQ 32
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
-
 /* Softmax weights rounded to bf16, for P.V on bf16 weights (vdpbf16ps), one block of n <= 64
  * scores at a time (online): x = s * k in log2 units (k = log2 e, times the scale where s is not
  * scaled yet). The running max m is kept a whole number N >= every x so far, so that a weight
@@ -92,19 +111,7 @@ static inline float bf16_softmax_block(float *s, int64_t n, float k, float *m, f
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1u);
-        /* 2^t, t <= 0: -inf (a masked key) and below 2^-150 give exactly 0 */
-        const __m512 t = _mm512_max_ps(_mm512_set1_ps(-150.f),
-                                       _mm512_sub_ps(_mm512_mul_ps(_mm512_mask_loadu_ps(ninf, live, s + j), vk), vtop));
-        const __m512 e = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(t, e);
-        __m512 p = _mm512_set1_ps(1.5403530e-4f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-        p = _mm512_scalef_ps(p, e);
+        __m512 p = exp2_nonpositive16(_mm512_sub_ps(_mm512_mul_ps(_mm512_mask_loadu_ps(ninf, live, s + j), vk), vtop));
         p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p)), 16));
         p = _mm512_maskz_mov_ps(live, p);
         _mm512_mask_storeu_ps(s + j, live, p);
