@@ -313,8 +313,15 @@ class KvEventPublisher:
                 asyncio.to_thread(self._snapshot, self._chains(), sequence, load, stop)
             )
             build = self._building = _SnapshotBuild(sequence, load, task, stop)
-            task.add_done_callback(lambda _: self._forget(build))
+            task.add_done_callback(lambda _: self._built(build))
         return build
+
+    def _built(self, build: _SnapshotBuild) -> None:
+        """`build` ended: later subscribers start their own; a failure no one waited for is logged."""
+        self._forget(build)
+        error = None if build.task.cancelled() else build.task.exception()
+        if error is not None and not build.waiters:
+            log.error("building a KV event snapshot failed", exc_info=error)
 
     def _forget(self, build: _SnapshotBuild) -> None:
         """`build` is done or abandoned: later subscribers start their own."""

@@ -59,15 +59,23 @@ FLASH_MIN_EXTEND_AMX = 80
 
 def kernel_max_extend(dtype: torch.dtype | None = None, team: int | None = None) -> int:
     """The most rows of one request's extend the paged kernel takes, on this CPU, in this dtype,
-    with this many threads in the engine's team (None: this thread's torch team)."""
-    isa = cpu_kernels.extend_isa()
+    with this many threads in the engine's team (None: this thread's torch team). Measured on one
+    and two threads; a wider team keeps two rows a thread at least for the extend kernel, which
+    splits a request's rows into items per kv head where the paged kernel spreads rows x kv heads."""
+    threads = team or torch.get_num_threads()
+    most = _kernel_max_extend(cpu_kernels.extend_isa(), dtype, threads == 1)
+    if most != KERNEL_MAX_EXTEND and threads > 2:
+        return max(most, 2 * threads - 1)
+    return most
+
+
+def _kernel_max_extend(isa: int, dtype: torch.dtype | None, one_thread: bool) -> int:
     if isa == 8:
         return KERNEL_MAX_EXTEND_AVX2
     if isa == 32 and dtype == torch.bfloat16:
-        one = (team or torch.get_num_threads()) == 1
         if cpu_features().onednn_amx_bf16:
-            return KERNEL_MAX_EXTEND_AMX_ONE_THREAD if one else KERNEL_MAX_EXTEND_AMX
-        return KERNEL_MAX_EXTEND_BF16_ONE_THREAD if one else KERNEL_MAX_EXTEND_BF16
+            return KERNEL_MAX_EXTEND_AMX_ONE_THREAD if one_thread else KERNEL_MAX_EXTEND_AMX
+        return KERNEL_MAX_EXTEND_BF16_ONE_THREAD if one_thread else KERNEL_MAX_EXTEND_BF16
     if isa >= 16 and dtype == torch.float32:
         return KERNEL_MAX_EXTEND_AVX512_F32
     return KERNEL_MAX_EXTEND

@@ -183,7 +183,7 @@ AVX512_DISPATCH(avx512_f32)
  * 1,000 tokens being 46 MB in SmolLM2); q.k runs on bf16 pairs (vdpbf16ps, float32 sums) and 16 tokens'
  * partial sums are reduced together (one transpose-add tree, not 16 horizontal sums).
  * The weights are rounded to bf16 (`bf16_softmax_block`, as the extend kernel's on AVX-512 BF16,
- * so a row gets the same weights from either kernel), P.V is float32. Taken when d is 64 or 128
+ * so a row nearly always gets the same weights from either), P.V is float32. Taken when d is 64 or 128
  * and the heads fit the item's buffers (ROW_MAX_HQ); else the (row, kv head) items below run. */
 #define ROW_BLOCK 64
 #define ROW_MAX_HQ BF16_ROW_MAX_HQ

@@ -20,7 +20,8 @@
  * the scores of the block for its rows are a small GEMM (bf16 pairs with vdpbf16ps on AVX-512
  * BF16, exact products summed in float32; float32 FMAs elsewhere, AVX-512F or AVX2), then an
  * online softmax per row and P.V, register-blocked over rows: float32, or on AVX-512 BF16 (head
- * sizes 64 and 128) on bf16 weights by vdpbf16ps, as flash attention does on GPUs.
+ * sizes 64 and 128, up to BF16_ROW_MAX_HQ query heads) on bf16 weights by vdpbf16ps, as flash
+ * attention does on GPUs.
  *
  * A row's arithmetic depends only on its query, its position and the keys (a block a row does
  * not reach is skipped for it, the keys it must not see weigh exactly 0): the same row gives the
@@ -127,7 +128,8 @@ static inline vf vexp2(vf t) {
 /* The paths: float32 scores of float32 inputs, or of bf16 inputs widened (where vdpbf16ps is
  * missing), or bf16 scores by vdpbf16ps, whose lanes sum two exact products of bf16 pairs into
  * float32. Weights and P.V are float32 in the first two, and in the third where paged_attention's
- * row items do not run (head sizes other than 64 and 128). Where they run, both kernels round the
+ * row items do not run (head sizes other than 64 and 128, more than BF16_ROW_MAX_HQ query heads).
+ * Where they run, both kernels round the
  * weights to bf16 alike (`bf16_softmax_block`, kernel_math.h) and this one's P.V takes vdpbf16ps:
  * half the instructions of float32 FMAs, most of the kernel's time before (a 22-row turn over
  * 1,022 keys, one layer of SmolLM2 on a Zen 4: 476 -> 381 us). Either way a row computed by one
@@ -229,7 +231,8 @@ static void pack_v_pairs(const Job *jb, uint32_t *out, int64_t j0, int64_t n) {
 
 /* Pack block b of the head: K as the path's score tile reads it, float32 [d][KB] (a key per lane)
  * or bf16 pairs [d/2][KB] (bits copied), keys past kv_len zeros; V stays in the pool, the block
- * keeps a pointer to each key's row (P.V widens bf16 rows as it reads them). Keys go eight at a
+ * keeps a pointer to each key's row (P.V widens bf16 rows as it reads them), and with bf16
+ * weights V is packed as pairs of keys too (pack_v_pairs). Keys go eight at a
  * time through a transpose, with the next eight's K and V rows prefetched (P.V then finds its V
  * rows in cache). */
 static void pack_block(const Job *jb, int64_t b) {
@@ -466,7 +469,9 @@ static inline __attribute__((always_inline)) void pv_bf16_tile(const int nr, con
         __m512bh vv[PV_NV];
         for (int x = 0; x < nv; x++) vv[x] = (__m512bh)_mm512_loadu_si512(vp + t * d + e0 + x * 16);
         for (int r = 0; r < nr; r++) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p[r * KB + t]);
+            int32_t pair;
+            memcpy(&pair, p + r * KB + t, 4);
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
             for (int x = 0; x < nv; x++) a[r][x] = _mm512_dpbf16_ps(a[r][x], pb, vv[x]);
         }
     }
@@ -574,7 +579,10 @@ static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t
                 const int64_t pos = pos_lo + r / g;
                 float *s = w->s + r * KB;
                 const float unit = cap_and_mask(s, j0, row_start(jb, pos), pos, jb->scale, jb->softcap);
-                w->corr[r] = bf16_softmax_block(s, KB, unit * 1.44269504088896341f, &w->m[r], &w->l[r]);
+                if (unit != 1.f) /* the scores scaled first, as the paged kernel's are: the same x */
+                    for (int x = 0; x < KB / 16; x++)
+                        _mm512_storeu_ps(s + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * x), _mm512_set1_ps(unit)));
+                w->corr[r] = bf16_softmax_block(s, KB, 1.44269504088896341f, &w->m[r], &w->l[r]);
                 w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
                 weights_to_pairs(s);
             }
@@ -627,10 +635,10 @@ static void extend_head(Job *jb, char *threads, int nthreads) {
     }
 }
 
-/* One kv head's packed K (float32 or bf16 pairs: at most 4 bytes an element), V row pointers and
- * V pairs (bf16 weights: 2 bytes an element). */
+/* One kv head's packed K (float32, or bf16 pairs and then the V pairs: 4 bytes an element) and V
+ * row pointers. */
 static int64_t pack_bytes(int64_t max_len, int64_t d) {
-    return (max_len + KB - 1) / KB * KB * (d * sizeof(float) + d * sizeof(uint16_t) + sizeof(void *));
+    return (max_len + KB - 1) / KB * KB * (d * sizeof(float) + sizeof(void *));
 }
 
 static int extend_attention(int path, const void *q, int64_t q_stride, const void *k, const void *v,
@@ -652,9 +660,10 @@ static int extend_attention(int path, const void *q, int64_t q_stride, const voi
             .hq = hq, .hkv = hkv, .g = hq / hkv, .d = d, .scale = scale, .softcap = softcap,
             .window = window, .out = out, .out_stride = out_stride, .path = path,
             .kpack = scratch, .vrows = (const void **)((float *)scratch + blocks * KB * d),
-            .vpairs = (const void **)((float *)scratch + blocks * KB * d) + blocks * KB,
+            /* K as bf16 pairs fills half of each key's 4 d bytes of kpack: the V pairs take the rest */
+            .vpairs = (uint32_t *)scratch + blocks * KB * (d / 2),
             /* where paged_attention's row items weigh with bf16 weights too (cpu_kernels.c), so
-             * that a row gets the same weights in either kernel */
+             * that a row gets (nearly always) the same weights in either kernel */
             .bf16_weights = path == PATH_BF16_DP && (d == 64 || d == 128) && hq <= BF16_ROW_MAX_HQ,
         };
         for (int64_t h = 0; h < hkv; h++) {
@@ -681,7 +690,7 @@ int extend_attention_isa(void) {
 }
 
 /* Scratch bytes for requests of up to max_len kv positions on nthreads threads: one kv head's
- * packed K and V row pointers, and each thread's item buffers. */
+ * packed K (and V pairs) and V row pointers, and each thread's item buffers. */
 int64_t extend_attention_scratch_bytes(int64_t max_len, int64_t d, int nthreads) {
 #if EXTEND_BUILT
     return pack_bytes(max_len, d) + nthreads * item_bytes(d);

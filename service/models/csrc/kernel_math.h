@@ -86,13 +86,16 @@ static inline __m512 exp2_nonpositive16(__m512 t) {
 
 #if defined(__AVX512BF16__)
 /* Softmax weights rounded to bf16, for P.V on bf16 weights (vdpbf16ps), one block of n <= 64
- * scores at a time (online): x = s * k in log2 units (k = log2 e, times the scale where s is not
- * scaled yet). The running max m is kept a whole number N >= every x so far, so that a weight
- * 2^(x - N) is the polynomial of x's fraction times an exact power of two: its bf16 rounding does
- * not depend on which blocks came before, and the accumulators' factor 2^(N_old - N) is exact.
- * The paged kernel's row items and the extend kernel both weigh with it: a row rounds the same
- * weights in either, whatever the chunk, batch or window. s[0..n) -> the weights (float32 values
- * of bf16 numbers), l += their sum; returns the accumulators' factor (0 on the first block). */
+ * scaled scores at a time (online): x = s * k in log2 units (k = log2 e). The running max m is
+ * kept a whole number N >= every x so far, so that a weight 2^(x - N) is the polynomial of x's
+ * fraction times an exact power of two: its bf16 rounding does not follow the blocks before it
+ * (where N is far above x, x - N rounds, and the weight is tiny), and the accumulators' factor
+ * 2^(N_old - N) is exact. The paged kernel's row items and the extend kernel both weigh with it,
+ * so a row rounds the same weights in either whatever the chunk, batch or window, but where the
+ * kernels' float32 dot products (summed in other orders) fall on either side of a rounding: rarely
+ * (tests/models/test_cpu_speed_paths.py). Weights below 2^-126 are 0 (vcvtneps2bf16 flushes them).
+ * s[0..n) -> the weights (float32 values of bf16 numbers), l += their sum; returns the
+ * accumulators' factor (0 on the first block). */
 static inline float bf16_softmax_block(float *s, int64_t n, float k, float *m, float *l) {
     const __m512 vk = _mm512_set1_ps(k), ninf = _mm512_set1_ps(-INFINITY);
     __m512 mx = ninf;
@@ -106,7 +109,8 @@ static inline float bf16_softmax_block(float *s, int64_t n, float k, float *m, f
         memset(s, 0, n * sizeof(float));
         return 1.f;
     }
-    const float corr = *m == -INFINITY ? 0.f : ldexpf(1.f, (int)(*m - top));
+    const float drop = *m - top; /* whole, <= 0; -inf on the first block; NaN if a score was +inf */
+    const float corr = drop >= -160.f ? ldexpf(1.f, (int)drop) : 0.f;
     const __m512 vtop = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
