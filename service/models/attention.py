@@ -163,14 +163,20 @@ class TorchAttention:
         sliding_window: int | None,
         softcap: float | None = None,
         alibi: tuple[float, ...] | None = None,
+        head_dim: int | None = None,
     ) -> AttentionMeta:
+        """head_dim: where the extend kernel has no variant for it, short extends stay with the
+        paged kernel up to KERNEL_MAX_EXTEND rows (kernel_max_extend is measured against the extend kernel)."""
         group = num_q_heads // num_kv_heads
         if alibi is not None:  # no kernel adds the bias: every row through eager_attention
             slopes = self.alibi_slopes(alibi, fb.kv_indices.device)
             return AttentionMeta(fb, group, sliding_window, False, softcap=softcap, alibi=slopes)
         decode = fb.mode is ForwardMode.DECODE
         on_cpu = fb.kv_indices.device.type == "cpu"
-        short_max = self.kernel_max_extend if on_cpu else KERNEL_MAX_EXTEND
+        extend_kernel = (
+            head_dim is None or self.dtype is None or cpu_kernels.has_extend_kernel(self.dtype, head_dim)
+        )
+        short_max = self.kernel_max_extend if on_cpu and extend_kernel else KERNEL_MAX_EXTEND
         short = decode or max(fb.extend_lens or [0]) <= short_max
         use_kernel = (
             self.use_kernel

@@ -595,7 +595,7 @@ class CausalLM(nn.Module):
         if s.embed_norm:
             h = add_rms_norm(h, None, self.norm, s.norm_eps)[1]
         metas = {
-            la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap, la.alibi)
+            la: attn.prepare(fb, s.num_q_heads, s.num_kv_heads, la.window, la.softcap, la.alibi, s.head_dim)
             for la in dict.fromkeys(s.layer_attention)
         }
         positions, pos3 = fb.positions, self._mrope_positions(fb)

@@ -536,6 +536,7 @@ class TritonAttention:
         sliding_window: int | None = None,
         softcap: float | None = None,
         alibi: tuple[float, ...] | None = None,
+        head_dim: int | None = None,  # (the CPU backend's split depends on it; the kernels here take any)
     ) -> TritonMeta:
         splits = self._splits(fb, num_kv_heads) if fb.mode is ForwardMode.DECODE else 1
         slopes = None if alibi is None else self.alibi_slopes(alibi, fb.kv_indices.device)

@@ -526,6 +526,23 @@ def test_extend_attention_costs_what_its_tokens_cost(use_kernel):
         row += n
 
 
+@needs_extend_kernel
+def test_a_head_size_the_extend_kernel_lacks_keeps_short_extends_on_the_paged_kernel():
+    """The split at a few rows is measured against the extend kernel: where it has no variant for
+    the head size (not a multiple of 16), extends of up to KERNEL_MAX_EXTEND rows stay with the
+    paged kernel instead of falling to one SDPA per request."""
+    lens, news = [300, 200], [20, 1]
+    table = torch.arange(1, 1 + 2 * 300, dtype=torch.int64).view(2, 300)
+    fb = _extend_batch(table, lens, news)
+    fb.logits_index = torch.tensor([19, 20])  # one row a request: the batch's size
+    backend = TorchAttention(use_kernel=True, team=2, dtype=torch.float32)
+    lacking = backend.prepare(fb, 4, 2, None, head_dim=72)
+    assert lacking.use_kernel and lacking.kernel is not None and lacking.extend_kernel is None
+    built = backend.prepare(fb, 4, 2, None, head_dim=64)
+    assert not built.use_kernel and built.extend_kernel is not None
+    assert [r for r, *_ in built.extend_kernel.rows] == [0]
+
+
 @needs_kernels
 @pytest.mark.parametrize("team", [2, 1])
 def test_bf16_extends_split_between_paged_extend_and_flash_paths_by_length(team):
