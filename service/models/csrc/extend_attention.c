@@ -455,6 +455,20 @@ static inline void weights_to_pairs(float *s) {
     }
 }
 
+/* softmax_block for P.V on bf16 weights: the block's scores capped, masked and scaled (before
+ * log2 e, as the paged kernel's are: the same x), weighed by bf16_softmax_block (kernel_math.h), and
+ * left as pairs of keys at the row's start. */
+static inline float pair_weights_block(float *s, int64_t j0, int64_t lo, int64_t hi, float scale, float softcap,
+                                       float *m, float *l) {
+    const float unit = cap_and_mask(s, j0, lo, hi, scale, softcap);
+    if (unit != 1.f)
+        for (int x = 0; x < KB / 16; x++)
+            _mm512_storeu_ps(s + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * x), _mm512_set1_ps(unit)));
+    const float corr = bf16_softmax_block(s, KB, 1.44269504088896341f, m, l);
+    weights_to_pairs(s);
+    return corr;
+}
+
 /* acc[nr rows][nv vectors] = acc * corr + P . V over key pairs 0 .. np-1 of the block: bf16 weights
  * times bf16 values by vdpbf16ps (each lane adds two exact products), summed in float32. */
 static inline __attribute__((always_inline)) void pv_bf16_tile(const int nr, const int nv, float *acc, int64_t d,
@@ -573,32 +587,25 @@ static void extend_item(const Job *jb, const ItemBuffers *w, int64_t t0, int64_t
         else
 #endif
             qk_f32(w->qf + ra * d, rb - ra, d, (const float *)jb->kpack + slot * KB * d, w->s + ra * KB);
-#if defined(__AVX512BF16__)
-        if (jb->bf16_weights) {
-            for (int64_t r = ra; r < rb; r++) {
-                const int64_t pos = pos_lo + r / g;
-                float *s = w->s + r * KB;
-                const float unit = cap_and_mask(s, j0, row_start(jb, pos), pos, jb->scale, jb->softcap);
-                if (unit != 1.f) /* the scores scaled first, as the paged kernel's are: the same x */
-                    for (int x = 0; x < KB / 16; x++)
-                        _mm512_storeu_ps(s + 16 * x, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * x), _mm512_set1_ps(unit)));
-                w->corr[r] = bf16_softmax_block(s, KB, 1.44269504088896341f, &w->m[r], &w->l[r]);
-                w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
-                weights_to_pairs(s);
-            }
-            pv_bf16_rows(w->acc, d, w->s, w->corr, (const uint32_t *)jb->vpairs + slot * (KB / 2) * d, ra, rb,
-                         w->nk);
-            continue;
-        }
-#endif
         for (int64_t r = ra; r < rb; r++) {
             const int64_t pos = pos_lo + r / g;
-            w->corr[r] = softmax_block(w->s + r * KB, j0, row_start(jb, pos), pos, jb->scale, jb->softcap,
-                                       &w->m[r], &w->l[r]);
+#if defined(__AVX512BF16__)
+            if (jb->bf16_weights)
+                w->corr[r] = pair_weights_block(w->s + r * KB, j0, row_start(jb, pos), pos, jb->scale,
+                                                jb->softcap, &w->m[r], &w->l[r]);
+            else
+#endif
+                w->corr[r] = softmax_block(w->s + r * KB, j0, row_start(jb, pos), pos, jb->scale, jb->softcap,
+                                           &w->m[r], &w->l[r]);
             w->nk[r] = pos - j0 + 1 < KB ? pos - j0 + 1 : KB;
         }
-        pv_rows(w->acc, d, w->s, w->corr, jb->vrows + slot * KB, jb->path != PATH_F32, ra, rb,
-                w->nk);
+#if defined(__AVX512BF16__)
+        if (jb->bf16_weights)
+            pv_bf16_rows(w->acc, d, w->s, w->corr, (const uint32_t *)jb->vpairs + slot * (KB / 2) * d, ra, rb,
+                         w->nk);
+        else
+#endif
+            pv_rows(w->acc, d, w->s, w->corr, jb->vrows + slot * KB, jb->path != PATH_F32, ra, rb, w->nk);
     }
     for (int64_t t = 0; t < nt; t++)
         for (int64_t a = 0; a < g; a++) {
